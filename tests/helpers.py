@@ -1,0 +1,51 @@
+"""Builders for tiny checkpoints and adapters, shared by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_tiny_model(root: Path, model_type: str = "llama", name: str = "tiny-llama", seed: int = 0, **overrides):
+    """Save a random HF checkpoint of a tiny config; return (dir, hf_model)."""
+    import transformers
+
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[model_type]
+    torch.manual_seed(seed)
+    cfg = cls[0](**{**TINY, **overrides})
+    model = cls[1](cfg).eval()
+    with torch.no_grad():                    # non-trivial norms and biases
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif n.endswith(".bias"):
+                p.normal_(0, 0.02)
+    path = root / name
+    model.save_pretrained(path)
+    return path, model
+
+
+def make_peft_adapter(base_model, path: Path, rank: int, seed: int, targets=ALL_TARGETS, alpha: int | None = None,
+                      use_rslora: bool = False, **kw):
+    """Save a PEFT LoRA adapter with random (non-zero) A and B; return the path."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                          init_lora_weights=False, use_rslora=use_rslora, **kw)
+    pm = peft.get_peft_model(copy.deepcopy(base_model), cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    pm.save_pretrained(path)
+    return path

@@ -1,0 +1,101 @@
+"""Configuration: one frozen dataclass per subsystem.
+
+Each field's docstring (the string literal below it) doubles as CLI help; each
+class validates itself at construction, so a bad value fails where it is set.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None
+    """Local HF model directory (config.json + safetensors) or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."""
+    dtype: str = "auto"
+    """Weight/activation dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output) accepted. Default: the model's max_position_embeddings, capped at 8192."""
+    seed: int = 0
+    """Seed for random weights created in tests and demos; requests carry their own sampling seed."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block (page)."""
+    num_blocks: int | None = None
+    """KV blocks to allocate. Default: sized from kv_cache_memory_gb."""
+    kv_cache_memory_gb: float = 1.0
+    """Memory for the KV cache when num_blocks is not given (GiB)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_lora_rank: int = 128
+    """Largest adapter rank accepted; adapters above it are refused."""
+    check_base_model: bool = True
+    """Refuse adapters whose adapter_config.json names a different base model."""
+
+    def __post_init__(self) -> None:
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most sequences in one iteration's batch."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens (prefill + decode) in one iteration; longer prompts are prefilled in chunks."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens must be >= max_num_seqs "
+                              f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """Map each dataclass field of ``cls`` to the docstring written under it."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            out[node.target.id] = str(nxt.value.value)
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in out.items() if k in names}

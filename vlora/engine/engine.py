@@ -1,0 +1,183 @@
+"""The engine: add requests, step the batch, abort. ``step`` is the whole loop.
+
+    out = scheduler.schedule()      # which sequences, how many tokens each
+    tokens = runner.run(out)        # forward + sample
+    return self._finish(out, tokens)  # append, stop checks, free, stream
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+
+from vlora.config import EngineConfig
+from vlora.engine.detokenizer import Detokenizer
+from vlora.engine.runner import ModelRunner
+from vlora.engine.scheduler import Scheduler, SchedulerOutput
+from vlora.engine.sequence import RequestOutput, Sequence
+from vlora.lora.adapter import ModelShape
+from vlora.lora.registry import AdapterRegistry
+from vlora.memory.kv_cache import BlockAllocator, blocks_for_memory, kv_cache_tensor
+from vlora.models.loader import build_decoder, resolve_model_dir
+from vlora.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request was refused before it entered the engine; nothing else changed."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        model_dir = resolve_model_dir(config.model.model)
+        self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device, config.model.max_model_len)
+        self.tokenizer = _load_tokenizer(model_dir)
+        cfg = self.model.cfg
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        cc = config.cache
+        num_blocks = cc.num_blocks or blocks_for_memory(cc.kv_cache_memory_gb, cfg.num_layers, cc.block_size,
+                                                        cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.block_size = cc.block_size
+        self.allocator = BlockAllocator(num_blocks)
+        kv = kv_cache_tensor(cfg.num_layers, num_blocks, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             self.dtype, self.device)
+        ins, outs = cfg.lora_in_out()
+        self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
+                                        self.dtype, self.device, config.lora.check_base_model)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
+        self.runner = ModelRunner(self.model, kv, cc.block_size, self.device)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self._seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._pending: list[RequestOutput] = []       # outputs of aborts, flushed by the next step
+        self._rng = torch.Generator(self.device).manual_seed(config.model.seed)
+
+    @property
+    def model_name(self) -> str:
+        return self.model.cfg.name
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], adapter: str | None = None,
+                    params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        packed = None
+        if adapter is not None and adapter != self.model_name:
+            try:
+                packed = self.adapters.get(adapter)
+            except KeyError as e:
+                raise RequestError(str(e.args[0])) from None
+        ids = self._tokenize(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        gen = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, packed, next(self._arrivals),
+                       prompt=prompt if isinstance(prompt, str) else None, generator=gen)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: give the prompt as token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        vocab = self.model.cfg.vocab_size
+        if not ids:
+            raise RequestError("prompt is empty")
+        if any(t < 0 or t >= vocab for t in ids):
+            raise RequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
+                               f"{self.max_model_len - 1}")
+        if -(-(len(ids) + 1) // self.block_size) > self.allocator.num_blocks:
+            raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV cache "
+                               f"({self.allocator.num_blocks} blocks of {self.block_size})")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its memory; False if it is unknown or already finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._pending.append(self._output(seq, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        tokens = self.runner.run(out.scheduled) if not out.is_empty else {}
+        return self._finish(out, tokens)
+
+    def _finish(self, out: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+        results, self._pending = self._pending, []
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            token = tokens.get(seq.request_id)
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self._seqs[seq.request_id]
+            results.append(self._output(seq, [token]))
+        return results
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.detokenizer.update(seq)
+            return "stop"
+        if self.detokenizer.update(seq):
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
+                             seq.text, seq.is_finished, seq.finish_reason, new_tokens,
+                             self.detokenizer.stream_delta(seq))
+
+
+def _load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    has_tok = any(os.path.exists(os.path.join(model_dir, f))
+                  for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return AutoTokenizer.from_pretrained(model_dir) if has_tok else None
+

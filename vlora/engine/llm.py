@@ -1,0 +1,115 @@
+"""Offline API: ``LLM(...).generate(prompts, adapters=..., sampling=...)``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from vlora.engine.engine import Engine, RequestError
+from vlora.engine.sequence import RequestOutput
+from vlora.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class AdapterRequest:
+    """An adapter to register: a name requests use, and a PEFT directory."""
+
+    name: str
+    path: str | os.PathLike
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, adapters: Sequence[AdapterRequest] | dict | None = None,
+                 dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_lora_rank: int = 128,
+                 check_base_model: bool = True, seed: int = 0, config: EngineConfig | None = None):
+        self.engine = Engine(config or EngineConfig(
+            model=ModelConfig(model, dtype, device, max_model_len, seed),
+            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb),
+            lora=LoRAConfig(max_lora_rank, check_base_model),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens)))
+        items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
+        for name, path in items:
+            self.register_adapter(name, path)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def register_adapter(self, name: str, path: str | os.PathLike) -> None:
+        """Validate and register a PEFT adapter; a refused one leaves the others untouched."""
+        self.engine.adapters.register(name, path)
+
+    def unregister_adapter(self, name: str) -> None:
+        if any(s.adapter_name == name for s in self.engine._seqs.values()):
+            raise RequestError(f"adapter {name!r} is in use by running requests")
+        self.engine.adapters.unregister(name)
+
+    def list_adapters(self) -> list[str]:
+        return self.engine.adapters.names()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], adapters: str | None | Sequence[str | None] = None,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        adapters_ = _broadcast(adapters, len(prompts), "adapters")
+        sampling_ = _broadcast(sampling, len(prompts), "sampling")
+        ids = []
+        try:
+            for p, a, s in zip(prompts, adapters_, sampling_):
+                ids.append(self.engine.add_request(p, a, s))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def chat(self, conversations, adapters=None, sampling=None) -> list[RequestOutput]:
+        """Like generate, for chat messages ([{"role", "content"}, ...] or a list of them)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([self.apply_chat_template(c) for c in conversations], adapters, sampling)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stream(self, prompt: Prompt, adapter: str | None = None,
+               sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as tokens arrive; closing the iterator aborts it."""
+        rid = self.engine.add_request(prompt, adapter, sampling)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort(rid)
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
+
+
+def _broadcast(value, n: int, what: str) -> list:
+    if value is None or isinstance(value, (str, SamplingParams)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise RequestError(f"{what} has {len(value)} entries for {n} prompts")
+    return value

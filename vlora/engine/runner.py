@@ -1,0 +1,101 @@
+"""Model runner: scheduled sequences -> batch tensors -> forward -> sampled tokens.
+
+All metadata (positions, KV slots, block tables, attention masks, LoRA segments)
+is built once per iteration on the host, moved to the device in one go, and
+shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlora.engine.sampler import sample
+from vlora.engine.scheduler import ScheduledSeq
+from vlora.lora.batch import LoRABatch
+from vlora.models.decoder import DecoderLM
+from vlora.models.forward_batch import ForwardBatch, PrefillChunk
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+        self.window = model.cfg.sliding_window
+
+    @staticmethod
+    def order(scheduled: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
+        """Decodes first, then prefill chunks; inside each, grouped by adapter (long LoRA segments)."""
+        return sorted(scheduled, key=lambda s: (s.num_tokens > 1, -1 if s.seq.adapter is None else s.seq.adapter.slot))
+
+    def prepare(self, ordered: list[ScheduledSeq]) -> ForwardBatch:
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        runs = []
+        logits_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for s in ordered:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            row = len(ids)
+            ids.extend(seq.tokens(start, start + n))
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in pos)
+            runs.append((row, row + n, seq.adapter))
+            ctx = start + n
+            nblocks = -(-ctx // bs)
+            if n == 1:
+                decode_tables.append(seq.blocks[:nblocks])
+                decode_lens.append(ctx)
+            else:
+                prefills.append(PrefillChunk(row, n, ctx, torch.tensor(seq.blocks[:nblocks], device=dev),
+                                             self._prefill_mask(start, n)))
+            if s.samples:
+                logits_rows.append(row + n - 1)
+        nd = len(decode_tables)
+        table = mask = None
+        if nd:
+            nb = max(len(t) for t in decode_tables)
+            table = torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables], device=dev)
+            key = torch.arange(nb * bs, device=dev)
+            lens = torch.tensor(decode_lens, device=dev).unsqueeze(1)
+            allowed = key < lens
+            if self.window is not None:
+                allowed &= key > lens - 1 - self.window
+            mask = allowed.view(nd, 1, 1, nb * bs)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decodes=nd, decode_block_tables=table, decode_mask=mask, prefills=tuple(prefills),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            lora=LoRABatch.build(runs, dev),
+        )
+
+    def _prefill_mask(self, start: int, n: int) -> torch.Tensor | None:
+        if start == 0 and (self.window is None or n <= self.window):
+            return None                                    # plain causal
+        q = torch.arange(start, start + n, device=self.device).unsqueeze(1)
+        k = torch.arange(start + n, device=self.device).unsqueeze(0)
+        allowed = k <= q
+        if self.window is not None:
+            allowed &= k > q - self.window
+        return allowed
+
+    @torch.inference_mode()
+    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int]:
+        """One forward over the scheduled chunks; returns request_id -> sampled token."""
+        ordered = self.order(scheduled)
+        fb = self.prepare(ordered)
+        hidden = self.model(fb, self.kv_cache)
+        samplers = [s.seq for s in ordered if s.samples]
+        if not samplers:
+            return {}
+        logits = self.model.compute_logits(hidden[fb.logits_rows])
+        tokens = sample(logits, samplers)
+        return {seq.request_id: t for seq, t in zip(samplers, tokens)}

@@ -1,0 +1,122 @@
+"""Continuous batching: which sequences run this iteration, and how many tokens each.
+
+Every iteration: running sequences first (oldest first, one decode token each, or
+their next prefill chunk), then waiting sequences in arrival order while the
+token budget, the sequence cap and free KV blocks allow. When a running sequence
+needs a block and none is free, the newest running sequence is preempted: its
+blocks are freed and it waits to be recomputed (prompt + tokens so far), so no
+answer is lost or changed.
+
+The orchestrator of V-LoRA (Alg. 1: inference modes, credits, admission control)
+extends this class; this part is the memory-safe batching underneath it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from vlora.config import SchedulerConfig
+from vlora.engine.sequence import Sequence, Status
+from vlora.memory.kv_cache import BlockAllocator
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int                  # first token index computed this iteration (= num_computed)
+    num_tokens: int             # tokens computed this iteration
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's end, so a next token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int):
+        self.config = config
+        self.allocator = allocator
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []       # sorted by arrival
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        total = -(-(seq.num_computed + num_tokens) // self.block_size)
+        return max(0, total - len(seq.blocks))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self._blocks_needed(seq, num_tokens)
+        if need > self.allocator.num_free:
+            return False
+        seq.blocks.extend(self.allocator.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)            # it keeps its place: oldest waiting first
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._grow(seq, n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+                budget -= n
+        # admit waiting sequences only when nothing was preempted (they would thrash)
+        while (not preempted and self.waiting and budget > 0
+               and len(scheduled) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
+            budget -= n
+        self.running.sort(key=lambda s: s.arrival)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and free its KV blocks (running or waiting)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,77 @@
+"""Request state machine: WAITING -> RUNNING -> FINISHED (preemption: RUNNING -> WAITING).
+
+A sequence's tokens are ``prompt + output``; ``num_computed`` of them have KV in
+the cache. Whatever the phase (prefill, chunked prefill, decode, recompute after
+preemption) an iteration computes ``tokens[num_computed : num_computed + n]`` and
+samples the next token when that reaches the end.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from vlora.lora.batch import PackedAdapter
+from vlora.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: PackedAdapter | None            # None = base model
+    arrival: int                             # admission order; the newest is preempted first
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    text: str = ""                           # detokenized output (stop string excluded)
+    num_emitted_tokens: int = 0              # streamed so far
+    num_emitted_chars: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.adapter is None else self.adapter.name
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a request has produced so far; ``delta_*`` is what is new since the last one."""
+
+    request_id: str
+    adapter: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    delta_token_ids: list[int]
+    delta_text: str

@@ -1,0 +1,71 @@
+"""Torch references for every kernel. They are the test oracle and the CPU path.
+
+Each function states its semantics in one line and the shape of each argument.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vlora.lora.batch import LoRABatch
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, group: str) -> None:
+    """Batched LoRA delta, in place, for one layer and one packed projection group.
+
+    Semantics: for each segment (rows [s, e), adapter i) and each slice j of the group:
+        y[s:e, cols_j] += scaling_i * (x[s:e] @ A_ij) @ B_ij
+    Shape: x [T, in], y [T, out_packed]; A_ij [in, r_i]; B_ij [r_i, out_j].
+    Tokens are grouped by adapter; each adapter runs at its own rank (no padding).
+    """
+    for seg in lora.segments:
+        gw = seg.adapter.layers[layer].get(group)
+        if gw is None:
+            continue
+        r = seg.adapter.rank
+        v = x[seg.start:seg.end] @ gw.a                       # shrink: [n, r * slices]
+        rows = y[seg.start:seg.end]
+        for sl in gw.slices:                                  # expand, scaling fused via alpha
+            out = rows[:, sl.col_start:sl.col_start + sl.b.shape[1]]
+            out.addmm_(v[:, sl.rank_start:sl.rank_start + r], sl.b, alpha=seg.adapter.scaling)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence attends to its cached context through its block table.
+
+    Semantics: out[b] = softmax(q[b] · K_b^T * scale, masked) · V_b, K_b = the blocks block_tables[b].
+    Shape: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
+    block_tables [B, nb] long; mask [B, 1, 1, nb * block_size] bool (True = attend).
+    Returns [B, H, D].
+    """
+    bsz, nb = block_tables.shape
+    _, block_size, hkv, d = k_cache.shape
+    k = k_cache[block_tables].view(bsz, nb * block_size, hkv, d).transpose(1, 2)
+    v = v_cache[block_tables].view(bsz, nb * block_size, hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != hkv)
+    return out.squeeze(2)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """New tokens of one sequence attend causally to its cached prefix and themselves.
+
+    Semantics: out = softmax(q · k^T * scale + causal/offset mask) · v.
+    Shape: q [n, H, D]; k, v [L, Hkv, D] with L >= n (the last n rows are the new tokens);
+    mask [n, L] bool (True = attend) or None for plain causal (L == n). Returns [n, H, D].
+    """
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.transpose(0, 1)
+
+
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Semantics: the first ``length`` tokens stored in the blocks of ``block_table``.
+
+    Shape: cache [num_blocks, block_size, Hkv, D]; block_table [nb] long. Returns [length, Hkv, D].
+    """
+    return cache[block_table].flatten(0, 1)[:length]

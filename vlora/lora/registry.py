@@ -1,0 +1,87 @@
+"""Adapter registry: names -> validated, packed adapters with dense slots.
+
+Registration validates the whole adapter before anything changes, so a refused
+adapter leaves every registered one untouched. The unified memory pool later
+takes over where the packed weights live; names and slots stay here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
+from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
+
+_NAME_MAX = 128
+
+
+def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: torch.device) -> PackedAdapter:
+    """Lay an adapter out per layer and packed group (qkv, o, gate_up, down)."""
+    layers = []
+    for per_module in adapter.weights:
+        groups: dict[str, GroupWeights] = {}
+        for group, modules in GROUPS.items():
+            a_parts, slices, col = [], [], 0
+            for module in modules:
+                if module in per_module:
+                    a, b = per_module[module]
+                    slices.append(SliceB(col, len(a_parts) * adapter.rank, b.to(device).contiguous()))
+                    a_parts.append(a)
+                col += out_features[module]
+            if a_parts:
+                groups[group] = GroupWeights(torch.cat(a_parts, dim=1).to(device).contiguous(), tuple(slices))
+        layers.append(groups)
+    return PackedAdapter(slot, adapter.name, adapter.rank, adapter.scaling, tuple(layers))
+
+
+class AdapterRegistry:
+    def __init__(self, shape: ModelShape, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 check_base_model: bool = True):
+        self.shape = shape
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.check_base_model = check_base_model
+        self._by_name: dict[str, PackedAdapter] = {}
+        self._paths: dict[str, str] = {}
+
+    def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
+        if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():
+            raise AdapterError(f"adapter name must be a non-empty string of at most {_NAME_MAX} "
+                               f"characters without surrounding spaces, got {name!r}")
+        if name in self._by_name:
+            raise AdapterError(f"an adapter named {name!r} is already registered (from {self._paths[name]})")
+        if name == self.shape.name:
+            raise AdapterError(f"adapter name {name!r} is the base model's name")
+        loaded = load_adapter(path, name, self.shape, max_rank=self.max_rank, dtype=self.dtype,
+                              check_base_model=self.check_base_model)
+        used = {a.slot for a in self._by_name.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        packed = pack(loaded, slot, self.shape.out_features, self.device)
+        self._by_name[name] = packed
+        self._paths[name] = str(path)
+        return packed
+
+    def unregister(self, name: str) -> None:
+        if name not in self._by_name:
+            raise KeyError(f"unknown adapter {name!r}")
+        del self._by_name[name]
+        del self._paths[name]
+
+    def get(self, name: str) -> PackedAdapter:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            known = ", ".join(sorted(self._by_name)) or "none"
+            raise KeyError(f"unknown adapter {name!r} (registered: {known})") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self._by_name)

@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE,
+residual, RMSNorm, SwiGLU MLP, residual) -> RMSNorm -> LM head. Projections are
+packed (qkv, gate_up); every projection passes through ``add_lora`` so the
+iteration's adapters apply to their own token rows. Weight loading lives in
+``loader.py``; batch metadata arrives in a ``ForwardBatch``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlora.kernels.reference import gather_blocks, paged_decode_attention, prefill_attention
+from vlora.lora.layers import add_lora
+from vlora.models.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def lora_in_out(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(in_features, out_features) of every LoRA-targetable projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        ins = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": self.q_size,
+               "gate_proj": h, "up_proj": h, "down_proj": i}
+        outs = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
+                "o_proj": h, "gate_proj": i, "up_proj": i, "down_proj": h}
+        return ins, outs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for all positions up to ``max_len``, any of the HF scaling variants."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int):
+        super().__init__()
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos, sin [T, D] (rotate-half layout, as HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, index: int, act):
+        super().__init__()
+        self.index = index
+        self.cfg = cfg
+        self.act = act
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        cfg, i = self.cfg, self.index
+        x = self.attn_norm(h)
+        qkv = add_lora(F.linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        flat_k, flat_v = k_cache.view(-1, *k.shape[1:]), v_cache.view(-1, *v.shape[1:])
+        flat_k.index_copy_(0, fb.slot_mapping, k)
+        flat_v.index_copy_(0, fb.slot_mapping, v)
+        attn = self._attention(q, k, v, fb, k_cache, v_cache)
+        o_in = attn.reshape(-1, cfg.q_size)
+        h = h + add_lora(F.linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o")
+
+        x = self.mlp_norm(h)
+        gu = add_lora(F.linear(x, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        gate, up = gu.chunk(2, dim=-1)
+        m = self.act(gate) * up
+        return h + add_lora(F.linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+
+    def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = fb.num_decodes
+        if nd:
+            out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, fb.decode_block_tables,
+                                              fb.decode_mask, self.scale)
+        for p in fb.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.ctx_len == p.q_len:          # nothing cached before this chunk: use fresh K/V
+                kk, vv = k[rows], v[rows]
+            else:
+                kk = gather_blocks(k_cache, p.block_table, p.ctx_len)
+                vv = gather_blocks(v_cache, p.block_table, p.ctx_len)
+            out[rows] = prefill_attention(q[rows], kk, vv, p.mask, self.scale)
+        return out
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float, max_len: int):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        act = ACT2FN[cfg.hidden_act]
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.rope = RotaryEmbedding(inv_freq, attention_scaling, max_len)
+
+    def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm. kv_cache [L, 2, num_blocks, block_size, Hkv, D]."""
+        h = self.embed(fb.input_ids)
+        cos, sin = self.rope(fb.positions, h.dtype)
+        for layer, cache in zip(self.layers, kv_cache):
+            h = layer(h, fb, cos, sin, cache[0], cache[1])
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, h] -> logits [n, vocab] in float32."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()

@@ -1,0 +1,45 @@
+"""The per-iteration value objects a model forward consumes.
+
+The runner builds one :class:`ForwardBatch` per engine iteration; every layer
+reads it, none mutates it. Token layout is flat (no batch dimension): the
+iteration's sequences are laid end to end, decodes first, then prefill chunks.
+
+Shapes: T = tokens in the iteration, Bd = decode sequences, nb = blocks per
+decode block table (padded with 0, masked by ``decode_mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlora.lora.batch import LoRABatch
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's prefill chunk: its new tokens attend to its cache + themselves."""
+
+    q_start: int                      # first row of this chunk in the flat batch
+    q_len: int                        # new tokens in the chunk
+    ctx_len: int                      # cached tokens before the chunk + q_len
+    block_table: torch.Tensor         # [ceil(ctx_len / block_size)] long, KV blocks of the sequence
+    mask: torch.Tensor | None         # [q_len, ctx_len] bool (True = attend); None = plain causal
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor           # [T] long
+    positions: torch.Tensor           # [T] long, position of each token in its sequence
+    slot_mapping: torch.Tensor        # [T] long, KV slot (block * block_size + offset) to write
+    num_decodes: int                  # Bd: rows [0, Bd) are one-token decodes
+    decode_block_tables: torch.Tensor | None  # [Bd, nb] long
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, True = attend
+    prefills: tuple[PrefillChunk, ...]
+    logits_rows: torch.Tensor         # [S] long, rows whose hidden state feeds the LM head
+    lora: LoRABatch | None = None     # None: no request in the batch uses an adapter
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

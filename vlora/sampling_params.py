@@ -1,0 +1,58 @@
+"""Sampling parameters of one request, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    """Most tokens to generate."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise logits are divided by it before sampling."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches p."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens, whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output ends before the first one (it is not included)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the output (included in token_ids, not in text)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (for benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _finite_number(self.temperature) or self.temperature < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
+        if not _finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise SamplingError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
