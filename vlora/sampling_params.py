@@ -27,6 +27,8 @@ class SamplingParams:
     """Token ids that end the output (included in token_ids, not in text)."""
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token (for benchmarks)."""
+    min_tokens: int = 0
+    """Forbid end-of-sequence and stop tokens until this many tokens are generated."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +37,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise SamplingError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not _finite_number(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:

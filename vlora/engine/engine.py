@@ -66,7 +66,7 @@ class Engine:
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
-        self.runner = ModelRunner(self.model, kv, cc.block_size, self.device)
+        self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)))
         self.detokenizer = Detokenizer(self.tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

@@ -17,12 +17,14 @@ from vlora.models.forward_batch import ForwardBatch, PrefillChunk
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device):
+    def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
+                 eos_token_ids: tuple[int, ...]):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.window = model.cfg.sliding_window
+        self.eos_token_ids = eos_token_ids
 
     @staticmethod
     def order(scheduled: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
@@ -97,5 +99,5 @@ class ModelRunner:
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden[fb.logits_rows])
-        tokens = sample(logits, samplers)
+        tokens = sample(logits, samplers, self.eos_token_ids)
         return {seq.request_id: t for seq, t in zip(samplers, tokens)}

@@ -11,8 +11,11 @@ import torch
 from vlora.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[int]:
     """logits [S, V] float32, one row per sequence -> one token id per sequence."""
+    for i, seq in enumerate(seqs):
+        if len(seq.output_token_ids) < seq.params.min_tokens:     # no stop allowed yet
+            logits[i, list(eos_token_ids) + list(seq.params.stop_token_ids)] = float("-inf")
     out = logits.argmax(dim=-1)
     for i, seq in enumerate(seqs):
         p = seq.params

@@ -50,6 +50,7 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # sorted by arrival
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,6 +76,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)            # it keeps its place: oldest waiting first
 
