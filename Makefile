@@ -1,0 +1,13 @@
+.PHONY: run test bench setup
+
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	.venv/bin/vlora generate
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+bench: setup
+	.venv/bin/python benchmarks/bench_cpu_generate.py
