@@ -42,8 +42,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     bsz, nb = block_tables.shape
     _, block_size, hkv, d = k_cache.shape
-    k = k_cache[block_tables].view(bsz, nb * block_size, hkv, d).transpose(1, 2)
-    v = v_cache[block_tables].view(bsz, nb * block_size, hkv, d).transpose(1, 2)
+    flat = block_tables.flatten()                  # index_select: ~2x faster than fancy indexing on CPU
+    k = k_cache.index_select(0, flat).view(bsz, nb * block_size, hkv, d).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(bsz, nb * block_size, hkv, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != hkv)
     return out.squeeze(2)
@@ -68,4 +69,4 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 
     Shape: cache [num_blocks, block_size, Hkv, D]; block_table [nb] long. Returns [length, Hkv, D].
     """
-    return cache[block_table].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table).flatten(0, 1)[:length]
