@@ -58,10 +58,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Shape: q [n, H, D]; k, v [L, Hkv, D] with L >= n (the last n rows are the new tokens);
     mask [n, L] bool (True = attend) or None for plain causal (L == n). Returns [n, H, D].
     """
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to the math path)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
