@@ -71,3 +71,35 @@ def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
     Shape: cache [num_blocks, block_size, Hkv, D]; block_table [nb] long. Returns [length, Hkv, D].
     """
     return cache.index_select(0, block_table).flatten(0, 1)[:length]
+
+
+def lora_shrink_ref(x: torch.Tensor, w: torch.Tensor, a_off: list[int], rtot: list[int], starts: list[int],
+                    lens: list[int], r_max: int) -> torch.Tensor:
+    """Oracle of ``atmm.lora_shrink`` (same flat-buffer layout); computed in float64.
+
+    Semantics: v[rows_s, :R_s] = x[rows_s] @ w[a_off_s : a_off_s + R_s*K].view(R_s, K)^T.
+    """
+    t, k = x.shape
+    v = torch.zeros(t, max(r_max, 1), dtype=torch.float64, device=x.device)
+    for off, r, s, n in zip(a_off, rtot, starts, lens):
+        a = w[off:off + r * k].view(r, k).double()
+        v[s:s + n, :r] = x[s:s + n].double() @ a.T
+    return v
+
+
+def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: list[list[int]],
+                    vcol: list[list[int]], widths: tuple[int, ...], starts: list[int], lens: list[int],
+                    ranks: list[int], scales: list[float]) -> torch.Tensor:
+    """Oracle of ``atmm.lora_expand``; returns a float64 copy of y with the deltas added.
+
+    Semantics: y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj.
+    """
+    out = y.double().clone()
+    cols = [sum(widths[:j]) for j in range(len(widths))]
+    for s, n, r, sc, offs, vcs in zip(starts, lens, ranks, scales, b_off, vcol):
+        for j, (off, vc) in enumerate(zip(offs, vcs)):
+            if off < 0:
+                continue
+            b = w[off:off + r * widths[j]].view(r, widths[j]).double()
+            out[s:s + n, cols[j]:cols[j] + widths[j]] += sc * (v[s:s + n, vc:vc + r].double() @ b)
+    return out

@@ -1,0 +1,170 @@
+"""ATMM kernels against the float64 reference (Triton interpreter on CPU, real kernels on GPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink
+from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref
+
+WIDTHS = (48, 16, 16)          # a packed q, k, v group (GQA: k and v narrower)
+K = 40                          # not a multiple of any BLOCK_K: exercises masking
+
+
+def zipf_choice(rng, n, alpha=1.5):
+    weights = [1 / (i + 1) ** alpha for i in range(n)]
+    return rng.choices(range(n), weights)[0]
+
+
+def make_case(dist, num_segs, lens, ranks, dtype, device, seed=0, gaps=True):
+    """Flat weight buffer with adapters at scattered offsets, segments with base-only rows between."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    num_adapters = {"identical": 1, "uniform": 4, "zipf": 6, "distinct": num_segs}[dist]
+    adapters = []
+    chunks, off = [], 0
+    for i in range(num_adapters):
+        r = ranks[i % len(ranks)]
+        present = [True, rng.random() < 0.7, True] if dist != "identical" else [True, True, True]
+        pad = rng.randrange(0, 7)                      # adapters are not packed back to back
+        chunks.append(torch.full((pad,), float("nan")))
+        off += pad
+        a_off = off
+        n_present = sum(present)
+        chunks.append(torch.randn(n_present * r * K, generator=g) * 0.3)
+        off += n_present * r * K
+        b_offs, vcols, j_present = [], [], 0
+        for j, p in enumerate(present):
+            if p:
+                chunks.append(torch.randn(r * WIDTHS[j], generator=g) * 0.3)
+                b_offs.append(off)
+                vcols.append(j_present * r)
+                off += r * WIDTHS[j]
+                j_present += 1
+            else:
+                b_offs.append(-1)
+                vcols.append(0)
+        adapters.append(dict(r=r, a_off=a_off, rtot=n_present * r, b_offs=b_offs, vcols=vcols,
+                             scale=rng.choice([0.5, 2.0, -1.0])))
+    w = torch.cat(chunks).to(dtype)
+    segs, row = [], 0
+    for s in range(num_segs):
+        row += rng.randrange(0, 3) if gaps else 0     # rows in no segment: base model only
+        n = lens[s % len(lens)]
+        choice = {"identical": 0, "uniform": s % num_adapters, "distinct": s,
+                  "zipf": None}[dist]
+        if choice is None:
+            choice = zipf_choice(rng, num_adapters)
+        segs.append((row, n, adapters[choice]))
+        row += n
+    total = row + (2 if gaps else 0)
+    x = (torch.randn(total, K, generator=g)).to(dtype)
+    return w.to(device), x.to(device), segs
+
+
+def metas(segs, device):
+    starts = [s for s, _, _ in segs]
+    lens = [n for _, n, _ in segs]
+    meta = SegmentMeta(
+        starts=torch.tensor(starts, dtype=torch.int32, device=device),
+        lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        ranks=torch.tensor([a["r"] for _, _, a in segs], dtype=torch.int32, device=device),
+        scales=torch.tensor([a["scale"] for _, _, a in segs], dtype=torch.float32, device=device),
+        max_len=max(lens, default=0), num_rows=sum(lens))
+    return meta, starts, lens
+
+
+def run_both(segs, w, x, cfg_s, cfg_e, device):
+    meta, starts, lens = metas(segs, device)
+    a_off = torch.tensor([a["a_off"] for _, _, a in segs], dtype=torch.int64, device=device)
+    rtot = torch.tensor([a["rtot"] for _, _, a in segs], dtype=torch.int32, device=device)
+    b_off = torch.tensor([a["b_offs"] for _, _, a in segs], dtype=torch.int64, device=device).view(-1, 3)
+    vcol = torch.tensor([a["vcols"] for _, _, a in segs], dtype=torch.int32, device=device).view(-1, 3)
+    r_max = max([a["rtot"] for _, _, a in segs], default=1)
+    v = lora_shrink(x, w, a_off, rtot, meta, r_max, cfg_s)
+    v_ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
+    y0 = torch.randn(x.shape[0], sum(WIDTHS), dtype=x.dtype, device=device)
+    y = lora_expand(y0.clone(), v, w, b_off, vcol, WIDTHS, meta, cfg_e)
+    y_ref = lora_expand_ref(y0, v_ref, w, b_off.tolist(), vcol.tolist(), WIDTHS, starts, lens,
+                            meta.ranks.tolist(), meta.scales.tolist())
+    return v, v_ref, y, y_ref, y0, starts, lens
+
+
+CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig(16, 32, 16, split_k=3)]
+
+
+@pytest.mark.parametrize("dist", ["identical", "uniform", "zipf", "distinct"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "x".join(map(str, c.as_list()[:4])))
+def test_shrink_expand_match_float64_reference(dist, cfg):
+    lens = [1, 5, 17, 33, 0, 2] if dist != "identical" else [40, 9]
+    w, x, segs = make_case(dist, 7, lens, ranks=[8, 16, 4], dtype=torch.float32, device="cpu", seed=hash(dist) % 97)
+    v, v_ref, y, y_ref, y0, starts, lens = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 16, 16), "cpu")
+    torch.testing.assert_close(v.double(), v_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
+    covered = torch.zeros(x.shape[0], dtype=torch.bool)
+    for s, n in zip(starts, lens):
+        covered[s:s + n] = True
+    assert torch.equal(y[~covered], y0[~covered])           # base-only rows untouched, bit for bit
+
+
+def test_shrink_writes_every_covered_entry_of_a_poisoned_output():
+    w, x, segs = make_case("uniform", 5, [3, 18, 1], ranks=[16, 8], dtype=torch.float32, device="cpu", seed=5)
+    meta, starts, lens = metas(segs, "cpu")
+    a_off = torch.tensor([a["a_off"] for _, _, a in segs], dtype=torch.int64)
+    rtot = torch.tensor([a["rtot"] for _, _, a in segs], dtype=torch.int32)
+    r_max = int(rtot.max())
+    poison = torch.full((x.shape[0], r_max), float("nan"))
+    v = lora_shrink(x, w, a_off, rtot, meta, r_max, TileConfig(16, 16, 16), out=poison)
+    ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
+    for (s, n, a) in segs:
+        torch.testing.assert_close(v[s:s + n, :a["rtot"]].double(), ref[s:s + n, :a["rtot"]], rtol=1e-4, atol=1e-4)
+
+
+def test_delora_pair_is_a_second_pass_with_negative_scale():
+    """Rows of adapter i on a model with adapter m merged: + A_i B_i, then - A_m B_m in a second pass."""
+    w, x, segs = make_case("uniform", 4, [6, 3], ranks=[8, 16], dtype=torch.float32, device="cpu", seed=9)
+    cfg = TileConfig(16, 16, 16)
+    _, _, y1, y1_ref, y0, starts, lens = run_both(segs, w, x, cfg, cfg, "cpu")
+    merged = dict(segs[0][2], scale=-segs[0][2]["scale"])
+    minus = [(s, n, merged) for s, n, _ in segs]
+    meta, _, _ = metas(minus, "cpu")
+    a_off = torch.tensor([merged["a_off"]] * len(minus), dtype=torch.int64)
+    rtot = torch.tensor([merged["rtot"]] * len(minus), dtype=torch.int32)
+    b_off = torch.tensor([merged["b_offs"]] * len(minus), dtype=torch.int64)
+    vcol = torch.tensor([merged["vcols"]] * len(minus), dtype=torch.int32)
+    v = lora_shrink(x, w, a_off, rtot, meta, merged["rtot"], cfg)
+    y2 = lora_expand(y1.clone(), v, w, b_off, vcol, WIDTHS, meta, cfg)
+    v_ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, merged["rtot"])
+    y2_ref = lora_expand_ref(y1_ref, v_ref, w, b_off.tolist(), vcol.tolist(), WIDTHS, starts, lens,
+                             meta.ranks.tolist(), meta.scales.tolist())
+    torch.testing.assert_close(y2.double(), y2_ref, rtol=1e-4, atol=1e-4)
+    # the segment already on the merged adapter comes back to the base output
+    s, n, _ = segs[0]
+    torch.testing.assert_close(y2[s:s + n].double(), y0[s:s + n].double(), rtol=1e-4, atol=1e-4)
+
+
+def test_no_segments_is_a_no_op():
+    x = torch.randn(4, K)
+    y = torch.randn(4, sum(WIDTHS))
+    meta = SegmentMeta(*(torch.zeros(0, dtype=t) for t in (torch.int32, torch.int32, torch.int32, torch.float32)),
+                       max_len=0, num_rows=0)
+    v = lora_shrink(x, torch.zeros(8), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
+                    meta, 8, TileConfig(16, 16, 16))
+    assert not v.any()
+    out = lora_expand(y.clone(), v, torch.zeros(8), torch.zeros(0, 3, dtype=torch.int64),
+                      torch.zeros(0, 3, dtype=torch.int32), WIDTHS, meta, TileConfig(16, 16, 16))
+    assert torch.equal(out, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["identical", "uniform", "zipf", "distinct"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_bf16_within_benchmark_tolerance(dist, dtype):
+    w, x, segs = make_case(dist, 9, [1, 7, 64, 130, 3], ranks=[16, 64, 8, 32], dtype=dtype, device="cuda", seed=3)
+    for cfg in (TileConfig(16, 32, 64), TileConfig(64, 64, 32, split_k=4, num_warps=8)):
+        v, v_ref, y, y_ref, *_ = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 64, 16), "cuda")
+        assert (v.double() - v_ref).norm() / v_ref.norm() <= 1e-2
+        assert (y.double() - y_ref).norm() / y_ref.norm() <= 1e-2

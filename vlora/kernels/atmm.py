@@ -1,0 +1,202 @@
+"""ATMM: adaptive-tiling batched LoRA kernels (V-LoRA §4.3), in Triton.
+
+Tokens of an iteration fall in segments; segment ``s`` covers rows
+``[start_s, start_s + len_s)`` and applies one adapter at its own rank ``r_s``
+with scale ``scale_s`` (a negative scale subtracts: the deLoRA pair is a second
+pass with the merged adapter and ``-scale``). Rows in no segment are untouched.
+
+Adapter weights live in one flat buffer ``w`` and are addressed by offsets, so
+the memory pool may place every adapter (and every layer) anywhere:
+
+* shrink, for one packed group of ``NS`` slices (e.g. q, k, v):
+  ``A_s`` = ``w[a_off_s : a_off_s + R_s * K].view(R_s, K)``, the A of the present
+  slices stacked along the rank (``R_s = n_present * r_s``);
+  ``v[rows_s, :R_s] = x[rows_s] @ A_s^T`` (fp32).
+* expand, per slice ``j``: ``B_sj`` = ``w[b_off_sj : + r_s * width_j].view(r_s, width_j)``
+  (``b_off_sj < 0``: the adapter does not target slice ``j``);
+  ``y[rows_s, col_j : col_j + width_j] += scale_s * v[rows_s, vcol_sj : vcol_sj + r_s] @ B_sj``.
+
+Tile sizes come from :mod:`vlora.kernels.tuning` (one table lookup per call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def as_list(self) -> list[int]:
+        return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages]
+
+
+@dataclass(frozen=True)
+class SegmentMeta:
+    """Per-iteration segment metadata, on the device. Built once, shared by all layers."""
+
+    starts: torch.Tensor      # [S] int32, first row
+    lens: torch.Tensor        # [S] int32, rows
+    ranks: torch.Tensor       # [S] int32, r_s (rank of each slice)
+    scales: torch.Tensor      # [S] float32
+    max_len: int              # host int: longest segment (sizes the grid)
+    num_rows: int             # host int: rows covered by segments (picks the tile config)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr,
+                   K, stride_xm, stride_vm, m_tiles,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+    pid0 = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    seg = pid0 // m_tiles
+    m0 = (pid0 % m_tiles) * BLOCK_M
+    seg_len = tl.load(lens_ptr + seg)
+    rtot = tl.load(rtot_ptr + seg)
+    n0 = pid_n * BLOCK_N
+    if (m0 < seg_len) & (n0 < rtot):
+        start = tl.load(starts_ptr + seg).to(tl.int64)
+        a_off = tl.load(a_off_ptr + seg)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < seg_len
+        n_mask = offs_n < rtot
+        x_ptrs = x_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        a_ptrs = w_ptr + a_off + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        k_span = tl.cdiv(K, BLOCK_K * SPLIT_K) * BLOCK_K
+        k_begin = pid_k * k_span
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_begin, tl.minimum(k_begin + k_span, K), BLOCK_K):
+            k_mask = (k + offs_k) < K
+            xt = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(xt, at, input_precision="ieee")
+            else:
+                acc += tl.dot(xt, at)
+        v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(v_ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(v_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
+                   starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vm, stride_ym, m_tiles,
+                   NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   IEEE: tl.constexpr):
+    pid0 = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    seg = pid0 // m_tiles
+    m0 = (pid0 % m_tiles) * BLOCK_M
+    seg_len = tl.load(lens_ptr + seg)
+    sl = tl.load(tiles_ptr + 2 * pid_t)
+    b_off = tl.load(b_off_ptr + seg * NS + sl)
+    if (m0 < seg_len) & (b_off >= 0):
+        n0 = tl.load(tiles_ptr + 2 * pid_t + 1)
+        width = tl.load(widths_ptr + sl)
+        col0 = tl.load(cols_ptr + sl)
+        r = tl.load(ranks_ptr + seg)
+        vcol = tl.load(vcol_ptr + seg * NS + sl)
+        scale = tl.load(scales_ptr + seg)
+        start = tl.load(starts_ptr + seg).to(tl.int64)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < seg_len
+        n_mask = offs_n < width
+        v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+        b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, r, BLOCK_K):
+            k_mask = (k + offs_k) < r
+            vt = tl.load(v_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
+            else:
+                acc += tl.dot(vt.to(bt.dtype), bt)
+        y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+
+
+@lru_cache(maxsize=256)
+def _column_tiles(widths: tuple[int, ...], block_n: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tiles [n_tiles, 2] = (slice, first column in slice), widths [NS], column starts [NS]) for a group."""
+    tiles, cols, c = [], [], 0
+    for j, w in enumerate(widths):
+        tiles.extend((j, n) for n in range(0, w, block_n))
+        cols.append(c)
+        c += w
+    dev = torch.device(device)
+    return (torch.tensor(tiles, dtype=torch.int32, device=dev).flatten(),
+            torch.tensor(widths, dtype=torch.int32, device=dev),
+            torch.tensor(cols, dtype=torch.int32, device=dev))
+
+
+def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
+                r_max: int, cfg: TileConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """v[rows_s, :R_s] = x[rows_s] @ A_s^T for every segment; other entries of v are zero.
+
+    Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s); returns v [T, r_max] fp32.
+    ``out`` (split_k == 1 only): a preallocated v whose segment entries are overwritten, the rest kept.
+    """
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
+    assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
+    assert a_off.dtype == torch.int64 and rtot.dtype == torch.int32
+    if out is None:
+        v = torch.zeros(x.shape[0], max(r_max, 1), dtype=torch.float32, device=x.device)
+    else:
+        assert cfg.split_k == 1 and out.dtype == torch.float32 and out.shape[0] == x.shape[0]
+        v = out
+    num_segs = meta.starts.shape[0]
+    if num_segs == 0 or meta.max_len == 0:
+        return v
+    m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
+    grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
+    _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, x.shape[1], x.stride(0), v.stride(0),
+                         m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         SPLIT_K=cfg.split_k, IEEE=x.dtype == torch.float32,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return v
+
+
+def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.Tensor, vcol: torch.Tensor,
+                widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig) -> torch.Tensor:
+    """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
+
+    Shape: y [T, sum(widths)]; v [T, >= max R_s] fp32; b_off [S, NS] int64 (-1 = slice absent);
+    vcol [S, NS] int32. Returns y.
+    """
+    assert y.dim() == 2 and y.stride(1) == 1 and y.shape[1] == sum(widths), "y must be [T, sum(widths)]"
+    assert w.dim() == 1 and w.is_contiguous() and w.dtype == y.dtype, "w must be a flat buffer of y's dtype"
+    assert b_off.dtype == torch.int64 and vcol.dtype == torch.int32 and b_off.shape == vcol.shape
+    num_segs = meta.starts.shape[0]
+    if num_segs == 0 or meta.max_len == 0:
+        return y
+    tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n, str(y.device))
+    m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
+    grid = (num_segs * m_tiles, tiles.shape[0] // 2)
+    _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
+                         meta.scales, v.stride(0), y.stride(0), m_tiles, NS=len(widths),
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
