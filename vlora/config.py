@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from dataclasses import dataclass, field, fields
 
 
@@ -59,8 +60,12 @@ class LoRAConfig:
     """Largest adapter rank accepted; adapters above it are refused."""
     check_base_model: bool = True
     """Refuse adapters whose adapter_config.json names a different base model."""
+    lora_kernel: str = "auto"
+    """LoRA op backend: auto (Triton ATMM on CUDA, torch on CPU), triton, or torch."""
 
     def __post_init__(self) -> None:
+        if self.lora_kernel not in ("auto", "triton", "torch"):
+            raise ConfigError(f"lora_kernel must be auto, triton or torch, got {self.lora_kernel!r}")
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
 
@@ -86,6 +91,53 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address the HTTP server listens on (0.0.0.0: every interface)."""
+    port: int = 8000
+    """TCP port of the HTTP server."""
+    api_key: str | None = None
+    """Require 'Authorization: Bearer <key>' on every /v1 route (default: $VLORA_API_KEY, else no key)."""
+    served_model_name: str | None = None
+    """Name of the base model in the API (the 'model' field). Default: the model's own name."""
+    adapter_dirs: tuple[str, ...] = ()
+    """Directory /v1/load_lora_adapter may load adapters from (repeatable); none: runtime loading is refused."""
+    image_dir: str | None = None
+    """Directory that image_url file paths (file:// or plain) may point into; none: only data: URIs."""
+    max_queued_requests: int = 256
+    """Most requests waiting for the engine; more are refused with 429."""
+    max_request_bytes: int = 32 * 1024 * 1024
+    """Largest request body accepted (bytes); larger ones get 413."""
+    max_image_bytes: int = 10 * 1024 * 1024
+    """Largest image accepted, after base64 decoding (bytes); larger ones get 413."""
+    max_image_pixels: int = 16_000_000
+    """Largest image accepted, width x height; larger ones get 413 (checked before decoding)."""
+    unload_policy: str = "wait"
+    """What /v1/unload_lora_adapter does with the adapter's running requests: wait (for them to finish) or abort."""
+    drain_timeout: float = 60.0
+    """On shutdown (SIGTERM), seconds to let running requests finish before they are aborted."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.adapter_dirs, (str, os.PathLike)):
+            object.__setattr__(self, "adapter_dirs", (self.adapter_dirs,))
+        object.__setattr__(self, "adapter_dirs", tuple(str(d) for d in self.adapter_dirs))
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (leave it unset for no key)")
+        for d in self.adapter_dirs + ((self.image_dir,) if self.image_dir is not None else ()):
+            if not os.path.isdir(d):
+                raise ConfigError(f"{d!r} is not a directory")
+        for name in ("max_queued_requests", "max_request_bytes", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.unload_policy not in ("wait", "abort"):
+            raise ConfigError(f"unload_policy must be wait or abort, got {self.unload_policy!r}")
+        if not self.drain_timeout >= 0:
+            raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
 
 
 def field_help(cls: type) -> dict[str, str]:

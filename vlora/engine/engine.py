@@ -64,9 +64,10 @@ class Engine:
                              self.dtype, self.device)
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
-                                        self.dtype, self.device, config.lora.check_base_model)
+                                        self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
-        self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)))
+        self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
+                                  self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()

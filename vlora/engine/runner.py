@@ -12,19 +12,32 @@ import torch
 from vlora.engine.sampler import sample
 from vlora.engine.scheduler import ScheduledSeq
 from vlora.lora.batch import LoRABatch
+from vlora.lora.registry import AdapterRegistry
 from vlora.models.decoder import DecoderLM
 from vlora.models.forward_batch import ForwardBatch, PrefillChunk
 
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], adapters: AdapterRegistry):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
         self.window = model.cfg.sliding_window
         self.eos_token_ids = eos_token_ids
+        self.adapters = adapters
+        self.tiling = None
+        if adapters.buffer is not None:                 # CUDA: ATMM kernels with this GPU's tiling table
+            from vlora.kernels.tuning import TilingTable
+
+            self.tiling = TilingTable.load()
+            cfg = model.cfg
+            ins, outs = cfg.lora_in_out()
+            self.group_widths = {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "o": (cfg.hidden_size,),
+                                 "gate_up": (cfg.intermediate_size,) * 2, "down": (cfg.hidden_size,)}
+            self.group_in = {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins["gate_proj"],
+                             "down": ins["down_proj"]}
 
     @staticmethod
     def order(scheduled: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
@@ -76,8 +89,19 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=nd, decode_block_tables=table, decode_mask=mask, prefills=tuple(prefills),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            lora=LoRABatch.build(runs, dev),
+            lora=self._lora_batch(runs),
         )
+
+    def _lora_batch(self, runs) -> LoRABatch | None:
+        segs = LoRABatch.segments_of(runs)
+        if not segs:
+            return None
+        if self.tiling is None:
+            return LoRABatch(tuple(segs))
+        from vlora.lora.device_store import build_kernel_batch
+
+        return build_kernel_batch(segs, self.adapters.buffer, self.group_widths, self.group_in, self.tiling,
+                                  self.device)
 
     def _prefill_mask(self, start: int, n: int) -> torch.Tensor | None:
         if start == 0 and (self.window is None or n <= self.window):

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vlora.lora.batch import SegmentMeta  # noqa: F401  (re-exported: kernels take it)
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -40,18 +42,6 @@ class TileConfig:
 
     def as_list(self) -> list[int]:
         return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages]
-
-
-@dataclass(frozen=True)
-class SegmentMeta:
-    """Per-iteration segment metadata, on the device. Built once, shared by all layers."""
-
-    starts: torch.Tensor      # [S] int32, first row
-    lens: torch.Tensor        # [S] int32, rows
-    ranks: torch.Tensor       # [S] int32, r_s (rank of each slice)
-    scales: torch.Tensor      # [S] float32
-    max_len: int              # host int: longest segment (sizes the grid)
-    num_rows: int             # host int: rows covered by segments (picks the tile config)
 
 
 @triton.jit

@@ -25,6 +25,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class SliceB:
+    index: int                        # position of the slice in its group (q=0, k=1, v=2)
     col_start: int                    # first output column of this slice in the packed output
     rank_start: int                   # first column of this slice's A inside GroupWeights.a
     b: torch.Tensor                   # [r, out_slice]
@@ -37,6 +38,16 @@ class GroupWeights:
 
 
 @dataclass(frozen=True)
+class GroupOffsets:
+    """Where one adapter's weights of one packed group sit in the flat device buffer (kernel path)."""
+
+    a_off: torch.Tensor               # [L] int64: A of the present slices, stacked [R, in] (R = n_present * r)
+    rtot: torch.Tensor                # [L] int32: R (0 = the adapter skips this group in this layer)
+    b_off: torch.Tensor               # [L, NS] int64: B of slice j, [r, width_j]; -1 = slice absent
+    vcol: torch.Tensor                # [L, NS] int32: first column of slice j's part of x @ A^T
+
+
+@dataclass(frozen=True)
 class PackedAdapter:
     """One adapter, laid out for the batched LoRA op."""
 
@@ -45,6 +56,7 @@ class PackedAdapter:
     rank: int
     scaling: float
     layers: tuple[dict[str, GroupWeights], ...]  # [num_layers] group name -> weights (absent = untouched)
+    offsets: dict[str, GroupOffsets] | None = None  # set when the adapter is also in the device buffer
 
     def num_bytes(self) -> int:
         total = 0
@@ -63,23 +75,48 @@ class LoRASegment:
 
 
 @dataclass(frozen=True)
+class SegmentMeta:
+    """Per-iteration segment metadata for the kernels, on the device. Built once, shared by all layers."""
+
+    starts: torch.Tensor              # [S] int32, first row
+    lens: torch.Tensor                # [S] int32, rows
+    ranks: torch.Tensor               # [S] int32, r_s (rank of each slice)
+    scales: torch.Tensor              # [S] float32
+    max_len: int                      # host int: longest segment (sizes the grid)
+    num_rows: int                     # host int: rows covered by segments (picks the tile config)
+
+
+@dataclass(frozen=True)
+class KernelGroupMeta:
+    """One packed group's per-iteration kernel arguments: per-layer rows of segment offsets."""
+
+    a_off: torch.Tensor               # [L, S] int64
+    rtot: torch.Tensor                # [L, S] int32
+    b_off: torch.Tensor               # [L, S, NS] int64
+    vcol: torch.Tensor                # [L, S, NS] int32
+    r_max: int                        # largest R over the segments
+    widths: tuple[int, ...]           # output width of each slice
+    shrink_cfg: object                # TileConfig chosen from the tuning table for this iteration
+    expand_cfg: object
+
+
+@dataclass(frozen=True)
 class LoRABatch:
     """Which token rows use which adapter in this iteration.
 
     Rows not covered by any segment run on the base model only. Segments are
     disjoint, sorted by ``start``, and consecutive rows of one adapter form one
     segment (the runner orders sequences by adapter to make segments long).
+    ``kernel`` carries the device metadata of the Triton path (None on CPU).
     """
 
     segments: tuple[LoRASegment, ...]
-    seg_starts: torch.Tensor          # [S] int32 on the compute device: first row of each segment
-    seg_ends: torch.Tensor            # [S] int32: end row (exclusive); rows between segments are base-only
-    seg_slots: torch.Tensor           # [S] int32: adapter slot of each segment
-    seg_ranks: torch.Tensor           # [S] int32
-    seg_scalings: torch.Tensor        # [S] float32
+    meta: SegmentMeta | None = None
+    kernel: dict[str, KernelGroupMeta] | None = None
+    buffer: torch.Tensor | None = None   # the flat adapter weight buffer the offsets point into
 
     @staticmethod
-    def build(runs: list[tuple[int, int, PackedAdapter | None]], device: torch.device) -> "LoRABatch | None":
+    def segments_of(runs: list[tuple[int, int, PackedAdapter | None]]) -> list[LoRASegment]:
         """From (start, end, adapter-or-None) row runs, merge neighbours and drop base-model runs."""
         segs: list[LoRASegment] = []
         for start, end, adapter in runs:
@@ -89,13 +126,4 @@ class LoRABatch:
                 segs[-1] = LoRASegment(segs[-1].start, end, adapter)
             else:
                 segs.append(LoRASegment(start, end, adapter))
-        if not segs:
-            return None
-        return LoRABatch(
-            segments=tuple(segs),
-            seg_starts=torch.tensor([s.start for s in segs], dtype=torch.int32, device=device),
-            seg_ends=torch.tensor([s.end for s in segs], dtype=torch.int32, device=device),
-            seg_slots=torch.tensor([s.adapter.slot for s in segs], dtype=torch.int32, device=device),
-            seg_ranks=torch.tensor([s.adapter.rank for s in segs], dtype=torch.int32, device=device),
-            seg_scalings=torch.tensor([s.adapter.scaling for s in segs], dtype=torch.float32, device=device),
-        )
+        return segs

@@ -1,8 +1,8 @@
 """The one entry point for LoRA math in a forward pass.
 
 ``add_lora`` applies the iteration's batched LoRA delta to a packed projection's
-output. On CPU it runs the torch reference; the Triton ATMM kernel plugs in here
-for CUDA tensors, behind the same signature.
+output: the Triton ATMM kernels when the batch carries device metadata (CUDA),
+the torch reference otherwise (CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: in
 
     Shape: x [T, in]; y [T, out_packed] (the base projection's output, updated in place).
     """
-    if lora is not None:
+    if lora is None:
+        return y
+    if lora.kernel is None:
         lora_add_(y, x, lora, layer, group)
-    return y
+        return y
+    from vlora.kernels.atmm import lora_expand, lora_shrink
+
+    k = lora.kernel[group]
+    v = lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg)
+    return lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg)

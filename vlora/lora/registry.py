@@ -11,8 +11,11 @@ import os
 
 import torch
 
+from dataclasses import replace
+
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
+from vlora.lora.device_store import AdapterBuffer
 
 _NAME_MAX = 128
 
@@ -24,10 +27,10 @@ def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: 
         groups: dict[str, GroupWeights] = {}
         for group, modules in GROUPS.items():
             a_parts, slices, col = [], [], 0
-            for module in modules:
+            for j, module in enumerate(modules):
                 if module in per_module:
                     a, b = per_module[module]
-                    slices.append(SliceB(col, len(a_parts) * adapter.rank, b.to(device).contiguous()))
+                    slices.append(SliceB(j, col, len(a_parts) * adapter.rank, b.to(device).contiguous()))
                     a_parts.append(a)
                 col += out_features[module]
             if a_parts:
@@ -38,7 +41,7 @@ def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: 
 
 class AdapterRegistry:
     def __init__(self, shape: ModelShape, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 check_base_model: bool = True):
+                 check_base_model: bool = True, kernel: str = "auto"):
         self.shape = shape
         self.max_rank = max_rank
         self.dtype = dtype
@@ -46,6 +49,9 @@ class AdapterRegistry:
         self.check_base_model = check_base_model
         self._by_name: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
+        # kernel path: weights stay in host memory (torch path, merges); the kernels read a device copy
+        use_kernels = kernel == "triton" or (kernel == "auto" and device.type == "cuda")
+        self.buffer = AdapterBuffer(dtype, device) if use_kernels else None
 
     def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():
@@ -59,7 +65,10 @@ class AdapterRegistry:
                               check_base_model=self.check_base_model)
         used = {a.slot for a in self._by_name.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
-        packed = pack(loaded, slot, self.shape.out_features, self.device)
+        packed = pack(loaded, slot, self.shape.out_features,
+                      self.device if self.buffer is None else torch.device("cpu"))
+        if self.buffer is not None:
+            packed = replace(packed, offsets=self.buffer.write(packed))
         self._by_name[name] = packed
         self._paths[name] = str(path)
         return packed
@@ -69,6 +78,8 @@ class AdapterRegistry:
             raise KeyError(f"unknown adapter {name!r}")
         del self._by_name[name]
         del self._paths[name]
+        if self.buffer is not None:
+            self.buffer.free(name)
 
     def get(self, name: str) -> PackedAdapter:
         try:

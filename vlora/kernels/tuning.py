@@ -1,0 +1,195 @@
+"""Adaptive tiling (V-LoRA §4.3.2): an offline-profiled table from shape bucket to tile config.
+
+At run time :func:`get_config` is one dictionary lookup on a bucketed key; shapes
+the table lacks get :func:`heuristic_config`. ``vlora tune`` (:func:`tune`) fills
+the table by timing every config of a pruned search space on the shapes the
+served model can produce and writes ``kernels/configs/<gpu name>.json``.
+
+Keys:  ``shrink:T{tokens}:S{segments}:K{in}:R{rank total}`` and
+       ``expand:T{tokens}:S{segments}:N{out total}:r{rank}``;
+tokens, segments and ranks are rounded up to powers of two.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from vlora.kernels.atmm import TileConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+SEGMENT_BUCKETS = (1, 4, 16, 64)
+RANKS = (8, 16, 32, 64, 128)
+
+
+def pow2_bucket(n: int, cap: int | None = None) -> int:
+    b = 1 << max(0, int(n) - 1).bit_length()
+    return min(b, cap) if cap else b
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
+def shape_key(op: str, tokens: int, segments: int, dim: int, rank: int) -> str:
+    t, s = _bucket(tokens, TOKEN_BUCKETS), _bucket(segments, SEGMENT_BUCKETS)
+    r = pow2_bucket(rank)
+    return f"shrink:T{t}:S{s}:K{dim}:R{r}" if op == "shrink" else f"expand:T{t}:S{s}:N{dim}:r{r}"
+
+
+def gpu_name(device: torch.device | None = None) -> str:
+    """A file-name-safe GPU name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+class TilingTable:
+    def __init__(self, entries: dict[str, list[int]] | None = None, meta: dict | None = None):
+        self.entries = {k: TileConfig(*v) for k, v in (entries or {}).items()}
+        self.meta = meta or {}
+
+    @classmethod
+    def load(cls, name: str | None = None) -> "TilingTable":
+        path = CONFIG_DIR / f"{name or gpu_name()}.json"
+        if not path.is_file():
+            return cls()
+        data = json.loads(path.read_text())
+        return cls(data["entries"], {k: v for k, v in data.items() if k != "entries"})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**self.meta, "entries": {k: c.as_list() for k, c in sorted(self.entries.items())}}
+        path.write_text(json.dumps(data, indent=1))
+
+    def get(self, op: str, tokens: int, segments: int, dim: int, rank: int) -> TileConfig:
+        cfg = self.entries.get(shape_key(op, tokens, segments, dim, rank))
+        return cfg if cfg is not None else heuristic_config(op, tokens, segments, dim, rank)
+
+
+def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, num_sms: int = 132) -> TileConfig:
+    """A reasonable config when the table has no entry (memory-bound skinny GEMMs)."""
+    per_seg = max(1, tokens // max(1, segments))
+    bm = 16 if per_seg <= 16 else 32 if per_seg <= 32 else 64
+    if op == "shrink":
+        bn = min(64, max(16, pow2_bucket(rank)))
+        programs = max(1, segments) * max(1, -(-per_seg // bm)) * max(1, -(-rank // bn))
+        split = 1
+        while programs * split < num_sms and split < 16 and dim // (split * 2) >= 256:
+            split *= 2
+        return TileConfig(bm, bn, 128 if per_seg <= 64 else 64, split, 4, 3)
+    bk = 16 if rank <= 16 else 32
+    return TileConfig(bm, 64 if per_seg <= 64 else 128, bk, 1, 4, 2)
+
+
+def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
+    """Pruned by expert rules: M tile no larger than a segment needs, shrink's N tile fit to the rank,
+    expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension)."""
+    per_seg = max(1, tokens // max(1, segments))
+    bms = [m for m in (16, 32, 64, 128) if m <= max(16, pow2_bucket(per_seg))]
+    if op == "shrink":
+        bn = min(128, max(16, pow2_bucket(rank)))
+        return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3)
+                for bm, bk, split in itertools.product(bms, (64, 128, 256), (1, 2, 4, 8))]
+    return [TileConfig(bm, bn, bk, 1, warps, 2)
+            for bm, bn, bk, warps in itertools.product(bms, (64, 128, 256), (16, 32, 64), (4, 8))
+            if bk <= max(16, pow2_bucket(rank)) and not (warps == 8 and bm * bn < 64 * 128)]
+
+
+def model_shapes(hidden: int, q_size: int, kv_size: int, intermediate: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Packed LoRA groups of a decoder: name -> (in features, output slice widths)."""
+    return {"qkv": (hidden, (q_size, kv_size, kv_size)), "o": (q_size, (hidden,)),
+            "gate_up": (hidden, (intermediate, intermediate)), "down": (intermediate, (hidden,))}
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 3, reps: int = 20) -> float:
+    """Mean seconds per call over ``reps`` back-to-back launches between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps / 1e3
+
+
+def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = torch.bfloat16,
+         token_buckets=TOKEN_BUCKETS, segment_buckets=SEGMENT_BUCKETS, ranks=RANKS,
+         progress: bool = True, budget_s: float | None = None) -> TilingTable:
+    """Profile every config of the search space on every bucket; returns the best-per-key table."""
+    from tqdm import tqdm
+
+    from vlora.kernels import atmm
+
+    dev = torch.device("cuda")
+    jobs = []
+    for (_, (k_in, widths)), t, s, r in itertools.product(groups.items(), token_buckets, segment_buckets, ranks):
+        if s > t:
+            continue
+        jobs.append(("shrink", t, s, k_in, len(widths) * r, widths, r))
+        jobs.append(("expand", t, s, sum(widths), r, widths, r))
+    seen, unique = set(), []
+    for j in jobs:
+        key = shape_key(j[0], j[1], j[2], j[3], j[4])
+        if key not in seen:
+            seen.add(key)
+            unique.append((key, j))
+    table = TilingTable(meta={"gpu": torch.cuda.get_device_name(), "dtype": str(dtype).removeprefix("torch."),
+                              "triton": __import__("triton").__version__, "torch": torch.__version__,
+                              "date": time.strftime("%Y-%m-%d"), "timing": "mean of 20 launches, CUDA events"})
+    t0 = time.perf_counter()
+    bar = tqdm(unique, desc="tuning ATMM", disable=not progress)
+    for key, (op, t, s, dim, rank, widths, r) in bar:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+        case = _case(op, t, s, dim, r, widths, dtype, dev)
+        best, best_t = None, float("inf")
+        for cfg in search_space(op, t, s, rank):
+            try:
+                sec = time_cuda(lambda: case(cfg))
+            except Exception:            # e.g. out of shared memory for this tile: not a candidate
+                continue
+            if sec < best_t:
+                best, best_t = cfg, sec
+        if best is not None:
+            table.entries[key] = best
+            bar.set_postfix_str(f"{key} {best_t * 1e6:.1f}us")
+    return table
+
+
+def _case(op, tokens, segments, dim, r, widths, dtype, dev):
+    """A closure running one op on random data of the given shape, for timing."""
+    from vlora.kernels import atmm
+
+    ns = len(widths)
+    lens = [tokens // segments + (1 if i < tokens % segments else 0) for i in range(segments)]
+    starts = [sum(lens[:i]) for i in range(segments)]
+    meta = atmm.SegmentMeta(torch.tensor(starts, dtype=torch.int32, device=dev),
+                            torch.tensor(lens, dtype=torch.int32, device=dev),
+                            torch.full((segments,), r, dtype=torch.int32, device=dev),
+                            torch.ones(segments, dtype=torch.float32, device=dev), max(lens), tokens)
+    k_in = dim if op == "shrink" else None
+    per_adapter = ns * r * (k_in or 4096) + r * sum(widths)
+    w = torch.randn(segments * per_adapter, dtype=dtype, device=dev) * 0.01
+    a_off = torch.arange(segments, dtype=torch.int64, device=dev) * per_adapter
+    if op == "shrink":
+        x = torch.randn(tokens, dim, dtype=dtype, device=dev)
+        rtot = torch.full((segments,), ns * r, dtype=torch.int32, device=dev)
+        return lambda cfg: atmm.lora_shrink(x, w, a_off, rtot, meta, ns * r, cfg)
+    v = torch.randn(tokens, ns * r, dtype=torch.float32, device=dev)
+    y = torch.zeros(tokens, sum(widths), dtype=dtype, device=dev)
+    b_off = torch.stack([a_off + ns * r * 4096 + sum(widths[:j]) * r for j in range(ns)], dim=1)
+    vcol = torch.tensor([[j * r for j in range(ns)]] * segments, dtype=torch.int32, device=dev)
+    return lambda cfg: atmm.lora_expand(y, v, w, b_off, vcol, widths, meta, cfg)
