@@ -1,4 +1,4 @@
-"""Command line: ``vlora generate`` (more subcommands arrive with their issues)."""
+"""Command line: ``vlora generate``, ``vlora tune`` (more subcommands arrive with their issues)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,38 @@ def _demo_adapters(llm, root) -> dict[str, str]:
     return out
 
 
+def cmd_tune(args) -> int:
+    import json
+
+    import torch
+
+    from vlora.kernels.tuning import CONFIG_DIR, PRESETS, RANKS, TOKEN_BUCKETS, TilingTable, gpu_name, model_shapes, tune
+
+    if not torch.cuda.is_available():
+        print("error: vlora tune profiles the Triton kernels on a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    if args.preset:
+        groups = PRESETS[args.preset]
+    else:
+        from vlora.models.loader import resolve_model_dir
+
+        cfg = json.loads((resolve_model_dir(args.model) / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        groups = model_shapes(cfg["hidden_size"], heads * head_dim,
+                              cfg.get("num_key_value_heads", heads) * head_dim, cfg["intermediate_size"])
+    out = args.output or CONFIG_DIR / f"{gpu_name()}.json"
+    table = TilingTable.load(out.stem) if args.merge and out.is_file() else TilingTable()
+    ranks = tuple(int(r) for r in args.ranks.split(",")) if args.ranks else RANKS
+    new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=TOKEN_BUCKETS,
+               budget_s=args.budget_s)
+    table.entries.update(new.entries)
+    table.meta = new.meta
+    table.save(out)
+    print(f"{len(new.entries)} shape buckets tuned -> {out}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlora", description="Serve many LoRA adapters on one model, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+
+    tun = sub.add_parser("tune", help="profile ATMM tile configs on this GPU and write its tiling table")
+    tun.add_argument("--model", default=None, help="model whose projection shapes to tune for (default: embedded)")
+    tun.add_argument("--preset", choices=["llama-7b", "llama-13b", "bench-grid"], default=None,
+                     help="tune for a preset shape set instead of a model")
+    tun.add_argument("--ranks", default=None, help="comma-separated adapter ranks (default 8,16,32,64,128)")
+    tun.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    tun.add_argument("--output", type=__import__("pathlib").Path, default=None,
+                     help="table path (default: vlora/kernels/configs/<gpu>.json)")
+    tun.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
+                     help="keep the existing table's other entries")
+    tun.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds")
+    tun.set_defaults(func=cmd_tune)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -101,6 +101,18 @@ def test_triton_kernel_path_matches_peft(tmp_path):
     torch.testing.assert_close(again[2], ours[2])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_cuda_engine_with_atmm_matches_peft(tmp_path, dtype, tol):
+    path, paths, pm = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=32, block_size=4, device="cuda", dtype=dtype)
+    assert llm.engine.runner.tiling is not None
+    ours = vlora_logits(llm, PROMPTS, NAMES)
+    for a, r, name in zip(ours, peft_logits(pm, PROMPTS, NAMES), NAMES):
+        a = a.float().cpu()
+        assert (a - r).norm() / r.norm() <= tol, f"adapter {name}"
+
+
 def test_concurrent_greedy_requests_arriving_at_different_iterations(tmp_path):
     path, paths, pm = build(tmp_path)
     llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4)

@@ -1,0 +1,401 @@
+"""The engine on its own thread, for asyncio servers.
+
+One thread owns the :class:`Engine` and is the only one that touches it. The
+asyncio side pushes commands (add a group of requests, abort, unload an
+adapter, run a function) onto a queue guarded by a condition; the thread runs
+them between steps, steps while there is work and sleeps on the condition when
+there is none. Each output goes to the asyncio queue of its
+:class:`RequestGroup` through ``loop.call_soon_threadsafe``.
+
+    submit(jobs) --queue--> [engine thread: commands, step(), dispatch] --call_soon_threadsafe--> group
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from vlora.engine.engine import Engine, RequestError
+from vlora.engine.sequence import RequestOutput
+from vlora.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; try again later."""
+
+
+class ShuttingDown(RuntimeError):
+    """The engine no longer accepts requests (shutting down, or failed)."""
+
+
+class AdapterNotFound(RequestError):
+    """The request names an adapter that is not registered (or is being unloaded)."""
+
+
+class EngineFailed(RuntimeError):
+    """An engine step raised; the requests in flight were aborted."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine request: a prompt (text or token ids), an adapter (None = base model), sampling."""
+
+    prompt: str | list[int]
+    adapter: str | None
+    params: SamplingParams
+    request_id: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every command batch and step."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks: int
+
+
+@dataclass
+class Timing:
+    """Monotonic times of one request: submitted, first token delivered, finished."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """The requests of one API call (``n`` of them); iterate it for their outputs, in arrival order.
+
+    ``on_finish(output, timing)`` runs on the event loop when a request's final output
+    arrives, whether or not anyone still iterates the group.
+    """
+
+    owner: AsyncEngine
+    jobs: tuple[Job, ...]
+    loop: asyncio.AbstractEventLoop
+    on_finish: Callable[[RequestOutput, Timing], None] | None = None
+    arrival: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.request_ids = [j.request_id for j in self.jobs]
+        self.timings = {rid: Timing(self.arrival) for rid in self.request_ids}
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(self.request_ids)      # final output not yet delivered
+        self._open = len(self.request_ids)            # final output not yet yielded
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Abort the requests that have not finished (no-op when all have); safe to call twice."""
+        if self._unfinished:
+            self.owner._abort(list(self._unfinished))
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:      # on the event loop
+        if isinstance(item, RequestOutput):
+            t = self.timings[item.request_id]
+            now = time.monotonic()
+            if t.first_token is None and item.token_ids:
+                t.first_token = now
+            if item.finished:
+                t.finished = now
+                self._unfinished.discard(item.request_id)
+                if self.on_finish is not None:
+                    try:
+                        self.on_finish(item, t)
+                    except Exception:                   # metrics must never break a response
+                        log.exception("on_finish callback failed")
+        else:
+            self._unfinished.clear()
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestGroup:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._open == 0:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._open = 0
+            raise item
+        if item.finished:
+            self._open -= 1
+        return item
+
+    async def results(self) -> list[RequestOutput]:
+        """The final output of every request, in job order."""
+        final = {}
+        async for out in self:
+            if out.finished:
+                final[out.request_id] = out
+        return [final[rid] for rid in self.request_ids]
+
+
+def _settle(fut: asyncio.Future, result, exc: BaseException | None, on_cancelled: Callable[[], None] | None) -> None:
+    if fut.cancelled():             # the caller went away while the engine thread worked
+        if exc is None and on_cancelled is not None:
+            on_cancelled()
+    elif exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _raise(exc: BaseException):
+    raise exc
+
+
+def _deliver_all(items: list[tuple[RequestGroup, RequestOutput | BaseException]]) -> None:
+    for group, item in items:
+        group._deliver(item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queued_requests: int = 256):
+        if max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._cv = threading.Condition()
+        self._commands: deque[Callable[[], None]] = deque()   # guarded by _cv
+        self._pending_adds = 0                                  # guarded by _cv
+        self._idle = threading.Event()
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        # engine thread only
+        self._live: dict[str, tuple[RequestGroup, str | None]] = {}   # request id -> (group, adapter)
+        self._draining: set[str] = set()                                 # adapters being unloaded
+        self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
+        self._busy = False
+        self.stats = self._snapshot()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vlora-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.is_running
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on (safe to call from a signal handler)."""
+        self._accepting = False
+
+    async def shutdown(self, timeout: float | None = None) -> bool:
+        """Refuse new requests, let running ones finish (up to ``timeout`` s, then abort them), stop.
+
+        Returns whether everything finished without being aborted.
+        """
+        self.begin_shutdown()
+        if self._thread is None:
+            return True
+        loop = asyncio.get_running_loop()
+        drained = await loop.run_in_executor(None, self._idle.wait, timeout)
+        if not drained:
+            log.warning("drain timeout: aborting %d request(s)", self.stats.num_running + self.stats.num_waiting)
+            self._push(self._abort_all)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        await loop.run_in_executor(None, self._thread.join)
+        return drained
+
+    # -- the asyncio side -----------------------------------------------------------------
+    async def submit(self, jobs: Sequence[Job],
+                     on_finish: Callable[[RequestOutput, Timing], None] | None = None) -> RequestGroup:
+        """Add ``jobs`` to the engine, all or none; raises QueueFull, ShuttingDown or RequestError."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down" if self.failure is None
+                               else f"the engine failed: {self.failure!r}")
+        loop = asyncio.get_running_loop()
+        group = RequestGroup(self, tuple(jobs), loop, on_finish)
+        fut = loop.create_future()
+        with self._cv:
+            queued = self.stats.num_waiting + self._pending_adds
+            if queued + len(jobs) > self.max_queued_requests:
+                raise QueueFull(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
+            self._pending_adds += len(jobs)
+            self._push_locked(lambda: self._reply(loop, fut, lambda: self._add(group), group.abort))
+        await fut
+        return group
+
+    async def call(self, fn: Callable[[Engine], object]):
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._push(lambda: self._reply(loop, fut, lambda: fn(self.engine)))
+        return await fut
+
+    async def unload_adapter(self, name: str, policy: str = "wait") -> int:
+        """Unregister adapter ``name``; returns how many of its requests were waited for or aborted.
+
+        ``wait``: new requests for it are refused at once, running ones finish first.
+        ``abort``: its requests are aborted (they end with finish_reason "abort").
+        """
+        if policy not in ("wait", "abort"):
+            raise ValueError(f"policy must be wait or abort, got {policy!r}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._push(lambda: self._start_unload(name, policy, loop, fut))
+        return await fut
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._push(lambda: [self.engine.abort(rid) for rid in request_ids])
+
+    def _push(self, command: Callable[[], None]) -> None:
+        with self._cv:
+            self._push_locked(command)
+
+    def _push_locked(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._idle.clear()
+        self._cv.notify()
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self._busy and not self._stopping:
+                    self._idle.set()
+                    self._cv.wait()
+                if self._stopping and not self._commands and not self._busy:
+                    self._idle.set()
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                try:
+                    command()
+                except Exception:
+                    log.exception("engine command failed")
+            self.stats = self._snapshot()
+            if self.failure is None and self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:
+                    log.exception("engine step failed; aborting every request in flight")
+                    self._fail(e)
+                    outputs = []
+                self._dispatch(outputs)
+                self._finish_unloads()
+                self.stats = self._snapshot()
+            self._busy = self.failure is None and self.engine.has_unfinished()
+
+    def _snapshot(self) -> EngineStats:
+        e = self.engine
+        return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting),
+                           e.allocator.num_blocks - e.allocator.num_free, e.allocator.num_blocks)
+
+    def _reply(self, loop, fut, fn: Callable[[], object], on_cancelled: Callable[[], None] | None = None) -> None:
+        try:
+            result, exc = fn(), None
+        except Exception as e:
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(_settle, fut, result, exc, on_cancelled)
+        except RuntimeError:            # the event loop is closed: nobody is waiting
+            pass
+
+    def _add(self, group: RequestGroup) -> None:
+        with self._cv:
+            self._pending_adds -= len(group.jobs)
+        for job in group.jobs:
+            if job.adapter is not None and (job.adapter not in self.engine.adapters or job.adapter in self._draining):
+                known = ", ".join(n for n in self.engine.adapters.names() if n not in self._draining) or "none"
+                why = "is being unloaded" if job.adapter in self._draining else "is not registered"
+                raise AdapterNotFound(f"adapter {job.adapter!r} {why} (registered: {known})")
+        added = []
+        try:
+            for job in group.jobs:
+                added.append(self.engine.add_request(job.prompt, job.adapter, job.params, job.request_id))
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        for job in group.jobs:
+            self._live[job.request_id] = (group, job.adapter)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for out in outputs:
+            entry = self._live.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._live[out.request_id]
+            by_loop[entry[0].loop].append((entry[0], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, items)
+            except RuntimeError:
+                pass
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        self._accepting = False
+        failed = EngineFailed(f"the engine failed: {exc!r}")
+        groups = {}
+        for rid, (group, _) in self._live.items():
+            groups[id(group)] = group
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+        self._live.clear()
+        for group in groups.values():
+            try:
+                group.loop.call_soon_threadsafe(group._deliver, failed)
+            except RuntimeError:
+                pass
+
+    def _abort_all(self) -> None:
+        for rid in list(self._live):
+            self.engine.abort(rid)
+
+    def _in_use(self, adapter: str) -> list[str]:
+        return [rid for rid, (_, a) in self._live.items() if a == adapter]
+
+    def _start_unload(self, name: str, policy: str, loop, fut) -> None:
+        if name not in self.engine.adapters or name in self._draining:
+            exc = AdapterNotFound(f"adapter {name!r} is not registered" if name not in self.engine.adapters
+                                  else f"adapter {name!r} is already being unloaded")
+            self._reply(loop, fut, lambda: _raise(exc))
+            return
+        users = self._in_use(name)
+        if policy == "abort" or not users:
+            for rid in users:
+                self.engine.abort(rid)
+            self.engine.adapters.unregister(name)
+            self._reply(loop, fut, lambda: len(users))
+        else:
+            self._draining.add(name)
+            self._unloads.append((name, loop, fut, len(users)))
+
+    def _finish_unloads(self) -> None:
+        for entry in list(self._unloads):
+            name, loop, fut, count = entry
+            if not self._in_use(name):
+                self._unloads.remove(entry)
+                self._draining.discard(name)
+                self.engine.adapters.unregister(name)
+                self._reply(loop, fut, lambda count=count: count)
