@@ -1,12 +1,15 @@
-"""Command line: ``vlora generate``, ``vlora tune`` (more subcommands arrive with their issues)."""
+"""Command line: ``vlora generate``, ``vlora serve``, ``vlora tune`` (more subcommands arrive with their issues)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-from vlora.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, field_help
+from vlora.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServerConfig, field_help
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, LoRAConfig, SchedulerConfig)
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -16,8 +19,10 @@ DEMO_PROMPTS = [
 ]
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    for cls in (ModelConfig, CacheConfig, LoRAConfig, SchedulerConfig):
+def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) -> None:
+    """One option per config field, its docstring as help; tuple fields are repeatable options named
+    in the singular (adapter_dirs -> --adapter-dir)."""
+    for cls in classes:
         group = parser.add_argument_group(cls.__name__)
         for name, help_text in field_help(cls).items():
             default = cls.__dataclass_fields__[name].default
@@ -25,6 +30,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 group.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
                                    default=default, help=help_text)
+            elif kind is tuple:
+                group.add_argument(f"--{name.removesuffix('s').replace('_', '-')}", dest=name, action="append",
+                                   default=[], metavar=name.removesuffix("s").upper(), help=help_text)
             else:
                 conv = {int: int, float: float}.get(kind, str)
                 if name in ("num_blocks", "max_model_len"):
@@ -32,13 +40,26 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(f"--{name.replace('_', '-')}", type=conv, default=default, help=help_text)
 
 
+def _pick(cls, args):
+    return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__})
+
+
 def _engine_config(args):
     from vlora.config import EngineConfig
 
-    def pick(cls):
-        return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__})
+    return EngineConfig(*(_pick(cls, args) for cls in ENGINE_CONFIGS))
 
-    return EngineConfig(pick(ModelConfig), pick(CacheConfig), pick(LoRAConfig), pick(SchedulerConfig))
+
+def _parse_adapters(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--adapter takes NAME=PATH, got {item!r}")
+        if name in out:
+            raise ValueError(f"--adapter {name!r} is given twice")
+        out[name] = path
+    return out
 
 
 def cmd_generate(args) -> int:
@@ -46,12 +67,11 @@ def cmd_generate(args) -> int:
     from vlora.models.loader import cache_root
 
     t0 = time.perf_counter()
+    adapters = _parse_adapters(args.adapter)
     llm = LLM(config=_engine_config(args))
-    adapters = dict(a.split("=", 1) for a in args.adapter)
     if not adapters:
-        adapters = _demo_adapters(llm, cache_root() / "demo-adapters")
-        print("note: no --adapter given; serving two random-weight demo adapters (they nudge the base "
-              "model's answers at random; they are not trained skills)", file=sys.stderr)
+        adapters = _demo_adapters(llm.engine, cache_root() / "demo-adapters")
+        print(_DEMO_NOTE, file=sys.stderr)
     for name, path in adapters.items():
         llm.register_adapter(name, path)
     names = [None] + list(adapters)
@@ -70,10 +90,35 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _demo_adapters(llm, root) -> dict[str, str]:
+_DEMO_NOTE = ("note: no --adapter given; serving two random-weight demo adapters (they nudge the base "
+              "model's answers at random; they are not trained skills)")
+
+
+def cmd_serve(args) -> int:
+    from vlora.engine.engine import Engine
+    from vlora.models.loader import cache_root
+    from vlora.server.app import serve
+
+    if args.api_key is None:
+        args.api_key = os.environ.get("VLORA_API_KEY") or None
+    server_config = _pick(ServerConfig, args)          # fails before the model loads
+    adapters = _parse_adapters(args.adapter)
+    engine = Engine(_engine_config(args))
+    if not adapters:
+        adapters = _demo_adapters(engine, cache_root() / "demo-adapters")
+        print(_DEMO_NOTE, file=sys.stderr)
+    for name, path in adapters.items():
+        engine.adapters.register(name, path)
+    print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
+          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1", file=sys.stderr)
+    serve(engine, server_config, log_level=args.log_level)
+    return 0
+
+
+def _demo_adapters(engine, root) -> dict[str, str]:
     from vlora.lora.random_adapter import write_random_adapter
 
-    shape = llm.engine.adapters.shape
+    shape = engine.adapters.shape
     out = {}
     for name, rank, seed in (("demo-r8", 8, 1), ("demo-r16", 16, 2)):
         path = root / shape.name / name
@@ -127,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, adapters, metrics)")
+    _add_config_args(srv, ENGINE_CONFIGS + (ServerConfig,))
+    srv.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                     help="PEFT adapter directory to serve from the start (repeatable); default: two demo adapters")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=cmd_serve)
 
     tun = sub.add_parser("tune", help="profile ATMM tile configs on this GPU and write its tiling table")
     tun.add_argument("--model", default=None, help="model whose projection shapes to tune for (default: embedded)")

@@ -11,7 +11,7 @@ from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref
 
 WIDTHS = (48, 16, 16)          # a packed q, k, v group (GQA: k and v narrower)
-K = 40                          # not a multiple of any BLOCK_K: exercises masking
+K = 40                          # not a multiple of any BLOCK_K: exercises masking (EVEN_K off)
 
 
 def zipf_choice(rng, n, alpha=1.5):
@@ -93,7 +93,7 @@ def run_both(segs, w, x, cfg_s, cfg_e, device):
     return v, v_ref, y, y_ref, y0, starts, lens
 
 
-CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig(16, 32, 16, split_k=3)]
+CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig(16, 32, 16, split_k=3, m_loop=2)]
 
 
 @pytest.mark.parametrize("dist", ["identical", "uniform", "zipf", "distinct"])
@@ -101,7 +101,7 @@ CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig
 def test_shrink_expand_match_float64_reference(dist, cfg):
     lens = [1, 5, 17, 33, 0, 2] if dist != "identical" else [40, 9]
     w, x, segs = make_case(dist, 7, lens, ranks=[8, 16, 4], dtype=torch.float32, device="cpu", seed=hash(dist) % 97)
-    v, v_ref, y, y_ref, y0, starts, lens = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 16, 16), "cpu")
+    v, v_ref, y, y_ref, y0, starts, lens = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 16, 16, m_loop=cfg.m_loop), "cpu")
     torch.testing.assert_close(v.double(), v_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
     covered = torch.zeros(x.shape[0], dtype=torch.bool)
@@ -168,3 +168,15 @@ def test_gpu_bf16_within_benchmark_tolerance(dist, dtype):
         v, v_ref, y, y_ref, *_ = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 64, 16), "cuda")
         assert (v.double() - v_ref).norm() / v_ref.norm() <= 1e-2
         assert (y.double() - y_ref).norm() / y_ref.norm() <= 1e-2
+
+
+def test_even_k_path_matches_reference(monkeypatch):
+    """K a multiple of BLOCK_K * split_k takes the unmasked-K loads."""
+    import tests.kernels.test_atmm as t
+
+    monkeypatch.setattr(t, "K", 64)
+    w, x, segs = make_case("zipf", 6, [2, 19, 5], ranks=[8, 16], dtype=torch.float32, device="cpu", seed=11)
+    for cfg in (TileConfig(16, 16, 32), TileConfig(32, 16, 16, split_k=2)):
+        v, v_ref, y, y_ref, *_ = run_both(segs, w, x, cfg, TileConfig(16, 16, 16, m_loop=3), "cpu")
+        torch.testing.assert_close(v.double(), v_ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)

@@ -182,6 +182,7 @@ class AsyncEngine:
         self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._busy = False
         self.stats = self._snapshot()
+        self.adapter_names = frozenset(engine.adapters.names())   # servable adapters, published
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -288,6 +289,8 @@ class AsyncEngine:
                     command()
                 except Exception:
                     log.exception("engine command failed")
+            if commands:
+                self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining
             self.stats = self._snapshot()
             if self.failure is None and self.engine.has_unfinished():
                 try:
@@ -297,7 +300,9 @@ class AsyncEngine:
                     self._fail(e)
                     outputs = []
                 self._dispatch(outputs)
-                self._finish_unloads()
+                if self._unloads:
+                    self._finish_unloads()
+                    self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining
                 self.stats = self._snapshot()
             self._busy = self.failure is None and self.engine.has_unfinished()
 

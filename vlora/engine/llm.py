@@ -82,10 +82,7 @@ class LLM:
         return self.generate([self.apply_chat_template(c) for c in conversations], adapters, sampling)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return apply_chat_template(self.tokenizer, messages)
 
     def stream(self, prompt: Prompt, adapter: str | None = None,
                sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -101,6 +98,14 @@ class LLM:
         finally:
             if not done:
                 self.engine.abort(rid)
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` ([{"role", "content"}, ...]) in the model's chat format, ready for the answer."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model has no chat template")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _is_token_list(x) -> bool:

@@ -39,16 +39,17 @@ class TileConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    m_loop: int = 1            # expand: M tiles each program walks (amortises metadata, reuses B from cache)
 
     def as_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages]
+        return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, self.m_loop]
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr,
                    K, stride_xm, stride_vm, m_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
+                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -71,9 +72,13 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
         k_begin = pid_k * k_span
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_begin, tl.minimum(k_begin + k_span, K), BLOCK_K):
-            k_mask = (k + offs_k) < K
-            xt = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K:                          # K splits evenly into tiles: no K mask on the loads
+                xt = tl.load(x_ptrs + k, mask=m_mask[:, None], other=0.0)
+                at = tl.load(a_ptrs + k, mask=n_mask[None, :], other=0.0)
+            else:
+                k_mask = (k + offs_k) < K
+                xt = tl.load(x_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                at = tl.load(a_ptrs + k, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(xt, at, input_precision="ieee")
             else:
@@ -88,17 +93,17 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
 
 @triton.jit
 def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
-                   starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vm, stride_ym, m_tiles,
+                   starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   M_LOOP: tl.constexpr, IEEE: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
-    seg = pid0 // m_tiles
-    m0 = (pid0 % m_tiles) * BLOCK_M
+    seg = pid0 // m_progs
+    m_first = (pid0 % m_progs) * (BLOCK_M * M_LOOP)
     seg_len = tl.load(lens_ptr + seg)
     sl = tl.load(tiles_ptr + 2 * pid_t)
     b_off = tl.load(b_off_ptr + seg * NS + sl)
-    if (m0 < seg_len) & (b_off >= 0):
+    if (m_first < seg_len) & (b_off >= 0):
         n0 = tl.load(tiles_ptr + 2 * pid_t + 1)
         width = tl.load(widths_ptr + sl)
         col0 = tl.load(cols_ptr + sl)
@@ -106,26 +111,27 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
         vcol = tl.load(vcol_ptr + seg * NS + sl)
         scale = tl.load(scales_ptr + seg)
         start = tl.load(starts_ptr + seg).to(tl.int64)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        m_mask = offs_m < seg_len
         n_mask = offs_n < width
-        v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
         b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, r, BLOCK_K):
-            k_mask = (k + offs_k) < r
-            vt = tl.load(v_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
-            else:
-                acc += tl.dot(vt.to(bt.dtype), bt)
-        y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+        for mi in range(M_LOOP):                # this program's M tiles share metadata and B (cached)
+            offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < seg_len
+            v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, r, BLOCK_K):
+                k_mask = (k + offs_k) < r
+                vt = tl.load(v_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if IEEE:
+                    acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
+                else:
+                    acc += tl.dot(vt.to(bt.dtype), bt)
+            y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
 
 
 @lru_cache(maxsize=256)
@@ -165,6 +171,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, x.shape[1], x.stride(0), v.stride(0),
                          m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          SPLIT_K=cfg.split_k, IEEE=x.dtype == torch.float32,
+                         EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return v
 
@@ -183,10 +190,10 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     if num_segs == 0 or meta.max_len == 0:
         return y
     tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n, str(y.device))
-    m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
-    grid = (num_segs * m_tiles, tiles.shape[0] // 2)
+    m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
+    grid = (num_segs * m_progs, tiles.shape[0] // 2)
     _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
-                         meta.scales, v.stride(0), y.stride(0), m_tiles, NS=len(widths),
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         meta.scales, v.stride(0), y.stride(0), m_progs, NS=len(widths),
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
                          IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

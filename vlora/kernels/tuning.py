@@ -89,7 +89,7 @@ def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, n
             split *= 2
         return TileConfig(bm, bn, 128 if per_seg <= 64 else 64, split, 4, 3)
     bk = 16 if rank <= 16 else 32
-    return TileConfig(bm, 64 if per_seg <= 64 else 128, bk, 1, 4, 2)
+    return TileConfig(bm, 64 if per_seg <= 64 else 128, bk, 1, 4, 2, 4 if per_seg >= 1024 else 1)
 
 
 def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
@@ -101,8 +101,10 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
         bn = min(128, max(16, pow2_bucket(rank)))
         return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3)
                 for bm, bk, split in itertools.product(bms, (64, 128, 256), (1, 2, 4, 8))]
-    return [TileConfig(bm, bn, bk, 1, warps, 2)
-            for bm, bn, bk, warps in itertools.product(bms, (64, 128, 256), (16, 32, 64), (4, 8))
+    m_tiles = max(1, per_seg // 16)
+    loops = [m for m in (1, 4, 16) if m == 1 or m * 16 <= m_tiles]
+    return [TileConfig(bm, bn, bk, 1, warps, 2, loop)
+            for bm, bn, bk, warps, loop in itertools.product(bms, (64, 128, 256), (16, 32, 64), (4, 8), loops)
             if bk <= max(16, pow2_bucket(rank)) and not (warps == 8 and bm * bn < 64 * 128)]
 
 
@@ -141,7 +143,7 @@ PRESETS = {   # packed groups to tune for: a served model's four groups, or the 
     "llama-7b": model_shapes(4096, 4096, 4096, 11008),
     "llama-13b": model_shapes(5120, 5120, 5120, 13824),
     "bench-grid": {"h4096": (4096, (4096,)), "h5120": (5120, (5120,)), "up": (4096, (11008,)),
-                   "down": (11008, (4096,)), "qkv": (4096, (4096,) * 3), "gate_up": (4096, (11008,) * 2)},
+                   "down": (11008, (4096,))},
 }
 
 

@@ -1,0 +1,64 @@
+"""Prometheus metrics of one server, in a registry of its own (never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from vlora.engine.async_engine import AsyncEngine, Timing
+from vlora.engine.sequence import RequestOutput
+
+MODES = ("merged", "unmerged", "mixed")
+_TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, base_name: str):
+        self.registry = r = CollectorRegistry()
+        self.base_name = base_name
+        stats = lambda: engine.stats     # noqa: E731 (a snapshot the engine thread publishes)
+        Gauge("vlora_requests_running", "Requests in the running batch", registry=r).set_function(
+            lambda: stats().num_running)
+        Gauge("vlora_requests_waiting", "Requests waiting to be scheduled", registry=r).set_function(
+            lambda: stats().num_waiting)
+        Gauge("vlora_kv_blocks_used", "KV-cache blocks in use", registry=r).set_function(
+            lambda: stats().num_blocks_used)
+        Gauge("vlora_kv_blocks_total", "KV-cache blocks in the pool", registry=r).set_function(
+            lambda: stats().num_blocks)
+        Gauge("vlora_kv_cache_usage_ratio", "Share of KV-cache blocks in use", registry=r).set_function(
+            lambda: stats().num_blocks_used / max(1, stats().num_blocks))
+        self.mode = Gauge("vlora_inference_mode", "Current inference mode (1 = active)", ["mode"], registry=r)
+        self.set_mode("unmerged")
+        self.mode_switches = Counter("vlora_mode_switches", "Inference-mode switches", registry=r)
+        self.requests = Counter("vlora_requests", "Finished engine requests", ["adapter", "finish_reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("vlora_prompt_tokens", "Prompt tokens of finished requests", ["adapter"],
+                                     registry=r)
+        self.generation_tokens = Counter("vlora_generation_tokens", "Generated tokens of finished requests",
+                                         ["adapter"], registry=r)
+        self.ttft = Histogram("vlora_time_to_first_token_seconds", "Time from submission to the first token",
+                              ["adapter"], buckets=_TTFT, registry=r)
+        self.tpot = Histogram("vlora_time_per_output_token_seconds", "Time per output token after the first",
+                              ["adapter"], buckets=_TPOT, registry=r)
+        self.e2e = Histogram("vlora_e2e_request_latency_seconds", "Time from submission to the last token",
+                             ["adapter"], buckets=_E2E, registry=r)
+        self.http_errors = Counter("vlora_http_errors", "Requests refused or failed, by HTTP status", ["status"],
+                                   registry=r)
+
+    def set_mode(self, mode: str) -> None:
+        for m in MODES:
+            self.mode.labels(m).set(1 if m == mode else 0)
+
+    def observe(self, out: RequestOutput, t: Timing) -> None:
+        """Record one finished engine request (called on the event loop)."""
+        adapter = out.adapter or self.base_name
+        self.requests.labels(adapter, out.finish_reason).inc()
+        self.prompt_tokens.labels(adapter).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(adapter).inc(len(out.token_ids))
+        if out.finish_reason == "abort" or t.first_token is None or t.finished is None:
+            return
+        self.ttft.labels(adapter).observe(t.first_token - t.arrival)
+        self.e2e.labels(adapter).observe(t.finished - t.arrival)
+        if len(out.token_ids) > 1:
+            self.tpot.labels(adapter).observe((t.finished - t.first_token) / (len(out.token_ids) - 1))
