@@ -84,13 +84,22 @@ def run_both(segs, w, x, cfg_s, cfg_e, device):
     b_off = torch.tensor([a["b_offs"] for _, _, a in segs], dtype=torch.int64, device=device).view(-1, 3)
     vcol = torch.tensor([a["vcols"] for _, _, a in segs], dtype=torch.int32, device=device).view(-1, 3)
     r_max = max([a["rtot"] for _, _, a in segs], default=1)
-    v = lora_shrink(x, w, a_off, rtot, meta, r_max, cfg_s)
+    v = lora_shrink(x, w, a_off, rtot, meta, r_max, cfg_s, out=torch.full(
+        (cfg_s.split_k, x.shape[0], r_max), float("nan"), device=device))      # poisoned
     v_ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
     y0 = torch.randn(x.shape[0], sum(WIDTHS), dtype=x.dtype, device=device)
     y = lora_expand(y0.clone(), v, w, b_off, vcol, WIDTHS, meta, cfg_e)
     y_ref = lora_expand_ref(y0, v_ref, w, b_off.tolist(), vcol.tolist(), WIDTHS, starts, lens,
                             meta.ranks.tolist(), meta.scales.tolist())
-    return v, v_ref, y, y_ref, y0, starts, lens
+    return defined(v, segs), v_ref, y, y_ref, y0, starts, lens
+
+
+def defined(v, segs):
+    """Sum of the split-K planes on the entries the kernel defines (segment rows, R_s columns); 0 elsewhere."""
+    out = torch.zeros(v.shape[1:], dtype=v.dtype, device=v.device)
+    for s, n, a in segs:
+        out[s:s + n, :a["rtot"]] = v[:, s:s + n, :a["rtot"]].sum(0)
+    return out
 
 
 CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig(16, 32, 16, split_k=3, m_loop=2)]
@@ -116,11 +125,14 @@ def test_shrink_writes_every_covered_entry_of_a_poisoned_output():
     a_off = torch.tensor([a["a_off"] for _, _, a in segs], dtype=torch.int64)
     rtot = torch.tensor([a["rtot"] for _, _, a in segs], dtype=torch.int32)
     r_max = int(rtot.max())
-    poison = torch.full((x.shape[0], r_max), float("nan"))
-    v = lora_shrink(x, w, a_off, rtot, meta, r_max, TileConfig(16, 16, 16), out=poison)
-    ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
-    for (s, n, a) in segs:
-        torch.testing.assert_close(v[s:s + n, :a["rtot"]].double(), ref[s:s + n, :a["rtot"]], rtol=1e-4, atol=1e-4)
+    for split in (1, 3):
+        poison = torch.full((split, x.shape[0], r_max), float("nan"))
+        v = lora_shrink(x, w, a_off, rtot, meta, r_max, TileConfig(16, 16, 16, split_k=split), out=poison)
+        ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
+        for (s, n, a) in segs:
+            got = v[:, s:s + n, :a["rtot"]].sum(0).double()
+            assert torch.isfinite(got).all()                       # every defined entry was written
+            torch.testing.assert_close(got, ref[s:s + n, :a["rtot"]], rtol=1e-4, atol=1e-4)
 
 
 def test_delora_pair_is_a_second_pass_with_negative_scale():
@@ -153,7 +165,7 @@ def test_no_segments_is_a_no_op():
                        max_len=0, num_rows=0)
     v = lora_shrink(x, torch.zeros(8), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
                     meta, 8, TileConfig(16, 16, 16))
-    assert not v.any()
+    assert v.shape == (1, 4, 8)
     out = lora_expand(y.clone(), v, torch.zeros(8), torch.zeros(0, 3, dtype=torch.int64),
                       torch.zeros(0, 3, dtype=torch.int32), WIDTHS, meta, TileConfig(16, 16, 16))
     assert torch.equal(out, y)

@@ -47,7 +47,7 @@ class TileConfig:
 
 @triton.jit
 def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr,
-                   K, stride_xm, stride_vm, m_tiles,
+                   K, stride_xm, stride_vk, stride_vm, m_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
     pid0 = tl.program_id(0)
@@ -83,19 +83,17 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
                 acc += tl.dot(xt, at, input_precision="ieee")
             else:
                 acc += tl.dot(xt, at)
-        v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K == 1:
-            tl.store(v_ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(v_ptrs, acc, mask=mask)
+        # split-K partials go to their own plane (no atomics, no zero fill); expand sums the planes
+        v_ptrs = (v_ptr + pid_k * stride_vk + (start + offs_m)[:, None].to(tl.int64) * stride_vm
+                  + offs_n[None, :])
+        tl.store(v_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
-                   starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vm, stride_ym, m_progs,
+                   starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   M_LOOP: tl.constexpr, IEEE: tl.constexpr):
+                   M_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
     seg = pid0 // m_progs
@@ -119,18 +117,21 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
             offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
             m_mask = offs_m < seg_len
             v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+            y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
+            mask = m_mask[:, None] & n_mask[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0)        # issued before the K loop: overlaps it
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, r, BLOCK_K):
                 k_mask = (k + offs_k) < r
-                vt = tl.load(v_ptrs + k, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                vmask = m_mask[:, None] & k_mask[None, :]
+                vt = tl.load(v_ptrs + k, mask=vmask, other=0.0)
+                for p in tl.static_range(1, SPLIT_V):       # split-K planes of the shrink
+                    vt += tl.load(v_ptrs + p * stride_vk + k, mask=vmask, other=0.0)
                 bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 if IEEE:
                     acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
                 else:
                     acc += tl.dot(vt.to(bt.dtype), bt)
-            y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
-            y = tl.load(y_ptrs, mask=mask, other=0.0)
             tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
 
 
@@ -150,18 +151,20 @@ def _column_tiles(widths: tuple[int, ...], block_n: int, device: str) -> tuple[t
 
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    """v[rows_s, :R_s] = x[rows_s] @ A_s^T for every segment; other entries of v are zero.
+    """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
 
-    Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s); returns v [T, r_max] fp32.
-    ``out`` (split_k == 1 only): a preallocated v whose segment entries are overwritten, the rest kept.
+    Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s);
+    returns v [split_k, T, r_max] fp32, whose planes sum to x @ A^T on segment rows (other entries
+    are left as allocated: uninitialised, or ``out``'s contents).
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
     assert a_off.dtype == torch.int64 and rtot.dtype == torch.int32
+    shape = (cfg.split_k, x.shape[0], max(r_max, 1))
     if out is None:
-        v = torch.zeros(x.shape[0], max(r_max, 1), dtype=torch.float32, device=x.device)
+        v = torch.empty(shape, dtype=torch.float32, device=x.device)
     else:
-        assert cfg.split_k == 1 and out.dtype == torch.float32 and out.shape[0] == x.shape[0]
+        assert out.dtype == torch.float32 and tuple(out.shape) == shape and out.is_contiguous()
         v = out
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:
@@ -169,7 +172,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
     grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
     _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, x.shape[1], x.stride(0), v.stride(0),
-                         m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          SPLIT_K=cfg.split_k, IEEE=x.dtype == torch.float32,
                          EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -180,9 +183,10 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
                 widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig) -> torch.Tensor:
     """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
 
-    Shape: y [T, sum(widths)]; v [T, >= max R_s] fp32; b_off [S, NS] int64 (-1 = slice absent);
-    vcol [S, NS] int32. Returns y.
+    Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P split-K planes, summed here);
+    b_off [S, NS] int64 (-1 = slice absent); vcol [S, NS] int32. Returns y.
     """
+    assert v.dim() == 3 and v.stride(2) == 1, "v must be [planes, T, R] as lora_shrink returns it"
     assert y.dim() == 2 and y.stride(1) == 1 and y.shape[1] == sum(widths), "y must be [T, sum(widths)]"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == y.dtype, "w must be a flat buffer of y's dtype"
     assert b_off.dtype == torch.int64 and vcol.dtype == torch.int32 and b_off.shape == vcol.shape
@@ -193,7 +197,8 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
     grid = (num_segs * m_progs, tiles.shape[0] // 2)
     _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
-                         meta.scales, v.stride(0), y.stride(0), m_progs, NS=len(widths),
+                         meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
+                         SPLIT_V=v.shape[0],
                          IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

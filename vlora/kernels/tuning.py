@@ -80,16 +80,16 @@ class TilingTable:
 def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, num_sms: int = 132) -> TileConfig:
     """A reasonable config when the table has no entry (memory-bound skinny GEMMs)."""
     per_seg = max(1, tokens // max(1, segments))
-    bm = 16 if per_seg <= 16 else 32 if per_seg <= 32 else 64
-    if op == "shrink":
-        bn = min(64, max(16, pow2_bucket(rank)))
+    if op == "shrink":      # what the H200 table picks most: thin M tiles, N fit to R, long K tiles, split-K
+        bm = 16 if per_seg <= 256 else 32
+        bn = min(128, max(16, pow2_bucket(rank)))
         programs = max(1, segments) * max(1, -(-per_seg // bm)) * max(1, -(-rank // bn))
         split = 1
-        while programs * split < num_sms and split < 16 and dim // (split * 2) >= 256:
+        while programs * split < 2 * num_sms and split < 8 and dim // (split * 2) >= 256:
             split *= 2
-        return TileConfig(bm, bn, 128 if per_seg <= 64 else 64, split, 4, 3)
-    bk = 16 if rank <= 16 else 32
-    return TileConfig(bm, 64 if per_seg <= 64 else 128, bk, 1, 4, 2, 4 if per_seg >= 1024 else 1)
+        return TileConfig(bm, bn, 256 if per_seg <= 64 else 128, split, 4, 3)
+    bm = 16 if per_seg <= 1024 else 32
+    return TileConfig(bm, 128, 16, 1, 4, 2, 4 if per_seg >= 1024 else 1)
 
 
 def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
@@ -164,6 +164,7 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             continue
         jobs.append(("shrink", t, s, k_in, len(widths) * r, widths, r))
         jobs.append(("expand", t, s, sum(widths), r, widths, r))
+    jobs.sort(key=lambda j: -j[1])          # large token counts first: they matter most and tune slowest
     seen, unique = set(), []
     for j in jobs:
         key = shape_key(j[0], j[1], j[2], j[3], j[4])
@@ -212,7 +213,7 @@ def _case(op, tokens, segments, dim, r, widths, dtype, dev):
         x = torch.randn(tokens, dim, dtype=dtype, device=dev)
         rtot = torch.full((segments,), ns * r, dtype=torch.int32, device=dev)
         return lambda cfg: atmm.lora_shrink(x, w, a_off, rtot, meta, ns * r, cfg)
-    v = torch.randn(tokens, ns * r, dtype=torch.float32, device=dev)
+    v = torch.randn(1, tokens, ns * r, dtype=torch.float32, device=dev)
     y = torch.zeros(tokens, sum(widths), dtype=dtype, device=dev)
     b_off = torch.stack([a_off + ns * r * 4096 + sum(widths[:j]) * r for j in range(ns)], dim=1)
     vcol = torch.tensor([[j * r for j in range(ns)]] * segments, dtype=torch.int32, device=dev)
