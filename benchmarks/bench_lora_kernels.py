@@ -317,17 +317,17 @@ def atmm_fn(c: Case, cs: TileConfig, ce: TileConfig):
     spec = c.spec
 
     def fn():
-        v = lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, spec.r_max, cs)
-        return lora_expand(c.y, v, c.w, c.b_off_t, c.vcol_t, (spec.n,), c.meta, ce)
+        v = lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, spec.r_max, cs, aligned=True)
+        return lora_expand(c.y, v, c.w, c.b_off_t, c.vcol_t, (spec.n,), c.meta, ce, aligned=True)
     return fn
 
 
 def shrink_fn(c: Case, cs: TileConfig):
-    return lambda: lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, c.spec.r_max, cs)
+    return lambda: lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, c.spec.r_max, cs, aligned=True)
 
 
 def expand_fn(c: Case, ce: TileConfig, v_in: torch.Tensor):
-    return lambda: lora_expand(c.y, v_in, c.w, c.b_off_t, c.vcol_t, (c.spec.n,), c.meta, ce)
+    return lambda: lora_expand(c.y, v_in, c.w, c.b_off_t, c.vcol_t, (c.spec.n,), c.meta, ce, aligned=True)
 
 
 def loop_fn(c: Case):

@@ -192,3 +192,23 @@ def test_even_k_path_matches_reference(monkeypatch):
         v, v_ref, y, y_ref, *_ = run_both(segs, w, x, cfg, TileConfig(16, 16, 16, m_loop=3), "cpu")
         torch.testing.assert_close(v.double(), v_ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_adapter_buffer_aligns_every_matrix(tmp_path):
+    """The engine promises the kernels 16-element alignment of every A and B (aligned=True)."""
+    from tests.helpers import make_tiny_model
+    from vlora.lora.adapter import ModelShape
+    from vlora.lora.random_adapter import write_random_adapter
+    from vlora.lora.registry import AdapterRegistry
+
+    ins = {"q_proj": 64, "k_proj": 64, "v_proj": 64, "o_proj": 64, "gate_proj": 64, "up_proj": 64, "down_proj": 128}
+    outs = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "o_proj": 64, "gate_proj": 128, "up_proj": 128, "down_proj": 64}
+    shape = ModelShape("tiny", 2, ins, outs)
+    reg = AdapterRegistry(shape, 64, torch.float32, torch.device("cpu"), kernel="triton")
+    for i, r in enumerate((8, 24, 5)):           # rank 5: odd sizes get padded
+        reg.register(f"a{i}", write_random_adapter(tmp_path / f"a{i}", shape, r, seed=i, targets=("q_proj", "v_proj", "down_proj")))
+    reg.unregister("a1")
+    reg.register("a3", write_random_adapter(tmp_path / "a3", shape, 16, seed=3))
+    for name in reg.names():
+        for g in reg.get(name).offsets.values():
+            assert (g.a_off % 16 == 0).all() and (g.b_off[g.b_off >= 0] % 16 == 0).all()

@@ -49,7 +49,7 @@ class TileConfig:
 def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr,
                    K, stride_xm, stride_vk, stride_vm, m_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -61,6 +61,8 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
     if (m0 < seg_len) & (n0 < rtot):
         start = tl.load(starts_ptr + seg).to(tl.int64)
         a_off = tl.load(a_off_ptr + seg)
+        if ALIGNED:                             # offsets from memory: promise 16-element alignment so
+            a_off = tl.multiple_of(a_off, 16)   # loads vectorise (the buffer layout guarantees it)
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -93,7 +95,7 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
 def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
                    starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   M_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr):
+                   M_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
     seg = pid0 // m_progs
@@ -109,6 +111,12 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
         vcol = tl.load(vcol_ptr + seg * NS + sl)
         scale = tl.load(scales_ptr + seg)
         start = tl.load(starts_ptr + seg).to(tl.int64)
+        if ALIGNED:                             # see the shrink kernel
+            n0 = tl.multiple_of(n0, BLOCK_N)
+            width = tl.multiple_of(width, 16)
+            col0 = tl.multiple_of(col0, 16)
+            b_off = tl.multiple_of(b_off, 16)
+            vcol = tl.multiple_of(vcol, 8)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         n_mask = offs_n < width
@@ -150,12 +158,13 @@ def _column_tiles(widths: tuple[int, ...], block_n: int, device: str) -> tuple[t
 
 
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
-                r_max: int, cfg: TileConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+                r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
 
     Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s);
     returns v [split_k, T, r_max] fp32, whose planes sum to x @ A^T on segment rows (other entries
     are left as allocated: uninitialised, or ``out``'s contents).
+    ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads).
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
@@ -175,16 +184,18 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
                          v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          SPLIT_K=cfg.split_k, IEEE=x.dtype == torch.float32,
                          EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
+                         ALIGNED=aligned and x.shape[1] % 16 == 0,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return v
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.Tensor, vcol: torch.Tensor,
-                widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig) -> torch.Tensor:
+                widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig, aligned: bool = False) -> torch.Tensor:
     """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
 
     Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P split-K planes, summed here);
     b_off [S, NS] int64 (-1 = slice absent); vcol [S, NS] int32. Returns y.
+    ``aligned``: the caller guarantees b_off multiples of 16 and vcol multiples of 8.
     """
     assert v.dim() == 3 and v.stride(2) == 1, "v must be [planes, T, R] as lora_shrink returns it"
     assert y.dim() == 2 and y.stride(1) == 1 and y.shape[1] == sum(widths), "y must be [T, sum(widths)]"
@@ -199,6 +210,6 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
                          meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
-                         SPLIT_V=v.shape[0],
+                         SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),
                          IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

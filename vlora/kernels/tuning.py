@@ -94,18 +94,18 @@ def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, n
 
 def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
     """Pruned by expert rules: M tile no larger than a segment needs, shrink's N tile fit to the rank,
-    expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension)."""
+    expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension),
+    M-tile walking only for long segments."""
     per_seg = max(1, tokens // max(1, segments))
-    bms = [m for m in (16, 32, 64, 128) if m <= max(16, pow2_bucket(per_seg))]
+    bms = [m for m in (16, 32, 64) if m <= max(16, pow2_bucket(per_seg))]
     if op == "shrink":
         bn = min(128, max(16, pow2_bucket(rank)))
         return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3)
-                for bm, bk, split in itertools.product(bms, (64, 128, 256), (1, 2, 4, 8))]
-    m_tiles = max(1, per_seg // 16)
-    loops = [m for m in (1, 4, 16) if m == 1 or m * 16 <= m_tiles]
-    return [TileConfig(bm, bn, bk, 1, warps, 2, loop)
-            for bm, bn, bk, warps, loop in itertools.product(bms, (64, 128, 256), (16, 32, 64), (4, 8), loops)
-            if bk <= max(16, pow2_bucket(rank)) and not (warps == 8 and bm * bn < 64 * 128)]
+                for bm, bk, split in itertools.product(bms, (128, 256), (1, 2, 4, 8))]
+    loops = [1, 4] if per_seg >= 256 else [1]
+    return [TileConfig(bm, bn, bk, 1, 4, 2, loop)
+            for bm, bn, bk, loop in itertools.product(bms, (64, 128, 256), (16, 32), loops)
+            if bk <= max(16, pow2_bucket(rank))]
 
 
 def model_shapes(hidden: int, q_size: int, kv_size: int, intermediate: int) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -212,9 +212,9 @@ def _case(op, tokens, segments, dim, r, widths, dtype, dev):
     if op == "shrink":
         x = torch.randn(tokens, dim, dtype=dtype, device=dev)
         rtot = torch.full((segments,), ns * r, dtype=torch.int32, device=dev)
-        return lambda cfg: atmm.lora_shrink(x, w, a_off, rtot, meta, ns * r, cfg)
+        return lambda cfg: atmm.lora_shrink(x, w, a_off, rtot, meta, ns * r, cfg, aligned=True)
     v = torch.randn(1, tokens, ns * r, dtype=torch.float32, device=dev)
     y = torch.zeros(tokens, sum(widths), dtype=dtype, device=dev)
     b_off = torch.stack([a_off + ns * r * 4096 + sum(widths[:j]) * r for j in range(ns)], dim=1)
     vcol = torch.tensor([[j * r for j in range(ns)]] * segments, dtype=torch.int32, device=dev)
-    return lambda cfg: atmm.lora_expand(y, v, w, b_off, vcol, widths, meta, cfg)
+    return lambda cfg: atmm.lora_expand(y, v, w, b_off, vcol, widths, meta, cfg, aligned=True)

@@ -14,6 +14,15 @@ from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, 
                               SegmentMeta)
 
 
+ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    pad = -flat.numel() % ALIGN
+    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+
+
 class AdapterBuffer:
     def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int = 1 << 20):
         self.buf = torch.zeros(capacity, dtype=dtype, device=device)
@@ -21,6 +30,7 @@ class AdapterBuffer:
         self._owned: dict[str, tuple[int, int]] = {}
 
     def _alloc(self, n: int) -> int:
+        n = -(-n // ALIGN) * ALIGN
         for i, (off, size) in enumerate(self._free):
             if size >= n:
                 self._free[i:i + 1] = [(off + n, size - n)] if size > n else []
@@ -53,11 +63,11 @@ class AdapterBuffer:
             for name in GROUPS:
                 gw = groups.get(name)
                 if gw is not None:
-                    parts.append(gw.a.T.reshape(-1))
-                    parts.extend(s.b.reshape(-1) for s in gw.slices)
+                    parts.append(_padded(gw.a.T))
+                    parts.extend(_padded(s.b) for s in gw.slices)
         total = sum(p.numel() for p in parts)
         base = self._alloc(max(total, 1))
-        self._owned[adapter.name] = (base, max(total, 1))
+        self._owned[adapter.name] = (base, -(-max(total, 1) // ALIGN) * ALIGN)
         if total:
             self.buf[base:base + total] = torch.cat(parts).to(self.buf)
         offsets: dict[str, list] = {g: ([], [], [], []) for g in GROUPS}
@@ -72,11 +82,11 @@ class AdapterBuffer:
                     b_off.append([-1] * len(modules)), vcol.append([0] * len(modules))
                     continue
                 a_off.append(pos), rtot.append(gw.a.shape[1])
-                pos += gw.a.numel()
+                pos += -(-gw.a.numel() // ALIGN) * ALIGN
                 row_b, row_v = [-1] * len(modules), [0] * len(modules)
                 for sl in gw.slices:
                     row_b[sl.index], row_v[sl.index] = pos, sl.rank_start
-                    pos += sl.b.numel()
+                    pos += -(-sl.b.numel() // ALIGN) * ALIGN
                 b_off.append(row_b), vcol.append(row_v)
         dev = self.buf.device
         return {g: GroupOffsets(torch.tensor(a, dtype=torch.int64, device=dev),

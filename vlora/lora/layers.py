@@ -26,5 +26,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: in
     from vlora.kernels.atmm import lora_expand, lora_shrink
 
     k = lora.kernel[group]
-    v = lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg)
-    return lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg)
+    # the adapter buffer aligns every A and B to 16 elements, and ranks are >= 8
+    v = lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg, aligned=True)
+    return lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg,
+                       aligned=True)
