@@ -69,8 +69,9 @@ class TilingTable:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**self.meta, "entries": {k: c.as_list() for k, c in sorted(self.entries.items())}}
-        path.write_text(json.dumps(data, indent=1))
+        head = json.dumps(self.meta, indent=1)[:-2]
+        rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(c.as_list())}" for k, c in sorted(self.entries.items()))
+        path.write_text(f"{head},\n \"entries\": {{\n{rows}\n }}\n}}\n")
 
     def get(self, op: str, tokens: int, segments: int, dim: int, rank: int) -> TileConfig:
         cfg = self.entries.get(shape_key(op, tokens, segments, dim, rank))
