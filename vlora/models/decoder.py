@@ -169,6 +169,19 @@ class DecoderLM(nn.Module):
             h = layer(h, fb, cos, sin, cache[0], cache[1])
         return self.norm(h)
 
+    def stack_projections(self) -> dict[str, torch.Tensor]:
+        """Put each packed projection of all layers into one [L, out, in] tensor (the layers' weights
+        become views of it), so an adapter merges into every layer with one batched op."""
+        stacked = {}
+        for group in ("qkv", "o", "gate_up", "down"):
+            mods = [getattr(layer, group) for layer in self.layers]
+            big = torch.stack([m.weight.data for m in mods])
+            for i, m in enumerate(mods):
+                m.weight = nn.Parameter(big[i], requires_grad=False)
+            stacked[group] = big
+        self.stacked = stacked
+        return stacked
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, h] -> logits [n, vocab] in float32."""
         w = self.embed.weight if self.lm_head is None else self.lm_head

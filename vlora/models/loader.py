@@ -145,7 +145,9 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device,
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
     load_weights(model, iter_safetensors(model_dir))
-    return model.to(dtype).eval().requires_grad_(False), max_len
+    model = model.to(dtype).eval().requires_grad_(False)
+    model.stack_projections()
+    return model, max_len
 
 
 def iter_safetensors(model_dir: Path):

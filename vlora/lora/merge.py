@@ -1,0 +1,174 @@
+"""Swift, exact merge/unmerge of one adapter into the base weights (V-LoRA §4.4.1).
+
+The decoder keeps each packed projection of all layers in one tensor
+``[L, out, in]`` (the layers' weights are views of it), so a merge is one
+batched ``ΔW = s·(A·B)^T`` per projection slice over all layers, added in place;
+no per-layer loop of small launches and no copy of the model. Layers are
+processed in chunks only to bound the float32 temporaries.
+
+Exactness. ``W' = round(W + ΔW)`` loses information, so ``round(W' - ΔW)`` is
+not always ``W``. At merge time we record, per element, how far the naive
+restore would land from ``W`` in units in the last place (the difference of the
+order-preserving integer images of the two floats): 2 bits per element for
+{-1, 0, +1} (nearly all elements) and an exception list (flat index, original
+bits) for the rest. Unmerge recomputes the identical ΔW (same op, same shapes),
+applies the naive restore, then the codes: the base weights come back bit for
+bit, after any number of cycles. Cost: 1/8 of the touched weights' bytes for the
+codes plus 12 bytes per exception, held only while the adapter is merged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlora.lora.batch import PackedAdapter
+
+_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_EXC = 3                     # 2-bit code reserved for "see the exception list"
+
+
+@dataclass
+class MergeRecord:
+    """What unmerging needs: the adapter's stacked factors, its scale, and the restore codes."""
+
+    adapter: PackedAdapter
+    scale: float
+    factors: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    codes: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)      # uint8, 4 codes a byte
+    exc_index: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # int64 flat indices
+    exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
+
+    def restore_bytes(self) -> int:
+        """Memory held to make the unmerge exact (codes + exceptions)."""
+        tensors = [*self.codes.values(), *self.exc_index.values(), *self.exc_bits.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def num_exceptions(self) -> int:
+        return sum(t.numel() for t in self.exc_index.values())
+
+
+def _ordered(bits: torch.Tensor) -> torch.Tensor:
+    """Float bit patterns -> int64 in the same order as the floats (+0 and -0 distinct)."""
+    b = bits.to(torch.int64)
+    magnitude = (1 << (bits.element_size() * 8 - 1)) - 1
+    return torch.where(b >= 0, b, -(b & magnitude) - 1)
+
+
+def _unordered(o: torch.Tensor, int_dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``_ordered`` back to the signed integer view of the float."""
+    nbits = torch.iinfo(int_dtype).bits
+    b = torch.where(o >= 0, o, (-(o + 1)) - (1 << (nbits - 1)))    # two's complement of sign|magnitude
+    return b.to(int_dtype)
+
+
+def _pack2(codes: torch.Tensor) -> torch.Tensor:
+    flat = codes.reshape(-1).to(torch.uint8)
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 4)]).view(-1, 4)
+    return flat[:, 0] | (flat[:, 1] << 2) | (flat[:, 2] << 4) | (flat[:, 3] << 6)
+
+
+def _unpack2(packed: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    lo, hi = start // 4, -(-stop // 4)
+    parts = torch.stack([(packed[lo:hi] >> s) & 3 for s in (0, 2, 4, 6)], dim=1).reshape(-1)
+    return parts[start - 4 * lo:stop - 4 * lo]
+
+
+def _factors(adapter: PackedAdapter, group: str, j: int, num_layers: int, in_features: int, out_j: int,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Slice j's A and B of every layer, stacked as float32 (zeros where a layer lacks the slice)."""
+    r = adapter.rank
+    a = torch.zeros(num_layers, in_features, r)
+    b = torch.zeros(num_layers, r, out_j)
+    found = False
+    for layer, groups in enumerate(adapter.layers):         # host-side gather of a few MB, no launches
+        gw = groups.get(group)
+        sl = next((x for x in gw.slices if x.index == j), None) if gw is not None else None
+        if sl is not None:
+            a[layer] = gw.a[:, sl.rank_start:sl.rank_start + r].float().cpu()
+            b[layer] = sl.b.float().cpu()
+            found = True
+    return (a.to(device), b.to(device)) if found else None
+
+
+def _slices(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]]):
+    for group, w in weights.items():
+        start = 0
+        for j, width in enumerate(widths[group]):
+            yield group, j, w[:, start:start + width, :]
+            start += width
+
+
+def _chunks(num_layers: int, per_layer_elems: int, budget_elems: int) -> list[range]:
+    step = max(1, budget_elems // max(1, per_layer_elems))
+    return [range(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
+
+
+def _delta(factors, layers: range, scale: float) -> torch.Tensor:
+    a, b = factors                                              # [L, in, r], [L, r, out_j]
+    sl = slice(layers.start, layers.stop)
+    return torch.bmm(b[sl].transpose(1, 2), a[sl].transpose(1, 2)).mul_(scale)   # [n, out_j, in]
+
+
+@torch.no_grad()
+def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], adapter: PackedAdapter,
+           scale: float | None = None, chunk_elems: int = 1 << 26) -> MergeRecord:
+    """W += s·(A·B)^T for every targeted slice of every layer, in place; returns the restore record.
+
+    weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
+    """
+    rec = MergeRecord(adapter, adapter.scaling if scale is None else scale)
+    for group, j, w in _slices(weights, widths):
+        f = _factors(adapter, group, j, w.shape[0], w.shape[2], w.shape[1], w.device)
+        if f is None:
+            continue
+        rec.factors[(group, j)] = f
+        int_dtype = _INT[w.dtype]
+        per_layer = w.shape[1] * w.shape[2]
+        codes, exc_i, exc_b = [], [], []
+        for layers in _chunks(w.shape[0], per_layer, chunk_elems):
+            d = _delta(f, layers, rec.scale)
+            wc = w[layers.start:layers.stop]
+            merged = (wc.float() + d).to(w.dtype)
+            naive = (merged.float() - d).to(w.dtype)
+            c = _ordered(wc.view(int_dtype)) - _ordered(naive.view(int_dtype))
+            exc = c.abs() > 1
+            idx = exc.reshape(-1).nonzero().squeeze(1)
+            exc_i.append(idx + layers.start * per_layer)
+            exc_b.append(wc.reshape(-1).view(int_dtype)[idx])
+            codes.append(torch.where(exc, _EXC, c + 1).reshape(-1).to(torch.uint8))
+            wc.copy_(merged)
+        rec.codes[(group, j)] = _pack2(torch.cat(codes))
+        rec.exc_index[(group, j)] = torch.cat(exc_i)
+        rec.exc_bits[(group, j)] = torch.cat(exc_b)
+    return rec
+
+
+@torch.no_grad()
+def unmerge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], rec: MergeRecord,
+             chunk_elems: int = 1 << 26) -> None:
+    """Undo ``merge_`` exactly: afterwards the weights are bitwise what they were before it."""
+    for group, j, w in _slices(weights, widths):
+        key = (group, j)
+        if key not in rec.codes:
+            continue
+        int_dtype = _INT[w.dtype]
+        per_layer = w.shape[1] * w.shape[2]
+        for layers in _chunks(w.shape[0], per_layer, chunk_elems):
+            wc = w[layers.start:layers.stop]
+            naive = (wc.float() - _delta(rec.factors[key], layers, rec.scale)).to(w.dtype)
+            c = _unpack2(rec.codes[key], layers.start * per_layer, layers.stop * per_layer)
+            step = torch.where(c == _EXC, 0, c.to(torch.int64) - 1).view(wc.shape)
+            wc.view(int_dtype).copy_(_unordered(_ordered(naive.view(int_dtype)) + step, int_dtype))
+        idx = rec.exc_index[key]
+        if idx.numel():                 # exceptions: the original bits, where two bits could not say
+            l, rest = idx // per_layer, idx % per_layer
+            w.view(int_dtype)[l, rest // w.shape[2], rest % w.shape[2]] = rec.exc_bits[key]
+
+
+def group_widths(q_size: int, kv_size: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    return {"qkv": (q_size, kv_size, kv_size), "o": (hidden,), "gate_up": (intermediate,) * 2,
+            "down": (hidden,)}
+
+
