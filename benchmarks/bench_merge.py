@@ -1,0 +1,104 @@
+"""Swift merge/unmerge of one adapter into a random Llama-2-7B-shaped model, against its bytes floor.
+
+Floor: every touched weight read and written once (merge), and again (unmerge), at the copy
+bandwidth measured in the same run. Also reports the exactness cost (restore record bytes,
+exception count) and checks the weights come back bit for bit.
+
+    python benchmarks/bench_merge.py                 # GPU: 7B shapes, rank 64, bf16
+    python benchmarks/bench_merge.py --layers 2      # smaller, e.g. on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vlora.kernels.tuning import gpu_name
+from vlora.lora.adapter import ModelShape
+from vlora.lora.merge import group_widths, merge_, unmerge_
+from vlora.lora.random_adapter import write_random_adapter
+from vlora.lora.registry import AdapterRegistry
+
+
+def timed(fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def copy_bandwidth(device, nbytes=1 << 30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
+    return 2 * nbytes / best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=11008)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    h, inter, L = args.hidden, args.intermediate, args.layers
+    ins = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": h, "up_proj": h, "down_proj": inter}
+    outs = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": inter, "up_proj": inter, "down_proj": h}
+    widths = group_widths(h, h, h, inter)
+    shape = ModelShape("bench", L, ins, outs)
+    reg = AdapterRegistry(shape, 128, torch.bfloat16, torch.device("cpu"), check_base_model=False, kernel="torch")
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = reg.register("a", write_random_adapter(Path(tmp) / "a", shape, args.rank, seed=0, std=0.01))
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = {grp: (torch.randn(L, sum(wd), ins[{"qkv": "q_proj", "o": "o_proj", "gate_up": "gate_proj",
+                                                 "down": "down_proj"}[grp]], generator=g, device=dev) * 0.02
+                     ).to(torch.bfloat16) for grp, wd in widths.items()}
+    original = {k: v.clone() for k, v in weights.items()}
+    touched = sum(t.numel() * t.element_size() for t in weights.values())
+    bw = copy_bandwidth(dev)
+    floor = 2 * touched / bw
+    merges, unmerges, rec = [], [], None
+    for _ in range(args.repeats):
+        t, rec = timed(lambda: merge_(weights, widths, adapter), dev)
+        merges.append(t)
+        t, _ = timed(lambda: unmerge_(weights, widths, rec), dev)
+        unmerges.append(t)
+    exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    res = {
+        "benchmark": "merge", "device": gpu_name() if dev.type == "cuda" else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
+        "config": vars(args) | {"out": str(args.out)}, "touched_weight_bytes": touched,
+        "copy_bandwidth_GBps": bw / 1e9, "floor_ms": floor * 1e3,
+        "merge_ms": med(merges) * 1e3, "unmerge_ms": med(unmerges) * 1e3,
+        "merge_over_floor": med(merges) / floor, "unmerge_over_floor": med(unmerges) / floor,
+        "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = res["device"] if dev.type == "cuda" else "cpu"
+    (args.out / f"merge-{name}.json").write_text(json.dumps(res, indent=1))
+    print(f"touched weights {touched / 2**30:.2f} GiB, copy {bw / 1e9:.0f} GB/s, floor {floor * 1e3:.2f} ms")
+    print(f"{'op':8} {'ms':>9} {'x floor':>8}")
+    print(f"{'merge':8} {res['merge_ms']:9.2f} {res['merge_over_floor']:8.2f}")
+    print(f"{'unmerge':8} {res['unmerge_ms']:9.2f} {res['unmerge_over_floor']:8.2f}")
+    print(f"restore record {rec.restore_bytes() / 2**20:.1f} MiB ({rec.restore_bytes() / touched:.1%} of the "
+          f"weights), {rec.num_exceptions()} exceptions; bitwise exact: {exact}")
+    if not exact:
+        raise SystemExit("unmerge did not restore the weights bit for bit")
+
+
+if __name__ == "__main__":
+    main()
