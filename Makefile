@@ -4,7 +4,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/vlora generate
+	.venv/bin/vlora serve
 
 test: setup
 	.venv/bin/python -m pytest -q

@@ -155,3 +155,12 @@ def test_top_k_one_is_greedy(llm):
     base = llm.generate([PROMPT], "a", greedy(10))[0].token_ids
     out = llm.generate([PROMPT], "a", greedy(10, temperature=1.3, top_k=1, seed=7))[0].token_ids
     assert out == base
+
+
+def test_a_sequence_outgrowing_the_whole_kv_cache_ends_with_length(tiny):
+    path, _, _ = tiny
+    small = LLM(str(path), num_blocks=4, block_size=4, max_model_len=128)
+    outs = small.generate([list(range(1, 11)), [5, 6]], None, greedy(50))
+    assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 16 - 10 + 1   # last one needs no KV
+    assert outs[1].finish_reason == "length"
+    assert small.engine.allocator.num_free == 4 and not small.engine.has_unfinished()

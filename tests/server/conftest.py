@@ -102,7 +102,6 @@ def _png(size, noise=False) -> bytes:
 
 @pytest.fixture(scope="package")
 def setup(tmp_path_factory) -> Setup:
-    from vlora.engine.engine import Engine  # noqa: F401  (import cost paid once here)
     from vlora.models.loader import resolve_model_dir
 
     root = tmp_path_factory.mktemp("server")

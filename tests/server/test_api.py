@@ -35,7 +35,8 @@ def test_chat_answers_equal_the_offline_api_for_every_adapter(live, ref):
         r = client.chat.completions.create(model=a, messages=user(q), max_tokens=N, temperature=0)
         assert r.choices[0].message.content == want, (q, a)
         assert r.model == a and r.object == "chat.completion" and r.choices[0].finish_reason in ("stop", "length")
-        assert r.usage.completion_tokens <= N and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        u = r.usage
+        assert u.completion_tokens <= N and u.total_tokens == u.prompt_tokens + u.completion_tokens
     by_adapter = {a: [w for (_, a2), w in zip(jobs, expected) if a2 == a] for a in names}
     assert len({tuple(v) for v in by_adapter.values()}) > 1          # adapters change the answers
 
@@ -138,7 +139,8 @@ def test_load_and_unload_an_adapter_at_run_time(live, ref, setup):
         assert h.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
         assert h.post("/v1/unload_lora_adapter", json={"lora_name": base}).status_code == 400
         # an absolute path inside the adapter directory works too
-        r = h.post("/v1/load_lora_adapter", json={"lora_name": "late2", "lora_path": str(setup.adapter_dir / "late-r8")})
+        absolute = str(setup.adapter_dir / "late-r8")
+        r = h.post("/v1/load_lora_adapter", json={"lora_name": "late2", "lora_path": absolute})
         assert r.status_code == 200, r.text
         assert h.post("/v1/unload_lora_adapter", json={"lora_name": "late2"}).status_code == 200
 

@@ -289,8 +289,6 @@ class AsyncEngine:
                     command()
                 except Exception:
                     log.exception("engine command failed")
-            if commands:
-                self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining
             self.stats = self._snapshot()
             if self.failure is None and self.engine.has_unfinished():
                 try:
@@ -302,7 +300,6 @@ class AsyncEngine:
                 self._dispatch(outputs)
                 if self._unloads:
                     self._finish_unloads()
-                    self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining
                 self.stats = self._snapshot()
             self._busy = self.failure is None and self.engine.has_unfinished()
 
@@ -311,19 +308,31 @@ class AsyncEngine:
         return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting),
                            e.allocator.num_blocks - e.allocator.num_free, e.allocator.num_blocks)
 
+    def _publish_adapter_names(self) -> None:
+        self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining
+
     def _reply(self, loop, fut, fn: Callable[[], object], on_cancelled: Callable[[], None] | None = None) -> None:
+        """Run ``fn`` and settle ``fut`` with its outcome, after publishing what it may have changed."""
         try:
             result, exc = fn(), None
         except Exception as e:
             result, exc = None, e
+        self._publish_adapter_names()
+        self.stats = self._snapshot()
         try:
             loop.call_soon_threadsafe(_settle, fut, result, exc, on_cancelled)
         except RuntimeError:            # the event loop is closed: nobody is waiting
             pass
 
     def _add(self, group: RequestGroup) -> None:
-        with self._cv:
-            self._pending_adds -= len(group.jobs)
+        try:
+            self._add_all(group)
+        finally:           # publish the new waiting count before the jobs stop counting as pending
+            self.stats = self._snapshot()
+            with self._cv:
+                self._pending_adds -= len(group.jobs)
+
+    def _add_all(self, group: RequestGroup) -> None:
         for job in group.jobs:
             if job.adapter is not None and (job.adapter not in self.engine.adapters or job.adapter in self._draining):
                 known = ", ".join(n for n in self.engine.adapters.names() if n not in self._draining) or "none"
@@ -394,6 +403,7 @@ class AsyncEngine:
             self._reply(loop, fut, lambda: len(users))
         else:
             self._draining.add(name)
+            self._publish_adapter_names()
             self._unloads.append((name, loop, fut, len(users)))
 
     def _finish_unloads(self) -> None:

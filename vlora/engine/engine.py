@@ -144,6 +144,9 @@ class Engine:
 
     def _finish(self, out: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
         results, self._pending = self._pending, []
+        for seq in out.truncated:
+            self._seqs.pop(seq.request_id, None)
+            results.append(self._output(seq, []))
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed += s.num_tokens

@@ -37,6 +37,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[Sequence, ...]
+    truncated: tuple[Sequence, ...] = ()    # finished ("length"): would not fit even an empty KV cache
 
     @property
     def is_empty(self) -> bool:
@@ -84,10 +85,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        truncated: list[Sequence] = []
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if len(seq.blocks) + self._blocks_needed(seq, n) > self.allocator.num_blocks:
+                self.finish(seq, "length")      # preempting would only bring it back to the same wall
+                truncated.append(seq)
+                continue
             while not self._grow(seq, n):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -110,7 +116,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
         self.running.sort(key=lambda s: s.arrival)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(truncated))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and free its KV blocks (running or waiting)."""

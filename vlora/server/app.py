@@ -359,7 +359,7 @@ def _sse(chunks, group: RequestGroup) -> StreamingResponse:
             async for data in chunks:
                 yield data
         except EngineFailed as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+            yield _event(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error", code="engine_failed")))
         finally:
             group.abort()
         yield "data: [DONE]\n\n"
@@ -407,8 +407,9 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 
 
 def build_app(engine: Engine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; it starts the engine thread on startup and, if it made that
-    thread (an Engine was given), drains and stops it on shutdown."""
+    """The FastAPI app serving ``engine``. It starts the engine thread on startup; given an Engine, it
+    makes that thread itself (with config.max_queued_requests) and drains and stops it on shutdown;
+    given an AsyncEngine, the caller keeps it (and its queue bound) and stops it."""
     config = config or ServerConfig()
     server = OpenAIServer(engine, config)
 
