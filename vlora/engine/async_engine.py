@@ -399,7 +399,7 @@ class AsyncEngine:
         if policy == "abort" or not users:
             for rid in users:
                 self.engine.abort(rid)
-            self.engine.adapters.unregister(name)
+            self.engine.unregister_adapter(name)
             self._reply(loop, fut, lambda: len(users))
         else:
             self._draining.add(name)
@@ -412,5 +412,5 @@ class AsyncEngine:
             if not self._in_use(name):
                 self._unloads.remove(entry)
                 self._draining.discard(name)
-                self.engine.adapters.unregister(name)
+                self.engine.unregister_adapter(name)
                 self._reply(loop, fut, lambda count=count: count)

@@ -133,6 +133,24 @@ class Engine:
         self._pending.append(self._output(seq, []))
         return True
 
+    def unregister_adapter(self, name: str) -> None:
+        """Forget an adapter no request uses; unmerged first if it is the merged one."""
+        if any(s.adapter_name == name for s in self._seqs.values()):
+            raise RequestError(f"adapter {name!r} is in use by running requests")
+        merged = self.runner.modes.merged
+        if merged is not None and merged.name == name:
+            self.runner.modes.unmerge()
+        self.adapters.unregister(name)
+
+    # -- inference modes (the orchestrator decides; these are the mechanics) -------------------
+    def merge_adapter(self, name: str) -> float:
+        """Fold adapter ``name`` into the base weights (exact; other requests keep their outputs)."""
+        return self.runner.modes.merge(self.adapters.get(name))
+
+    def unmerge_adapter(self) -> float:
+        """Restore the base weights bit for bit."""
+        return self.runner.modes.unmerge()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 

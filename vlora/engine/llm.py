@@ -47,9 +47,7 @@ class LLM:
         self.engine.adapters.register(name, path)
 
     def unregister_adapter(self, name: str) -> None:
-        if any(s.adapter_name == name for s in self.engine._seqs.values()):
-            raise RequestError(f"adapter {name!r} is in use by running requests")
-        self.engine.adapters.unregister(name)
+        self.engine.unregister_adapter(name)
 
     def list_adapters(self) -> list[str]:
         return self.engine.adapters.names()

@@ -7,8 +7,11 @@ shared by every layer.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from vlora.engine.modes import ModeSwitcher
 from vlora.engine.sampler import sample
 from vlora.engine.scheduler import ScheduledSeq
 from vlora.lora.batch import LoRABatch
@@ -27,6 +30,7 @@ class ModelRunner:
         self.window = model.cfg.sliding_window
         self.eos_token_ids = eos_token_ids
         self.adapters = adapters
+        self.modes = ModeSwitcher(model)
         self.tiling = None
         if adapters.buffer is not None:                 # CUDA: ATMM kernels with this GPU's tiling table
             from vlora.kernels.tuning import TilingTable
@@ -93,7 +97,14 @@ class ModelRunner:
         )
 
     def _lora_batch(self, runs) -> LoRABatch | None:
-        segs = LoRABatch.segments_of(runs)
+        own, minus = self.modes.lora_runs(runs)
+        main = self._lora_pass(LoRABatch.segments_of(own))
+        extra = self._lora_pass(LoRABatch.segments_of(minus, scale=-self.modes.merged.scaling) if minus else [])
+        if main is None:
+            return extra
+        return replace(main, extra=extra) if extra is not None else main
+
+    def _lora_pass(self, segs) -> LoRABatch | None:
         if not segs:
             return None
         if self.tiling is None:

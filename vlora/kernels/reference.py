@@ -15,7 +15,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, gro
     """Batched LoRA delta, in place, for one layer and one packed projection group.
 
     Semantics: for each segment (rows [s, e), adapter i) and each slice j of the group:
-        y[s:e, cols_j] += scaling_i * (x[s:e] @ A_ij) @ B_ij
+        y[s:e, cols_j] += scale_s * (x[s:e] @ A_ij) @ B_ij   (scale_s: the segment's, usually s_i)
     Shape: x [T, in], y [T, out_packed]; A_ij [in, r_i]; B_ij [r_i, out_j].
     Tokens are grouped by adapter; each adapter runs at its own rank (no padding).
     """
@@ -28,7 +28,7 @@ def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, gro
         rows = y[seg.start:seg.end]
         for sl in gw.slices:                                  # expand, scaling fused via alpha
             out = rows[:, sl.col_start:sl.col_start + sl.b.shape[1]]
-            out.addmm_(v[:, sl.rank_start:sl.rank_start + r], sl.b, alpha=seg.adapter.scaling)
+            out.addmm_(v[:, sl.rank_start:sl.rank_start + r], sl.b, alpha=seg.scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -72,6 +72,7 @@ class LoRASegment:
     start: int                        # first token row (inclusive)
     end: int                          # last token row (exclusive)
     adapter: PackedAdapter            # adapter applied to rows [start, end)
+    scale: float                      # usually adapter.scaling; negative to subtract (deLoRA)
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,21 @@ class LoRABatch:
     meta: SegmentMeta | None = None
     kernel: dict[str, KernelGroupMeta] | None = None
     buffer: torch.Tensor | None = None   # the flat adapter weight buffer the offsets point into
+    extra: "LoRABatch | None" = None     # a second pass over the same rows (mixed mode: - merged adapter)
 
     @staticmethod
-    def segments_of(runs: list[tuple[int, int, PackedAdapter | None]]) -> list[LoRASegment]:
-        """From (start, end, adapter-or-None) row runs, merge neighbours and drop base-model runs."""
+    def segments_of(runs: list[tuple[int, int, PackedAdapter | None]],
+                    scale: float | None = None) -> list[LoRASegment]:
+        """From (start, end, adapter-or-None) row runs, merge neighbours and drop base-model runs.
+
+        ``scale`` overrides every adapter's own scaling (e.g. its negative, to subtract it)."""
         segs: list[LoRASegment] = []
         for start, end, adapter in runs:
             if adapter is None or end <= start:
                 continue
-            if segs and segs[-1].adapter is adapter and segs[-1].end == start:
-                segs[-1] = LoRASegment(segs[-1].start, end, adapter)
+            sc = adapter.scaling if scale is None else scale
+            if segs and segs[-1].adapter is adapter and segs[-1].end == start and segs[-1].scale == sc:
+                segs[-1] = LoRASegment(segs[-1].start, end, adapter, sc)
             else:
-                segs.append(LoRASegment(start, end, adapter))
+                segs.append(LoRASegment(start, end, adapter, sc))
         return segs

@@ -104,7 +104,7 @@ def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterBuffer, widths: d
         starts=torch.tensor([s.start for s in segs], dtype=torch.int32, device=device),
         lens=torch.tensor(lens, dtype=torch.int32, device=device),
         ranks=torch.tensor([s.adapter.rank for s in segs], dtype=torch.int32, device=device),
-        scales=torch.tensor([s.adapter.scaling for s in segs], dtype=torch.float32, device=device),
+        scales=torch.tensor([s.scale for s in segs], dtype=torch.float32, device=device),
         max_len=max(lens), num_rows=sum(lens))
     r_max_rank = max(s.adapter.rank for s in segs)
     kernel = {}

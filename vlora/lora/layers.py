@@ -18,15 +18,17 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: in
 
     Shape: x [T, in]; y [T, out_packed] (the base projection's output, updated in place).
     """
-    if lora is None:
-        return y
-    if lora.kernel is None:
-        lora_add_(y, x, lora, layer, group)
-        return y
-    from vlora.kernels.atmm import lora_expand, lora_shrink
+    while lora is not None:                 # the batch, then its second pass (mixed mode), if any
+        if lora.kernel is None:
+            lora_add_(y, x, lora, layer, group)
+        else:
+            from vlora.kernels.atmm import lora_expand, lora_shrink
 
-    k = lora.kernel[group]
-    # the adapter buffer aligns every A and B to 16 elements, and ranks are >= 8
-    v = lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg, aligned=True)
-    return lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg,
-                       aligned=True)
+            k = lora.kernel[group]
+            # the adapter buffer aligns every A and B to 16 elements, and ranks are >= 8
+            v = lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg,
+                            aligned=True)
+            lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg,
+                        aligned=True)
+        lora = lora.extra
+    return y

@@ -1,0 +1,51 @@
+"""Merged, unmerged and mixed (deLoRA) modes give every request the same output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.test_parity import NAMES, PROMPTS, build, vlora_logits
+from vlora import LLM, SamplingParams
+from vlora.engine.modes import Mode
+
+SP = SamplingParams(max_tokens=10, min_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_outputs_are_identical_whatever_the_mode(tmp_path, kernel):
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, lora_kernel=kernel)
+    eng = llm.engine
+    base_weights = {g: t.clone() for g, t in eng.model.stacked.items()}
+    unmerged_logits = vlora_logits(llm, PROMPTS, NAMES)
+    unmerged = [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)]
+
+    eng.merge_adapter("a8")                      # NAMES mixes base, a4, a8, a16: mixed mode
+    batch = [None if n is None else eng.adapters.get(n) for n in NAMES]
+    assert eng.runner.modes.mode_for(batch) is Mode.MIXED
+    for a, b in zip(vlora_logits(llm, PROMPTS, NAMES), unmerged_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged
+
+    only_a8 = [o.token_ids for o in llm.generate(PROMPTS, ["a8"] * 4, SP)]   # merged mode: no LoRA at all
+    assert eng.runner.modes.mode_for([eng.adapters.get("a8")]) is Mode.MERGED
+    eng.merge_adapter("a16")                     # switch: unmerge a8, merge a16
+    assert [o.token_ids for o in llm.generate(PROMPTS, ["a8"] * 4, SP)] == only_a8
+    assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged
+
+    eng.unmerge_adapter()
+    assert eng.runner.modes.num_switches == 3
+    for g, t in eng.model.stacked.items():
+        assert torch.equal(t, base_weights[g])  # bit for bit
+    assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged
+
+
+def test_unregistering_the_merged_adapter_unmerges_it(tmp_path):
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=32, block_size=4)
+    before = {g: t.clone() for g, t in llm.engine.model.stacked.items()}
+    llm.engine.merge_adapter("a4")
+    llm.unregister_adapter("a4")
+    assert llm.engine.runner.modes.merged is None
+    assert all(torch.equal(t, before[g]) for g, t in llm.engine.model.stacked.items())

@@ -1,0 +1,86 @@
+"""Inference modes (V-LoRA §4.4, Fig. 13): merged, unmerged and mixed (deLoRA).
+
+* unmerged: no adapter in the base weights; every request's adapter runs through
+  the batched LoRA op.
+* merged: one adapter folded into the base weights (exact swift merge); its
+  requests cost nothing extra.
+* mixed: an adapter is merged while requests of other adapters (and of the base
+  model) are in the batch: they add their own adapter and subtract the merged
+  one in a second LoRA pass over their rows.
+
+The outputs of a request are the same whatever mode serves it (tested); which
+mode to use is the scheduler's decision (Alg. 1), the mechanics live here.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from vlora.lora.batch import PackedAdapter
+from vlora.lora.merge import MergeRecord, group_widths, merge_, unmerge_
+from vlora.models.decoder import DecoderLM
+
+
+class Mode(enum.Enum):
+    UNMERGED = "unmerged"
+    MERGED = "merged"
+    MIXED = "mixed"
+
+
+class ModeSwitcher:
+    def __init__(self, model: DecoderLM):
+        cfg = model.cfg
+        self.weights = model.stacked
+        self.widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
+        self.record: MergeRecord | None = None
+        self.num_switches = 0
+        self.last_switch_s = 0.0
+
+    @property
+    def merged(self) -> PackedAdapter | None:
+        return None if self.record is None else self.record.adapter
+
+    def merge(self, adapter: PackedAdapter) -> float:
+        """Fold ``adapter`` into the base weights (unmerging another first); returns seconds taken."""
+        if self.merged is adapter:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.record is not None:
+            unmerge_(self.weights, self.widths, self.record)
+        self.record = merge_(self.weights, self.widths, adapter)
+        return self._switched(t0)
+
+    def unmerge(self) -> float:
+        """Restore the base weights bit for bit; returns seconds taken."""
+        if self.record is None:
+            return 0.0
+        t0 = time.perf_counter()
+        unmerge_(self.weights, self.widths, self.record)
+        self.record = None
+        return self._switched(t0)
+
+    def _switched(self, t0: float) -> float:
+        first = next(iter(self.weights.values()))
+        if first.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(first.device)
+        self.num_switches += 1
+        self.last_switch_s = time.perf_counter() - t0
+        return self.last_switch_s
+
+    def mode_for(self, adapters: list[PackedAdapter | None]) -> Mode:
+        """The mode an iteration over requests of ``adapters`` runs in."""
+        if self.merged is None:
+            return Mode.UNMERGED
+        return Mode.MERGED if all(a is self.merged for a in adapters) else Mode.MIXED
+
+    def lora_runs(self, runs: list[tuple[int, int, PackedAdapter | None]]):
+        """Row runs for the LoRA op: (own-adapter runs, runs that subtract the merged adapter)."""
+        merged = self.merged
+        if merged is None:
+            return runs, []
+        own = [(s, e, None if a is merged else a) for s, e, a in runs]
+        minus = [(s, e, merged) for s, e, a in runs if a is not merged]
+        return own, minus
