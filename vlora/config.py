@@ -76,8 +76,16 @@ class SchedulerConfig:
     """Most sequences in one iteration's batch."""
     max_num_batched_tokens: int = 2048
     """Most tokens (prefill + decode) in one iteration; longer prompts are prefilled in chunks."""
+    policy: str = "unmerged"
+    """Inference-mode policy: unmerged (every adapter through the LoRA op, S-LoRA/Punica style), vlora (V-LoRA Alg. 1: merged/mixed/unmerged), merged-only, or dlora (merge/unmerge switching, no mixed mode)."""
+    starvation_s: float = 0.5
+    """V-LoRA's θ: a request whose credit (waiting + iteration + switch time) passes it starves."""
 
     def __post_init__(self) -> None:
+        if self.policy not in ("unmerged", "vlora", "merged-only", "dlora"):
+            raise ConfigError(f"policy must be unmerged, vlora, merged-only or dlora, got {self.policy!r}")
+        if not self.starvation_s > 0:
+            raise ConfigError(f"starvation_s must be > 0, got {self.starvation_s}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -49,3 +49,22 @@ def test_unregistering_the_merged_adapter_unmerges_it(tmp_path):
     llm.unregister_adapter("a4")
     assert llm.engine.runner.modes.merged is None
     assert all(torch.equal(t, before[g]) for g, t in llm.engine.model.stacked.items())
+
+
+@pytest.mark.parametrize("policy", ["vlora", "merged-only", "dlora"])
+def test_mode_policies_change_speed_not_answers(tmp_path, policy):
+    path, paths, _ = build(tmp_path)
+    prompts = [PROMPTS[i % 4] + [i + 30] for i in range(12)]
+    names = ["a8"] * 8 + ["a4", None, "a16", "a8"]             # skewed: a8 dominates
+    sp = SamplingParams(max_tokens=8, min_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=96, block_size=4)
+                .generate(prompts, names, sp)]
+    llm = LLM(str(path), adapters=paths, num_blocks=96, block_size=4, max_num_seqs=8, policy=policy,
+              starvation_s=0.05)
+    assert [o.token_ids for o in llm.generate(prompts, names, sp)] == expected
+    orch = llm.engine.orchestrator
+    assert orch.mode_iterations[Mode.MERGED] > 0                # the dominant adapter ran merged
+    assert orch.decisions[Mode.MERGED] > 0
+    if policy != "vlora":
+        assert orch.decisions[Mode.MIXED] == 0                 # only V-LoRA's policy uses deLoRA
+    assert llm.engine.runner.modes.num_switches >= 1

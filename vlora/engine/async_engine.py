@@ -61,6 +61,8 @@ class EngineStats:
     num_waiting: int
     num_blocks_used: int
     num_blocks: int
+    mode: str = "unmerged"       # inference mode the orchestrator last chose
+    mode_switches: int = 0       # merges + unmerges so far
 
 
 @dataclass
@@ -306,7 +308,8 @@ class AsyncEngine:
     def _snapshot(self) -> EngineStats:
         e = self.engine
         return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting),
-                           e.allocator.num_blocks - e.allocator.num_free, e.allocator.num_blocks)
+                           e.allocator.num_blocks - e.allocator.num_free, e.allocator.num_blocks,
+                           e.orchestrator.mode.value, e.runner.modes.num_switches)
 
     def _publish_adapter_names(self) -> None:
         self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining

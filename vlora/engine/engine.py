@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import torch
 
 from vlora.config import EngineConfig
 from vlora.engine.detokenizer import Detokenizer
+from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import ModelRunner
 from vlora.engine.scheduler import Scheduler, SchedulerOutput
 from vlora.engine.sequence import RequestOutput, Sequence
@@ -69,6 +71,8 @@ class Engine:
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters)
         self.detokenizer = Detokenizer(self.tokenizer)
+        sc = config.scheduler
+        self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -156,9 +160,20 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        tokens = self.runner.run(out.scheduled) if not out.is_empty else {}
+        plan = self.orchestrator.plan(self.scheduler.unfinished(), self.runner.modes, self.adapters)
+        out = self.scheduler.schedule(None if plan is None else plan.batch)
+        if out.is_empty and plan is not None:   # the plan's requests cannot run now (memory): run anyone;
+            out = self.scheduler.schedule()     # outputs never depend on the mode, only speed does
+        self.orchestrator.apply(plan, self.runner.modes, self.adapters)
+        tokens = self._run(out) if not out.is_empty else {}
         return self._finish(out, tokens)
+
+    def _run(self, out: SchedulerOutput) -> dict[str, int]:
+        mode = self.runner.modes.mode_for([s.seq.adapter for s in out.scheduled])
+        t0 = time.perf_counter()
+        tokens = self.runner.run(out.scheduled)
+        self.orchestrator.observe(mode, time.perf_counter() - t0)
+        return tokens
 
     def _finish(self, out: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
         results, self._pending = self._pending, []
@@ -172,6 +187,7 @@ class Engine:
             if token is None:
                 continue
             seq.output_token_ids.append(token)
+            seq.last_progress = time.monotonic()
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)

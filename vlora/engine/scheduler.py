@@ -81,12 +81,18 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)            # it keeps its place: oldest waiting first
 
-    def schedule(self) -> SchedulerOutput:
+    def unfinished(self) -> list[Sequence]:
+        """Running then waiting sequences, each in arrival order."""
+        return list(self.running) + list(self.waiting)
+
+    def schedule(self, eligible: set[str] | tuple[str, ...] | None = None) -> SchedulerOutput:
+        """``eligible``: request ids the mode policy picked for this iteration (None: all)."""
         budget = self.config.max_num_batched_tokens
+        ok = (lambda s: True) if eligible is None else (lambda s, e=set(eligible): s.request_id in e)
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         truncated: list[Sequence] = []
-        queue = list(self.running)
+        queue = [s for s in self.running if ok(s)]    # the others keep their KV and sit this one out
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -104,13 +110,13 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
                 budget -= n
         # admit waiting sequences only when nothing was preempted (they would thrash)
-        while (not preempted and self.waiting and budget > 0
-               and len(scheduled) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+        for seq in [s for s in self.waiting if ok(s)]:
+            if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+                break
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, n):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))

@@ -9,6 +9,7 @@ samples the next token when that reaches the end.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class Sequence:
     num_emitted_tokens: int = 0              # streamed so far
     num_emitted_chars: int = 0
     num_preemptions: int = 0
+    last_progress: float = field(default_factory=time.monotonic)   # arrival, then each new token
 
     @property
     def adapter_name(self) -> str | None:

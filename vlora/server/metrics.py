@@ -28,9 +28,11 @@ class ServerMetrics:
             lambda: stats().num_blocks)
         Gauge("vlora_kv_cache_usage_ratio", "Share of KV-cache blocks in use", registry=r).set_function(
             lambda: stats().num_blocks_used / max(1, stats().num_blocks))
-        self.mode = Gauge("vlora_inference_mode", "Current inference mode (1 = active)", ["mode"], registry=r)
-        self.set_mode("unmerged")
-        self.mode_switches = Counter("vlora_mode_switches", "Inference-mode switches", registry=r)
+        mode = Gauge("vlora_inference_mode", "Current inference mode (1 = active)", ["mode"], registry=r)
+        for m in MODES:
+            mode.labels(m).set_function(lambda m=m: 1 if stats().mode == m else 0)
+        Gauge("vlora_mode_switches_total", "Inference-mode switches (merges and unmerges) so far",
+              registry=r).set_function(lambda: stats().mode_switches)
         self.requests = Counter("vlora_requests", "Finished engine requests", ["adapter", "finish_reason"],
                                 registry=r)
         self.prompt_tokens = Counter("vlora_prompt_tokens", "Prompt tokens of finished requests", ["adapter"],
@@ -45,10 +47,6 @@ class ServerMetrics:
                              ["adapter"], buckets=_E2E, registry=r)
         self.http_errors = Counter("vlora_http_errors", "Requests refused or failed, by HTTP status", ["status"],
                                    registry=r)
-
-    def set_mode(self, mode: str) -> None:
-        for m in MODES:
-            self.mode.labels(m).set(1 if m == mode else 0)
 
     def observe(self, out: RequestOutput, t: Timing) -> None:
         """Record one finished engine request (called on the event loop)."""

@@ -1,0 +1,71 @@
+"""V-LoRA Alg. 1 decisions on constructed queues: each branch, credits, starvation."""
+
+from __future__ import annotations
+
+from vlora.engine.modes import Mode
+from vlora.engine.orchestrator import Costs, Pending, credit, schedule
+
+COSTS = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.005)
+THETA = 0.5
+
+
+def queue(spec: str, waits: dict[int, float] | None = None) -> list[Pending]:
+    """'AAAB-' -> requests on adapters A, A, A, B and the base model (-), in arrival order."""
+    waits = waits or {}
+    return [Pending(f"r{i}", None if c == "-" else c, waits.get(i, 0.0)) for i, c in enumerate(spec)]
+
+
+def test_credit_adds_waiting_mode_time_and_switch_when_needed():
+    r_a, r_b = Pending("x", "A", 0.2), Pending("y", "B", 0.2)
+    assert credit(r_a, Mode.MERGED, "A", COSTS) == 0.2 + 0.010
+    assert credit(r_b, Mode.MERGED, "A", COSTS) == 0.2 + 0.010 + 0.005      # must switch to be served
+    assert credit(r_b, Mode.MIXED, "A", COSTS) == 0.2 + 0.014
+    assert credit(r_b, Mode.UNMERGED, None, COSTS) == 0.2 + 0.020
+
+
+def test_dominant_adapter_and_no_starvation_merges():
+    d = schedule(queue("AAAAAB-A"), Mode.UNMERGED, None, max_bs=8, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MERGED and d.merged == "A"
+    assert d.batch == ("r0", "r1", "r2", "r3", "r4", "r7")                   # only A's requests
+
+
+def test_merged_batch_is_capped_at_max_batch_size():
+    d = schedule(queue("A" * 10), Mode.MERGED, "A", max_bs=4, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MERGED and d.batch == ("r0", "r1", "r2", "r3")
+
+
+def test_a_few_starving_requests_switch_to_mixed_and_go_first():
+    d = schedule(queue("AAAAABB-A", waits={5: 0.9, 7: 0.7}), Mode.MERGED, "A", max_bs=8, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MIXED and d.merged == "A"
+    assert d.batch[:2] == ("r5", "r7")                                       # starving first
+    assert set(d.batch[2:]) <= {"r0", "r1", "r2", "r3", "r4", "r8"} and len(d.batch) == 8
+
+
+def test_many_starving_requests_switch_to_unmerged():
+    waits = {i: 1.0 for i in (1, 3, 5, 6, 7)}                                # 5 of max_bs 8 starve (> half)
+    d = schedule(queue("AAAAABC-A", waits=waits), Mode.MIXED, "A", max_bs=8, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.UNMERGED and d.merged is None
+    assert d.batch[:5] == ("r1", "r3", "r5", "r6", "r7") and len(d.batch) == 8
+
+
+def test_no_dominant_adapter_stays_unmerged_in_arrival_order():
+    d = schedule(queue("ABCD-ABCD"), Mode.UNMERGED, None, max_bs=6, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.UNMERGED and d.batch == ("r0", "r1", "r2", "r3", "r4", "r5")
+
+
+def test_requests_of_the_base_model_are_never_merged():
+    d = schedule(queue("------A"), Mode.UNMERGED, None, max_bs=4, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.UNMERGED
+
+
+def test_ties_keep_the_adapter_already_merged():
+    d = schedule(queue("ABABAB"), Mode.MERGED, "B", max_bs=4, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MERGED and d.merged == "B"
+
+
+def test_starvation_in_merged_mode_counts_the_switch():
+    """In MERGED mode a B request also pays the switch it needs; that tips it over θ."""
+    calm = schedule(queue("AAAAAB", waits={5: 0.480}), Mode.MERGED, "A", 8, THETA, COSTS)   # 0.495 <= θ
+    assert calm.mode is Mode.MERGED and "r5" not in calm.batch
+    tipped = schedule(queue("AAAAAB", waits={5: 0.488}), Mode.MERGED, "A", 8, THETA, COSTS)  # 0.503 > θ
+    assert tipped.mode is Mode.MIXED and tipped.batch[0] == "r5"

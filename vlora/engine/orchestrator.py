@@ -1,0 +1,123 @@
+"""V-LoRA's scheduling policy (Alg. 1): which requests run next, and in which inference mode.
+
+Each request earns a credit: the time it has waited, plus the execution time of
+an iteration in the mode it would run in, plus the mode-switch time if getting
+there needs a switch. Requests whose credit passes the threshold θ starve.
+
+    starving = [r for r in R if credit(r) > θ];  room = max_bs - |starving|
+    R_merge  = requests of the most requested adapter
+    if |starving| <= max_bs/2 and |R_merge| > max_bs/2:
+        no one starves -> MERGED with R_merge's adapter, batch R_merge[:max_bs]
+        else           -> MIXED  with R_merge's adapter, batch starving + (R_merge - starving)[:room]
+    else               -> UNMERGED, batch starving + (R - starving)[:room]
+
+Costs are not constants: the engine measures iteration times per mode and the
+switch time on the running hardware and feeds them in as :class:`Costs`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from vlora.engine.modes import Mode, ModeSwitcher
+from vlora.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request as the policy sees it."""
+
+    request_id: str
+    adapter: str | None          # None = base model (never merged)
+    waiting_s: float             # time since it last made progress
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs, seconds: one iteration in each mode, and one mode switch."""
+
+    step_s: dict[Mode, float]
+    switch_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    mode: Mode
+    merged: str | None           # adapter to have merged (MERGED / MIXED); None for UNMERGED
+    batch: tuple[str, ...]       # request ids, starving ones first
+
+
+def credit(req: Pending, mode: Mode, merged_now: str | None, costs: Costs) -> float:
+    """Alg. 1 line 2: waiting time + an iteration in the current mode + the switch its service needs
+    (in MERGED mode only the merged adapter's requests run without one)."""
+    needs_switch = mode is Mode.MERGED and req.adapter != merged_now
+    return req.waiting_s + costs.step_s[mode] + (costs.switch_s if needs_switch else 0.0)
+
+
+def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: int, theta: float, costs: Costs,
+             merge_share: float = 0.5) -> Decision:
+    """Alg. 1 over the pending requests (in arrival order), from the current ``mode``."""
+    counts = Counter(r.adapter for r in reqs if r.adapter is not None)
+    top = max(counts, key=lambda a: (counts[a], a == merged_now)) if counts else None
+    r_merge = [r for r in reqs if top is not None and r.adapter == top]
+    starving = [r for r in reqs if credit(r, mode, merged_now, costs) > theta]
+    starving_ids = {r.request_id for r in starving}
+    room = max(0, max_bs - len(starving))
+    if len(starving) <= merge_share * max_bs and len(r_merge) > merge_share * max_bs:
+        if not starving:
+            return Decision(Mode.MERGED, top, tuple(r.request_id for r in r_merge[:max_bs]))
+        rest = [r for r in r_merge if r.request_id not in starving_ids][:room]
+        return Decision(Mode.MIXED, top, tuple(r.request_id for r in starving + rest))
+    rest = [r for r in reqs if r.request_id not in starving_ids][:room]
+    return Decision(Mode.UNMERGED, None, tuple(r.request_id for r in (starving + rest)[:max_bs]))
+
+
+class Orchestrator:
+    """Runs a mode policy each iteration with costs measured on this machine (running means)."""
+
+    def __init__(self, policy: str, theta: float, max_bs: int):
+        self.policy = policy
+        self.theta = theta
+        self.max_bs = max_bs
+        self.step_s = {m: 0.0 for m in Mode}
+        self.mode = Mode.UNMERGED
+        self.mode_iterations = Counter()     # iterations run per mode (as measured)
+        self.decisions = Counter()           # decisions taken per mode
+
+    def plan(self, seqs: list[Sequence], modes: ModeSwitcher, registry) -> Decision | None:
+        """The decision for the next iteration (None: plain continuous batching, nothing merged)."""
+        if self.policy == "unmerged" or not seqs:
+            return None
+        now = time.monotonic()
+        reqs = [Pending(s.request_id, s.adapter_name, now - s.last_progress) for s in seqs]
+        merged_now = None if modes.merged is None else modes.merged.name
+        costs = Costs(dict(self.step_s), modes.last_switch_s)
+        if self.policy == "vlora":
+            return schedule(reqs, self.mode, merged_now, self.max_bs, self.theta, costs)
+        if self.policy == "dlora":          # Alg. 1 without the mixed mode: starvation -> unmerged
+            d = schedule(reqs, self.mode, merged_now, self.max_bs, self.theta, costs)
+            return d if d.mode is not Mode.MIXED else schedule(reqs, self.mode, merged_now, self.max_bs, 0.0, costs)
+        counts = Counter(r.adapter for r in reqs if r.adapter is not None)   # merged-only
+        if not counts:
+            return Decision(Mode.UNMERGED, None, tuple(r.request_id for r in reqs[:self.max_bs]))
+        top = max(counts, key=lambda a: (counts[a], a == merged_now))
+        return Decision(Mode.MERGED, top, tuple(r.request_id for r in reqs if r.adapter == top)[:self.max_bs])
+
+    def apply(self, decision: Decision | None, modes: ModeSwitcher, registry) -> None:
+        """Make the weights match the decision (exact swift merge/unmerge)."""
+        if decision is None:
+            return
+        if decision.merged is None:
+            modes.unmerge()
+        else:
+            modes.merge(registry.get(decision.merged))
+        self.mode = decision.mode
+        self.decisions[decision.mode] += 1
+
+    def observe(self, mode: Mode, seconds: float) -> None:
+        """Fold one measured iteration time into the running estimate of that mode's cost."""
+        self.mode_iterations[mode] += 1
+        prev = self.step_s[mode]
+        self.step_s[mode] = seconds if prev == 0.0 else 0.8 * prev + 0.2 * seconds
