@@ -15,6 +15,7 @@ from vlora.engine.modes import ModeSwitcher
 from vlora.engine.sampler import sample
 from vlora.engine.scheduler import ScheduledSeq
 from vlora.lora.batch import LoRABatch
+from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
 from vlora.models.decoder import DecoderLM
 from vlora.models.forward_batch import ForwardBatch, PrefillChunk
@@ -38,8 +39,7 @@ class ModelRunner:
             self.tiling = TilingTable.load()
             cfg = model.cfg
             ins, outs = cfg.lora_in_out()
-            self.group_widths = {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size), "o": (cfg.hidden_size,),
-                                 "gate_up": (cfg.intermediate_size,) * 2, "down": (cfg.hidden_size,)}
+            self.group_widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
             self.group_in = {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins["gate_proj"],
                              "down": ins["down_proj"]}
 
