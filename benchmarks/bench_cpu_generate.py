@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.helpers import ALL_TARGETS, make_peft_adapter  # noqa: E402
 from vlora import LLM, SamplingParams  # noqa: E402
+from vlora.engine.llm import apply_chat_template  # noqa: E402
 from vlora.bench.baselines import PeftBaseline  # noqa: E402
 from vlora.models.loader import resolve_model_dir  # noqa: E402
 
@@ -89,9 +90,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     out = []
     for i in range(n):
         q = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" (variant {i // len(QUESTIONS)})")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        out.append(apply_chat_template(tokenizer, [{"role": "user", "content": q}]))
     return out
 
 
