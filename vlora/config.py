@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None
-    """Local HF model directory (config.json + safetensors) or a .gguf file. Default: the embedded SmolLM2-135M-Instruct."""
+    """Local HF model directory (config.json + safetensors), a .gguf file, or random:<preset> (seeded random weights of a known shape, e.g. random:llama-2-7b; prompts as token ids). Default: the embedded SmolLM2-135M-Instruct."""
     dtype: str = "auto"
     """Weight/activation dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"
@@ -28,8 +28,14 @@ class ModelConfig:
     """Longest sequence (prompt + output) accepted. Default: the model's max_position_embeddings, capped at 8192."""
     seed: int = 0
     """Seed for random weights created in tests and demos; requests carry their own sampling seed."""
+    attention: str = "auto"
+    """Attention backend: auto (Triton paged attention on CUDA, torch on CPU), triton, or torch."""
+    cuda_graphs: bool = True
+    """Replay decode iterations from CUDA graphs captured per batch-size bucket (CUDA only)."""
 
     def __post_init__(self) -> None:
+        if self.attention not in ("auto", "triton", "torch"):
+            raise ConfigError(f"attention must be auto, triton or torch, got {self.attention!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

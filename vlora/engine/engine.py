@@ -22,7 +22,7 @@ from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import BlockAllocator, blocks_for_memory, kv_cache_tensor
-from vlora.models.loader import build_decoder, resolve_model_dir
+from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
 from vlora.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,9 +49,15 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        model_dir = resolve_model_dir(config.model.model)
-        self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device, config.model.max_model_len)
-        self.tokenizer = _load_tokenizer(model_dir)
+        mc = config.model
+        if is_random_spec(mc.model):     # benchmark shapes with seeded random weights; prompts are token ids
+            self.model, self.max_model_len = build_random_decoder(mc.model, self.dtype, self.device,
+                                                                  mc.max_model_len, mc.seed)
+            self.tokenizer = None
+        else:
+            model_dir = resolve_model_dir(mc.model)
+            self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device, mc.max_model_len)
+            self.tokenizer = _load_tokenizer(model_dir)
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -62,14 +68,17 @@ class Engine:
                                                         cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.block_size = cc.block_size
         self.allocator = BlockAllocator(num_blocks)
-        kv = kv_cache_tensor(cfg.num_layers, num_blocks, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype, self.device)
+        kv = kv_cache_tensor(cfg.num_layers, num_blocks + 1, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
+                             self.dtype, self.device)           # + a scratch block no sequence owns
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
+        cuda = self.device.type == "cuda"
+        kernel_attention = mc.attention == "triton" or (mc.attention == "auto" and cuda)
+        graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and kernel_attention else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
-                                  self.adapters)
+                                  self.adapters, kernel_attention, graph_batch, self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         sc = config.scheduler
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)

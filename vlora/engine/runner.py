@@ -18,14 +18,18 @@ from vlora.lora.batch import LoRABatch
 from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
 from vlora.models.decoder import DecoderLM
-from vlora.models.forward_batch import ForwardBatch, PrefillChunk
+from vlora.models.forward_batch import ForwardBatch, PrefillChunk, PrefillMeta
 
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...], adapters: AdapterRegistry):
+                 eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, kernel_attention: bool = False,
+                 graph_batch: int = 0, max_model_len: int = 0):
+        """``kv_cache`` holds one block past the allocator's (the scratch block CUDA-graph padding writes to);
+        ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs."""
         self.model = model
         self.kv_cache = kv_cache
+        self.kernel_attention = kernel_attention
         self.block_size = block_size
         self.device = device
         self.window = model.cfg.sliding_window
@@ -42,6 +46,14 @@ class ModelRunner:
             self.group_widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
             self.group_in = {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins["gate_proj"],
                              "down": ins["down_proj"]}
+        self.graphs = None
+        if graph_batch > 0:
+            from vlora.engine.cuda_graphs import DecodeGraphs
+
+            scratch = (kv_cache.shape[2] - 1) * block_size
+            lora = None if self.tiling is None else (adapters.buffer, self.group_widths, self.group_in, self.tiling,
+                                                     adapters.max_rank)
+            self.graphs = DecodeGraphs(model, kv_cache, graph_batch, -(-max_model_len // block_size), scratch, lora)
 
     @staticmethod
     def order(scheduled: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
@@ -49,7 +61,7 @@ class ModelRunner:
         return sorted(scheduled, key=lambda s: (s.num_tokens > 1, -1 if s.seq.adapter is None else s.seq.adapter.slot))
 
     def prepare(self, ordered: list[ScheduledSeq]) -> ForwardBatch:
-        bs, dev = self.block_size, self.device
+        bs, dev, kernel = self.block_size, self.device, self.kernel_attention
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -58,6 +70,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        chunks: list[tuple[int, int, int, list[int]]] = []     # (row, new tokens, context, blocks)
         for s in ordered:
             seq, start, n = s.seq, s.start, s.num_tokens
             row = len(ids)
@@ -71,29 +84,38 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(seq.blocks[:nblocks])
                 decode_lens.append(ctx)
+            elif kernel:
+                chunks.append((row, n, ctx, seq.blocks[:nblocks]))
             else:
                 prefills.append(PrefillChunk(row, n, ctx, torch.tensor(seq.blocks[:nblocks], device=dev),
                                              self._prefill_mask(start, n)))
             if s.samples:
                 logits_rows.append(row + n - 1)
         nd = len(decode_tables)
-        table = mask = None
+        table = lens = mask = None
         if nd:
-            nb = max(len(t) for t in decode_tables)
-            table = torch.tensor([t + [0] * (nb - len(t)) for t in decode_tables], device=dev)
-            key = torch.arange(nb * bs, device=dev)
-            lens = torch.tensor(decode_lens, device=dev).unsqueeze(1)
-            allowed = key < lens
-            if self.window is not None:
-                allowed &= key > lens - 1 - self.window
-            mask = allowed.view(nd, 1, 1, nb * bs)
+            table = _padded_table(decode_tables, torch.int32 if kernel else torch.long, dev)
+            lens = torch.tensor(decode_lens, dtype=torch.int32, device=dev)
+            if not kernel:
+                key = torch.arange(table.shape[1] * bs, device=dev)
+                allowed = key < lens.unsqueeze(1)
+                if self.window is not None:
+                    allowed &= key > lens.unsqueeze(1) - 1 - self.window
+                mask = allowed.view(nd, 1, 1, -1)
+        prefill_meta = None
+        if chunks:
+            i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)   # noqa: E731
+            prefill_meta = PrefillMeta(_padded_table([c[3] for c in chunks], torch.int32, dev),
+                                       i32([c[0] for c in chunks]), i32([c[1] for c in chunks]),
+                                       i32([c[2] for c in chunks]), max(c[1] for c in chunks))
         return ForwardBatch(
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
-            num_decodes=nd, decode_block_tables=table, decode_mask=mask, prefills=tuple(prefills),
+            num_decodes=nd, decode_block_tables=table, decode_lens=lens, decode_mask=mask,
+            prefills=tuple(prefills), prefill_meta=prefill_meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            lora=self._lora_batch(runs),
+            lora=self._lora_batch(runs), kernel_attention=kernel,
         )
 
     def _lora_batch(self, runs) -> LoRABatch | None:
@@ -128,11 +150,37 @@ class ModelRunner:
     def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int]:
         """One forward over the scheduled chunks; returns request_id -> sampled token."""
         ordered = self.order(scheduled)
-        fb = self.prepare(ordered)
-        hidden = self.model(fb, self.kv_cache)
         samplers = [s.seq for s in ordered if s.samples]
-        if not samplers:
-            return {}
-        logits = self.model.compute_logits(hidden[fb.logits_rows])
+        logits = self._replay(ordered) if self.graphs is not None else None
+        if logits is None:
+            fb = self.prepare(ordered)
+            hidden = self.model(fb, self.kv_cache)
+            if not samplers:
+                return {}
+            logits = self.model.compute_logits(hidden[fb.logits_rows])
         tokens = sample(logits, samplers, self.eos_token_ids)
         return {seq.request_id: t for seq, t in zip(samplers, tokens)}
+
+    def _replay(self, ordered: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
+        if len(ordered) > self.graphs.max_batch or not all(s.num_tokens == 1 and s.samples for s in ordered):
+            return None
+        own, minus = self.modes.lora_runs([(i, i + 1, s.seq.adapter) for i, s in enumerate(ordered)])
+        if minus:                                   # mixed mode's second pass: eager
+            return None
+        bs = self.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for s in ordered:
+            seq, p = s.seq, s.start
+            ids.append(seq.tokens(p, p + 1)[0])
+            positions.append(p)
+            slots.append(seq.blocks[p // bs] * bs + p % bs)
+            tables.append(seq.blocks[:p // bs + 1])
+            lens.append(p + 1)
+        return self.graphs.run(ids, positions, slots, tables, lens, LoRABatch.segments_of(own))
+
+
+def _padded_table(tables: list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Block tables of different lengths as one [n, longest] tensor (padding 0, never read)."""
+    nb = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=dtype, device=device)

@@ -103,3 +103,56 @@ def lora_expand_ref(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: li
             b = w[off:off + r * widths[j]].view(r, widths[j]).double()
             out[s:s + n, cols[j]:cols[j] + widths[j]] += sc * (v[s:s + n, vc:vc + r].double() @ b)
     return out
+
+
+def _attend_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q [n, H, D], k/v [L, Hkv, D], allowed [n, L] -> [n, H, D] float64 (GQA by head repetition)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(s, dim=-1), v)
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Oracle of ``attention.paged_decode``, float64; rows with lens 0 are zeros.
+
+    Semantics: out[b] = softmax(scale * q[b] . K_b^T) V_b over tokens [max(0, len_b - window), len_b).
+    """
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            continue
+        k = gather_blocks(k_cache, tables[b].long(), n)
+        v = gather_blocks(v_cache, tables[b].long(), n)
+        allowed = torch.ones(1, n, dtype=torch.bool, device=q.device)
+        if window:
+            allowed[:, :max(0, n - window)] = False
+        out[b] = _attend_fp64(q[b:b + 1], k, v, allowed, scale)[0]
+    return out
+
+
+def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                      starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                      window: int = 0) -> torch.Tensor:
+    """Oracle of ``attention.paged_prefill``, float64; rows of no chunk are zeros.
+
+    Semantics: chunk c's query i (position p = ctx_c - n_c + i) attends to keys at positions
+    (p - window, p] of its block table (all positions <= p without a window).
+    """
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    for c, (s, n, ctx) in enumerate(zip(starts.tolist(), q_lens.tolist(), ctx_lens.tolist())):
+        if n == 0:
+            continue
+        k = gather_blocks(k_cache, tables[c].long(), ctx)
+        v = gather_blocks(v_cache, tables[c].long(), ctx)
+        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+        allowed = kpos <= qpos
+        if window:
+            allowed &= kpos > qpos - window
+        out[s:s + n] = _attend_fp64(q[s:s + n], k, v, allowed, scale)
+    return out

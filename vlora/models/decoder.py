@@ -134,6 +134,18 @@ class DecoderLayer(nn.Module):
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = fb.num_decodes
+        if fb.kernel_attention:
+            from vlora.kernels.attention import paged_decode, paged_prefill
+
+            window = self.cfg.sliding_window or 0
+            if nd:
+                paged_decode(q[:nd], k_cache, v_cache, fb.decode_block_tables, fb.decode_lens, self.scale, window,
+                             out=out[:nd])
+            pm = fb.prefill_meta
+            if pm is not None:
+                paged_prefill(q, k_cache, v_cache, pm.tables, pm.starts, pm.q_lens, pm.ctx_lens, pm.max_q_len,
+                              self.scale, window, out=out)
+            return out
         if nd:
             out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, fb.decode_block_tables,
                                               fb.decode_mask, self.scale)

@@ -5,7 +5,11 @@ reads it, none mutates it. Token layout is flat (no batch dimension): the
 iteration's sequences are laid end to end, decodes first, then prefill chunks.
 
 Shapes: T = tokens in the iteration, Bd = decode sequences, nb = blocks per
-decode block table (padded with 0, masked by ``decode_mask``).
+decode block table (padded with 0, read only up to ``decode_lens``).
+
+Attention metadata comes in one of two forms: the Triton kernels take packed
+int32 tables and lengths (``kernel_attention``); the torch reference path takes a
+boolean decode mask and one :class:`PrefillChunk` per sequence.
 """
 
 from __future__ import annotations
@@ -29,16 +33,30 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class PrefillMeta:
+    """All prefill chunks of the iteration, packed for one kernel launch."""
+
+    tables: torch.Tensor              # [C, nb] int32, block table of each chunk's sequence
+    starts: torch.Tensor              # [C] int32, first row of the chunk in the flat batch
+    q_lens: torch.Tensor              # [C] int32, new tokens
+    ctx_lens: torch.Tensor            # [C] int32, cached tokens before the chunk + new tokens
+    max_q_len: int                    # host int: longest chunk (sizes the grid)
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor           # [T] long
     positions: torch.Tensor           # [T] long, position of each token in its sequence
     slot_mapping: torch.Tensor        # [T] long, KV slot (block * block_size + offset) to write
     num_decodes: int                  # Bd: rows [0, Bd) are one-token decodes
-    decode_block_tables: torch.Tensor | None  # [Bd, nb] long
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] bool, True = attend
-    prefills: tuple[PrefillChunk, ...]
+    decode_block_tables: torch.Tensor | None  # [Bd, nb] int32 (kernels) or long (reference)
+    decode_lens: torch.Tensor | None  # [Bd] int32, context length after this token (0: padded row)
+    decode_mask: torch.Tensor | None  # reference path: [Bd, 1, 1, nb * block_size] bool, True = attend
+    prefills: tuple[PrefillChunk, ...]  # reference path
+    prefill_meta: PrefillMeta | None  # kernel path
     logits_rows: torch.Tensor         # [S] long, rows whose hidden state feeds the LM head
     lora: LoRABatch | None = None     # None: no request in the batch uses an adapter
+    kernel_attention: bool = False    # True: Triton paged attention with the packed metadata
 
     @property
     def num_tokens(self) -> int:

@@ -150,6 +150,50 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return model, max_len
 
 
+RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded random weights (benchmarks)
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5),
+}
+
+
+def is_random_spec(model) -> bool:
+    return isinstance(model, str) and model.startswith("random:")
+
+
+def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                         seed: int = 0) -> tuple[DecoderLM, int]:
+    """A decoder with the shapes of preset ``random:<name>`` and seeded random weights, made on ``device``."""
+    from transformers import LlamaConfig
+
+    name = spec.removeprefix("random:")
+    if name not in RANDOM_PRESETS:
+        raise ModelLoadError(f"unknown random model {name!r} (known: {', '.join(RANDOM_PRESETS)})")
+    hf_config = LlamaConfig(**RANDOM_PRESETS[name], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg = decoder_config(hf_config, name=f"random-{name}")
+    inv_freq, scaling, _ = rope_parameters(hf_config, cfg.head_dim)
+    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:                                  # std 1/sqrt(fan_in): activations keep their scale
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    model = model.eval().requires_grad_(False)
+    model.stack_projections()
+    return model, max_len
+
+
 def iter_safetensors(model_dir: Path):
     """(name, tensor) for every tensor of a sharded or single-file safetensors checkpoint."""
     from safetensors import safe_open
