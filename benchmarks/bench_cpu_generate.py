@@ -127,7 +127,7 @@ def main() -> None:
             f"{args.max_tokens} new tokens each")
 
         log("loading transformers + PEFT")
-        peft = PeftBaseline(model_dir, {n: str(p) for n, p in adapters.items()})
+        peft = PeftBaseline.from_pretrained(model_dir, {n: str(p) for n, p in adapters.items()})
 
         def run_vlora(n: int, max_tokens: int) -> list[list[int]]:
             # min_tokens bans EOS as PEFT's min_new_tokens does, so both pick the same greedy tokens

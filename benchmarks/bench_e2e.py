@@ -1,0 +1,361 @@
+"""End-to-end serving speed: vlora vs transformers (+PEFT), and decode steps against the bytes floor.
+
+One run, one device, random weights of a Llama-2-7B-shaped model in bf16
+(shapes decide speed), ``--requests`` requests of ``--input-len`` random prompt
+tokens and exactly ``--output-len`` output tokens (greedy, ignore_eos), adapters
+of ranks ``--ranks`` round-robin, every adapter used by the same number of
+requests. Measured, in this order:
+
+1. copy bandwidth (large device-to-device copy, bytes read + written);
+2. vlora, all requests at once (continuous batching): with the adapters
+   (unmerged, the batched LoRA op), then base model only; output tokens/s,
+   median decode-step time inside the engine loop, and the decode forward alone
+   (CUDA-graph replay, CUDA events) with and without the adapters on the same
+   batch state;
+3. vlora, one request: batch-1 decode step;
+4. transformers alone (base model, static batch, no LoRA), then transformers +
+   PEFT with every adapter loaded and a mixed ``adapter_names`` batch.
+
+Floors: weight bytes (every weight matrix read once per step; the embedding
+table is not, only its looked-up rows) / copy bandwidth; adapter bytes (the A
+and B of every adapter active in the batch, all layers) / copy bandwidth; at
+batch 64 the KV cache read by attention is reported as its own floor term.
+
+    python benchmarks/bench_e2e.py --out benchmarks/results            # GPU, the issue's setting
+    python benchmarks/bench_e2e.py --model random:tiny-llama --device cpu --requests 4 --input-len 16 \\
+        --output-len 4 --adapters 2 --ranks 8,16 --out /tmp/e2e            # CPU smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vlora import LLM, SamplingParams  # noqa: E402
+from vlora.bench.baselines import PeftBaseline  # noqa: E402
+from vlora.lora.adapter import ModelShape  # noqa: E402
+from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
+from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes/s (read + written) of a 1 GiB device copy (64 MiB on CPU), median of repeats."""
+    n = (1 << 30) if dev.type == "cuda" else (64 << 20)
+    src = torch.empty(n // 2, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(30 if dev.type == "cuda" else 5):
+        sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * n / statistics.median(times[len(times) // 3:])
+
+
+def replay_ms(graph, dev: torch.device, reps: int = 50) -> float:
+    """Median time of one CUDA-graph replay (CUDA events)."""
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+class StepTimer:
+    """Wraps ``engine.step``: wall time of every step and whether it was decode-only, for the whole batch."""
+
+    def __init__(self, engine, dev: torch.device):
+        self.engine, self.dev, self.steps = engine, dev, []
+        self._step = engine.step
+
+        def timed():
+            sched = engine.scheduler
+            before = {s.request_id: s.num_computed for s in sched.unfinished()}
+            t0 = time.perf_counter()
+            out = self._step()
+            sync(dev)
+            dt_ = time.perf_counter() - t0
+            decode_only = all(s.num_computed - before.get(s.request_id, s.num_computed) <= 1
+                              for s in sched.unfinished())
+            self.steps.append((dt_, len(before), decode_only and bool(out)))
+            return out
+
+        engine.step = timed
+
+    def decode_median_ms(self, batch: int) -> float | None:
+        xs = [t for t, n, d in self.steps if d and n == batch]
+        return 1e3 * statistics.median(xs) if xs else None
+
+    def close(self) -> None:
+        self.engine.step = self._step
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every weight a decode step reads in full (the embedding table: only B rows, left out)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed."))
+
+
+def adapter_bytes(engine, names: list[str]) -> int:
+    total = 0
+    for name in set(names):
+        for groups in engine.adapters.get(name).layers:
+            for gw in groups.values():
+                total += gw.a.numel() * gw.a.element_size() + sum(s.b.numel() * s.b.element_size() for s in gw.slices)
+    return total
+
+
+def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
+    llm = LLM(args.model, device=str(dev), dtype=args.dtype, max_num_seqs=args.requests,
+              max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory_gb=args.kv_gb,
+              max_model_len=args.input_len + args.output_len + 16, max_lora_rank=max(args.ranks),
+              check_base_model=False)
+    eng = llm.engine
+    log(f"vlora: {eng.model_name}, {eng.allocator.num_blocks} KV blocks of {eng.block_size}")
+    t0 = time.perf_counter()
+    for n, p in adapter_dirs.items():
+        llm.register_adapter(n, p)
+    res["vlora_register_s"] = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    log("vlora warm-up (Triton compiles, CUDA graphs capture)")
+    llm.generate(prompts, names, warm)
+    llm.generate(prompts, None, warm)
+    llm.generate(prompts[:1], None, warm)
+    graphs = eng.runner.graphs
+    if graphs is not None:
+        graphs.capture_all()
+
+    wb = weight_bytes(eng.model)
+    ab = adapter_bytes(eng, names)
+    res.update(weight_bytes=wb, adapter_bytes=ab)
+    out_tokens = len(prompts) * args.output_len
+    for label, adapters in (("adapters", names), ("base", None)):
+        timer = StepTimer(eng, dev)
+        sync(dev)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, adapters, sp)
+        sync(dev)
+        wall = time.perf_counter() - t0
+        timer.close()
+        assert all(len(o.token_ids) == args.output_len for o in outs)
+        b = len(prompts)
+        step = timer.decode_median_ms(b)
+        res[f"vlora_{label}_tok_s"] = out_tokens / wall
+        res[f"vlora_{label}_wall_s"] = wall
+        res[f"vlora_{label}_decode_step_ms"] = step
+        log(f"vlora {label}: {out_tokens / wall:.0f} output tok/s ({wall:.2f} s), decode step (B={b}) "
+            f"{step if step is None else round(step, 2)} ms, {len(timer.steps)} steps")
+        if graphs is not None and label == "adapters":
+            bb = graphs.bucket(b)             # the static buffers hold the batch's last decode step
+            res["vlora_graph_lora_ms"] = replay_ms(graphs.graphs[(bb, True)][0], dev)
+            res["vlora_graph_base_ms"] = replay_ms(graphs.graphs[(bb, False)][0], dev)
+            log(f"decode forward B={b} (graph replay): with adapters {res['vlora_graph_lora_ms']:.2f} ms, "
+                f"base {res['vlora_graph_base_ms']:.2f} ms")
+    kv_tok = 2 * eng.model.cfg.num_layers * eng.model.cfg.kv_size * torch.finfo(dtype).bits // 8
+    res["kv_bytes_last_step"] = kv_tok * len(prompts) * (args.input_len + args.output_len)
+    # batch 1
+    timer = StepTimer(eng, dev)
+    llm.generate(prompts[:1], None, sp)
+    timer.close()
+    res["vlora_b1_decode_step_ms"] = timer.decode_median_ms(1)
+    if graphs is not None:
+        res["vlora_b1_graph_ms"] = replay_ms(graphs.graphs[(1, False)][0], dev)
+        res["graph_replays"] = graphs.num_replays
+    log(f"vlora batch 1: decode step {res['vlora_b1_decode_step_ms']:.2f} ms (engine loop), "
+        f"forward {res.get('vlora_b1_graph_ms', float('nan')):.2f} ms (graph replay)")
+    del llm, eng, graphs
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def hf_model(args, dev: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    name = args.model.removeprefix("random:")
+    cfg = LlamaConfig(**RANDOM_PRESETS[name], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def run_hf(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
+    model = hf_model(args, dev, dtype)
+    out_tokens = len(prompts) * args.output_len
+    systems = [("hf_base", None)] + ([] if args.skip_peft else [("peft", adapter_dirs)])
+    for label, adapters in systems:
+        base = PeftBaseline(model, adapters, pad_token_id=0)
+        req_names = names if adapters else [None] * len(prompts)
+        log(f"{label}: warm-up")
+        base.generate(prompts[:2], req_names[:2], 2, 2)
+        sync(dev)
+        t0 = time.perf_counter()
+        outs = base.generate(prompts, req_names, args.output_len, len(prompts))
+        sync(dev)
+        wall = time.perf_counter() - t0
+        assert all(len(o) == args.output_len for o in outs)
+        res[f"{label}_tok_s"] = out_tokens / wall
+        res[f"{label}_wall_s"] = wall
+        log(f"{label}: {out_tokens / wall:.1f} output tok/s ({wall:.2f} s)")
+        model = base.model.unload() if adapters else base.model      # peft: back to the plain model
+    del model
+    gc.collect()
+
+
+def summarize(res: dict) -> list[str]:
+    bw = res["copy_bw"]
+    lines = []
+    wf = 1e3 * res["weight_bytes"] / bw
+    af = 1e3 * res["adapter_bytes"] / bw
+    kvf = 1e3 * res["kv_bytes_last_step"] / bw
+    res.update(weight_floor_ms=wf, adapter_floor_ms=af, kv_floor_ms=kvf)
+    if "hf_base_tok_s" in res:
+        res["vlora_adapters_vs_hf_base"] = res["vlora_adapters_tok_s"] / res["hf_base_tok_s"]
+        lines.append(f"vlora unmerged, {res['num_adapters']} adapters: {res['vlora_adapters_tok_s']:.0f} tok/s = "
+                     f"{res['vlora_adapters_vs_hf_base']:.2f}x transformers base-only "
+                     f"({res['hf_base_tok_s']:.0f} tok/s; target >= 2)")
+    if "peft_tok_s" in res:
+        res["vlora_adapters_vs_peft"] = res["vlora_adapters_tok_s"] / res["peft_tok_s"]
+        lines.append(f"  = {res['vlora_adapters_vs_peft']:.1f}x transformers+PEFT mixed adapters "
+                     f"({res['peft_tok_s']:.1f} tok/s; target >= 60)")
+    if res.get("vlora_b1_graph_ms"):
+        res["b1_vs_floor"] = res["vlora_b1_graph_ms"] / wf
+        lines.append(f"batch-1 decode forward {res['vlora_b1_graph_ms']:.2f} ms vs weight floor {wf:.2f} ms = "
+                     f"{res['b1_vs_floor']:.2f}x (target <= 1.25); engine-loop step "
+                     f"{res['vlora_b1_decode_step_ms']:.2f} ms")
+    if res.get("vlora_graph_lora_ms"):
+        extra = res["vlora_graph_lora_ms"] - res["vlora_graph_base_ms"]
+        res["lora_extra_ms"] = extra
+        res["lora_extra_vs_floor"] = extra / af
+        lines.append(f"batch-{res['requests']} decode forward: base {res['vlora_graph_base_ms']:.2f} ms (weight floor "
+                     f"{wf:.2f} + KV floor {kvf:.2f} = {wf + kvf:.2f} ms), with adapters "
+                     f"{res['vlora_graph_lora_ms']:.2f} ms: extra {extra:.2f} ms vs adapter floor {af:.2f} ms = "
+                     f"{res['lora_extra_vs_floor']:.2f}x (target <= 1.5)")
+    return lines
+
+
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    systems = [(k, res.get(f"{k}_tok_s")) for k in ("vlora_adapters", "vlora_base", "hf_base", "peft")]
+    systems = [(k, v) for k, v in systems if v]
+    a1.bar([k.replace("_", "\n") for k, _ in systems], [v for _, v in systems], color="tab:blue")
+    a1.set_yscale("log")
+    a1.set_ylabel("output tokens/s (log)")
+    a1.set_title(f"{res['requests']} requests, {res['input_len']}/{res['output_len']} tokens")
+    bars = []
+    if res.get("vlora_b1_graph_ms"):
+        bars += [("B=1 forward", res["vlora_b1_graph_ms"], res["weight_floor_ms"])]
+    if res.get("vlora_graph_base_ms"):
+        bars += [(f"B={res['requests']} base", res["vlora_graph_base_ms"], res["weight_floor_ms"] + res["kv_floor_ms"]),
+                 (f"B={res['requests']} LoRA extra", res["lora_extra_ms"], res["adapter_floor_ms"])]
+    if bars:
+        x = range(len(bars))
+        a2.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="measured")
+        a2.bar([i + 0.2 for i in x], [b[2] for b in bars], 0.4, label="bytes floor")
+        a2.set_xticks(list(x), [b[0] for b in bars])
+        a2.set_ylabel("ms")
+        a2.legend()
+        a2.set_title("decode step vs floor")
+    fig.suptitle(f"{res['model']} {res['dtype']} on {res['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="random:llama-2-7b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
+    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--skip-peft", action="store_true", help="leave out the transformers+PEFT mixed run")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out both transformers runs")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    res = dict(date=dt.date.today().isoformat(), device=gpu, model=args.model, dtype=args.dtype,
+               requests=args.requests, input_len=args.input_len, output_len=args.output_len,
+               num_adapters=args.adapters, ranks=args.ranks, torch=torch.__version__)
+    res["copy_bw"] = copy_bandwidth(dev)
+    log(f"{gpu}: copy bandwidth {res['copy_bw'] / 1e9:.0f} GB/s")
+
+    preset = RANDOM_PRESETS[args.model.removeprefix("random:")]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, preset["vocab_size"], (args.requests, args.input_len), generator=g).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        h, i = preset["hidden_size"], preset["intermediate_size"]
+        q, kv = h, preset["num_key_value_heads"] * h // preset["num_attention_heads"]
+        shape = ModelShape(args.model, preset["num_hidden_layers"],
+                           {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h,
+                            "down_proj": i},
+                           {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
+                            "down_proj": h})
+        log(f"writing {args.adapters} adapters (ranks {args.ranks}, all projections)")
+        adapter_dirs = {f"a{j}": str(write_random_adapter(Path(tmp) / f"a{j}", shape, args.ranks[j % len(args.ranks)],
+                                                         seed=j, std=0.01))
+                        for j in range(args.adapters)}
+        names = [f"a{j % args.adapters}" for j in range(args.requests)]
+        run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res)
+        if not args.skip_hf:
+            run_hf(args, dev, dtype, prompts, names, adapter_dirs, res)
+    lines = summarize(res)
+    for line in lines:
+        log(line)
+    tag = gpu.lower().replace(" ", "-")
+    (args.out / f"e2e-{tag}.json").write_text(json.dumps(res, indent=2))
+    plot(res, args.out / f"e2e-{tag}.png")
+    log(f"wrote {args.out}/e2e-{tag}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
