@@ -157,6 +157,24 @@ def _column_tiles(widths: tuple[int, ...], block_n: int, device: str) -> tuple[t
             torch.tensor(cols, dtype=torch.int32, device=dev))
 
 
+SHARED_BYTES = 232448        # per-block shared memory of Hopper (H100, H200)
+
+
+def fit_shared(cfg: TileConfig, a_bytes: int, b_bytes: int) -> TileConfig:
+    """``cfg`` with fewer pipeline stages, then a shorter K tile, until its operand tiles fit in shared memory
+    (a tuned config meets 16-bit data; float32 doubles its footprint)."""
+    def need(c: TileConfig) -> int:
+        return max(c.num_stages, 1) * (c.block_m * c.block_k * a_bytes + c.block_k * c.block_n * b_bytes)
+
+    while need(cfg) > SHARED_BYTES and (cfg.num_stages > 1 or cfg.block_k > 16):
+        if cfg.num_stages > 1:
+            cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages - 1,
+                             cfg.m_loop)
+        else:
+            cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.block_k // 2, cfg.split_k, cfg.num_warps, 1, cfg.m_loop)
+    return cfg
+
+
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
@@ -178,6 +196,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:
         return v
+    cfg = fit_shared(cfg, x.element_size(), x.element_size())
     m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
     grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
     _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, x.shape[1], x.stride(0), v.stride(0),
@@ -204,6 +223,7 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:
         return y
+    cfg = fit_shared(cfg, 4, y.element_size())
     tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n, str(y.device))
     m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
     grid = (num_segs * m_progs, tiles.shape[0] // 2)
