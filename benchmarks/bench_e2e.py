@@ -191,10 +191,6 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         res["graph_replays"] = graphs.num_replays
     log(f"vlora batch 1: decode step {res['vlora_b1_decode_step_ms']:.2f} ms (engine loop), "
         f"forward {res.get('vlora_b1_graph_ms', float('nan')):.2f} ms (graph replay)")
-    del llm, eng, graphs
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def hf_model(args, dev: torch.device, dtype: torch.dtype):
@@ -346,6 +342,10 @@ def main() -> None:
                         for j in range(args.adapters)}
         names = [f"a{j % args.adapters}" for j in range(args.requests)]
         run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res)
+        gc.collect()                          # the engine is unreachable now: give its memory back
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            log(f"GPU memory in use after vlora: {torch.cuda.memory_allocated(dev) / 2**30:.2f} GiB")
         if not args.skip_hf:
             run_hf(args, dev, dtype, prompts, names, adapter_dirs, res)
     lines = summarize(res)
