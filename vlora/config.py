@@ -28,14 +28,14 @@ class ModelConfig:
     """Longest sequence (prompt + output) accepted. Default: the model's max_position_embeddings, capped at 8192."""
     seed: int = 0
     """Seed for random weights created in tests and demos; requests carry their own sampling seed."""
-    attention: str = "auto"
-    """Attention backend: auto (Triton paged attention on CUDA, torch on CPU), triton, or torch."""
+    kernels: str = "auto"
+    """Decoder hot path: auto (Triton on CUDA, torch on CPU), triton (paged attention and fused norm/RoPE/SiLU kernels), or torch."""
     cuda_graphs: bool = True
     """Replay decode iterations from CUDA graphs captured per batch-size bucket (CUDA only)."""
 
     def __post_init__(self) -> None:
-        if self.attention not in ("auto", "triton", "torch"):
-            raise ConfigError(f"attention must be auto, triton or torch, got {self.attention!r}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ConfigError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -40,13 +40,15 @@ CASES = [  # (ctx lens, page, Hq, Hkv, D, window)
 ]
 
 
+@pytest.mark.parametrize("parts", [1, 3, None])
 @pytest.mark.parametrize("ctx_lens,page,hq,hkv,d,window", CASES)
-def test_decode_matches_reference(ctx_lens, page, hq, hkv, d, window):
+def test_decode_matches_reference(ctx_lens, page, hq, hkv, d, window, parts):
+    """parts > 1: each context split in parts (flash-decoding) and reduced; None: chosen from the batch."""
     k, v, tables = paged_case(ctx_lens + [0], page, hq, hkv, d, torch.float32, "cpu", seed=len(ctx_lens))
     lens = torch.tensor(ctx_lens + [0], dtype=torch.int32)          # last row: a padded (empty) slot
     q = torch.randn(len(lens), hq, d)
     out = torch.full_like(q, float("nan"))
-    paged_decode(q, k, v, tables, lens, 0.3, window, out=out, block_n=16)
+    paged_decode(q, k, v, tables, lens, 0.3, window, out=out, block_n=16, parts=parts, max_ctx=max(ctx_lens))
     ref = paged_decode_ref(q, k, v, tables, lens, 0.3, window)
     assert torch.isfinite(out).all(), "every row written"
     assert out[-1].abs().max() == 0, "a row of length 0 is zeros"

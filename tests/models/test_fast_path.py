@@ -13,8 +13,8 @@ from vlora import LLM, SamplingParams
 @pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("mistral", {"sliding_window": 4})])
 def test_triton_attention_matches_peft(tmp_path, model_type, overrides):
     path, paths, pm = build(tmp_path, model_type, **overrides)
-    llm = LLM(str(path), adapters=paths, num_blocks=32, block_size=4, attention="triton", lora_kernel="triton")
-    assert llm.engine.runner.kernel_attention
+    llm = LLM(str(path), adapters=paths, num_blocks=32, block_size=4, kernels="triton", lora_kernel="triton")
+    assert llm.engine.runner.use_kernels
     for a, r, name in zip(vlora_logits(llm, PROMPTS, NAMES), peft_logits(pm, PROMPTS, NAMES), NAMES):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4 * r.abs().max().item(), msg=f"adapter {name}")
 
@@ -29,31 +29,46 @@ def test_triton_attention_with_cached_prefix_keeps_tokens(tmp_path):
     ref = LLM(str(path), adapters=paths, num_blocks=256, block_size=4)
     expected = [o.token_ids for o in ref.generate(prompts, names, sp)]
     tight = LLM(str(path), adapters=paths, num_blocks=12, block_size=4, max_num_batched_tokens=6, max_num_seqs=6,
-                attention="triton")
+                kernels="triton")
     assert [o.token_ids for o in tight.generate(prompts, names, sp)] == expected
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.gpu
-def test_cuda_graph_decode_equals_eager_decode(tmp_path):
-    """fp32 so that the comparison is about the graph machinery, not bf16 rounding: requests of different
-    lengths and adapters join and leave (batch sizes between buckets), every token equal to eager and PEFT."""
-    path, paths, pm = build(tmp_path)
-    prompts = [PROMPTS[i % 4] + [i + 20] * (i % 3) for i in range(7)]
-    names = [NAMES[i % 4] for i in range(7)]
-    sps = [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True) for i in range(7)]
-    kw = dict(adapters=paths, num_blocks=64, block_size=4, device="cuda", dtype="float32", max_num_seqs=8)
-    eager = LLM(str(path), cuda_graphs=False, **kw)
-    graphs = LLM(str(path), cuda_graphs=True, **kw)
-    want = [o.token_ids for o in eager.generate(prompts, names, sps)]
-    got = [o.token_ids for o in graphs.generate(prompts, names, sps)]
-    g = graphs.engine.runner.graphs
-    assert g is not None and g.num_replays > 0
+GRAPH_PROMPTS = [PROMPTS[i % 4] + [i + 20] * (i % 3) for i in range(7)]
+GRAPH_NAMES = [NAMES[(i + 2) % 4] for i in range(7)]        # the longest-running request is a base-model one
+GRAPH_SPS = [SamplingParams(max_tokens=4 + 2 * i, min_tokens=4 + 2 * i, ignore_eos=True) for i in range(7)]
+
+
+def check_graph_decode(path, paths, pm, **kw):
+    """Requests of different lengths and adapters join and leave (batch sizes between buckets, LoRA segments
+    split into tile-high pieces): every token equal to the eager engine's and to PEFT's."""
+    eager = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, cuda_graphs=False, **kw)
+    want = [o.token_ids for o in eager.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, **kw)
+    if llm.engine.runner.graphs is None:                 # CPU: the emulation (same buffers, re-run forward)
+        llm.engine.runner.enable_graphs(8, llm.engine.max_model_len, columns=2)    # 3 adapters: tables grow
+    got = [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
+    g = llm.engine.runner.graphs
+    assert g.num_replays > 0
     assert {lora for _, lora in g.graphs} == {False, True}          # base-only and LoRA iterations replayed
     assert got == want
-    for p, a, sp, toks in zip(prompts, names, sps, got):
+    for p, a, sp, toks in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS, got):
         assert toks == peft_greedy(pm, p, a, sp.max_tokens)
-    # merged mode keeps graphs (no second pass); its requests' tokens are unchanged
-    graphs.engine.merge_adapter("a8")
-    merged = [o.token_ids for o in graphs.generate(prompts[2::4], "a8", sps[2::4])]
-    assert merged == want[2::4]
+    llm.engine.merge_adapter("a8")      # merged mode replays graphs too (no second pass); same tokens
+    merged = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[0::4], "a8", GRAPH_SPS[0::4])]
+    assert merged == want[0::4]
+    assert llm.engine.allocator.num_free == 64
+
+
+def test_graph_decode_buffers_on_cpu(tmp_path):
+    """The graph path's static buffers, padding rows, scratch slot and segment splitting, emulated on a CPU
+    with the Triton kernels in the interpreter."""
+    path, paths, pm = build(tmp_path)
+    check_graph_decode(path, paths, pm, kernels="triton", lora_kernel="triton")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_equals_eager_decode(tmp_path):
+    """fp32, so that the comparison is about the graph machinery, not bf16 rounding."""
+    path, paths, pm = build(tmp_path)
+    check_graph_decode(path, paths, pm, device="cuda", dtype="float32")

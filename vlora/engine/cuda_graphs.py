@@ -2,15 +2,20 @@
 
 A decode-only iteration of ``n`` sequences runs the graph of the smallest bucket
 ``B >= n``. Everything the forward reads lives in static buffers sized for the
-largest bucket: token ids, positions, KV slots, block tables and context
-lengths, and the LoRA segment metadata with its per-layer adapter offsets.
+largest bucket: one int64 block ``meta`` (token ids, positions, KV slots,
+context lengths, LoRA segment starts/lengths/ranks/adapter columns, filled by a
+single host-to-device copy per step), the segment scales, and the block tables.
+Each adapter the graphs have seen owns a column of per-layer offset tables; the
+graph itself gathers the columns of the step's segments, so the host never
+assembles per-layer offsets.
 Rows ``n..B`` are padding: context length 0 (attention writes zeros), their
 KV goes to a scratch slot no sequence owns, and no LoRA segment covers them.
 
 Two graphs per bucket: one with the LoRA kernels (some row has an adapter) and
 one without (base model only, no empty launches). LoRA graphs read the adapter
-buffer at the address it had at capture; when registering an adapter grows the
-buffer, they are dropped and captured again on next use. The LoRA graph's kernel grid
+buffer and the offset tables at the addresses they had at capture; when the
+buffer grows (an adapter registered) or the tables fill up, they are dropped
+and captured again on next use. The LoRA graph's kernel grid
 is fixed at capture: one program row per segment, so segments are split into
 pieces of at most ``seg_cap`` rows (the tile height), which gives the same
 result; unused segment slots have length 0 and exit at once. An iteration that
@@ -22,8 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from vlora.lora.batch import GROUPS, KernelGroupMeta, LoRABatch, LoRASegment, SegmentMeta
+from vlora.lora.batch import GROUPS, KernelGroupMeta, LoRABatch, LoRASegment, PackedAdapter, SegmentMeta
 from vlora.models.forward_batch import ForwardBatch
+
+_IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL = range(8)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -33,80 +40,113 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
-                 lora_setup=None):
+                 lora_setup=None, columns: int = 64):
         """``lora_setup``: (adapter buffer, group widths, group in-features, tiling table, max rank) or None."""
         self.model = model
         self.kv_cache = kv_cache
         self.buckets = bucket_sizes(max_batch)
-        self.max_batch = self.buckets[-1]
+        self.max_batch = b = self.buckets[-1]
         self.scratch_slot = scratch_slot
-        dev = kv_cache.device
-        self.device = dev
-        b = self.max_batch
-        self.ids = torch.zeros(b, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(b, dtype=torch.long, device=dev)
-        self.slots = torch.full((b,), scratch_slot, dtype=torch.long, device=dev)
+        self.page = kv_cache.shape[3]
+        self.device = dev = kv_cache.device
+        self.meta = torch.zeros(8, b, dtype=torch.long, device=dev)
+        self.meta[_SLOTS] = scratch_slot
+        self.scales = torch.zeros(b, dtype=torch.float32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
-        self.lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.lora_setup = lora_setup
+        self._columns: dict[str, tuple[PackedAdapter, int]] = {}
         if lora_setup is not None:
-            L = model.cfg.num_layers
-            self.seg_starts = torch.zeros(b, dtype=torch.int32, device=dev)
-            self.seg_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-            self.seg_ranks = torch.zeros(b, dtype=torch.int32, device=dev)
-            self.seg_scales = torch.zeros(b, dtype=torch.float32, device=dev)
-            self.offsets = {g: (torch.zeros(L, b, dtype=torch.int64, device=dev),
-                                torch.zeros(L, b, dtype=torch.int32, device=dev),
-                                torch.full((L, b, len(m)), -1, dtype=torch.int64, device=dev),
-                                torch.zeros(L, b, len(m), dtype=torch.int32, device=dev))
-                            for g, m in GROUPS.items()}
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
+            self._alloc_columns(columns)
+        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, int]] = {}
         self.pool = None
         self.num_replays = 0
         self._buf_ptr = None if lora_setup is None else lora_setup[0].buf.data_ptr()
 
+    def _alloc_columns(self, n: int) -> None:
+        """Offset tables with ``n`` adapter columns (the columns written so far are kept)."""
+        L, dev = self.model.cfg.num_layers, self.device
+        old = getattr(self, "col_tables", None)
+        self.col_tables = {g: (torch.zeros(L, n, dtype=torch.int64, device=dev),
+                               torch.zeros(L, n, dtype=torch.int32, device=dev),
+                               torch.full((L, n, len(m)), -1, dtype=torch.int64, device=dev),
+                               torch.zeros(L, n, len(m), dtype=torch.int32, device=dev))
+                           for g, m in GROUPS.items()}
+        if old is not None:
+            for g, tabs in old.items():
+                for new, prev in zip(self.col_tables[g], tabs):
+                    new[:, :prev.shape[1]].copy_(prev)
+
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    # -- capture -------------------------------------------------------------------------------
-    def _lora_batch(self, b: int) -> tuple[LoRABatch, int]:
-        buffer, widths, group_in, table, max_rank = self.lora_setup
-        kernel, cap = {}, b
-        for g, modules in GROUPS.items():
-            r_max = len(modules) * max_rank
-            shrink = table.get("shrink", b, b, group_in[g], r_max)
-            expand = table.get("expand", b, b, sum(widths[g]), max_rank)
-            cap = min(cap, shrink.block_m, expand.block_m * expand.m_loop)
-            a_off, rtot, b_off, vcol = self.offsets[g]
-            kernel[g] = KernelGroupMeta(a_off[:, :b], rtot[:, :b], b_off[:, :b], vcol[:, :b], r_max, widths[g],
-                                        shrink, expand)
-        meta = SegmentMeta(self.seg_starts[:b], self.seg_lens[:b], self.seg_ranks[:b], self.seg_scales[:b],
-                           max_len=cap, num_rows=b)
-        return LoRABatch((), meta, kernel, buffer.buf), cap
+    def _column(self, adapter: PackedAdapter) -> int:
+        """The offset-table column of ``adapter``, written on first sight (a re-registered name is rewritten)."""
+        known = self._columns.get(adapter.name)
+        if known is not None and known[0] is adapter:
+            return known[1]
+        col = known[1] if known is not None else len(self._columns)
+        if col >= next(iter(self.col_tables.values()))[0].shape[1]:      # full: double, recapture LoRA graphs
+            self._alloc_columns(2 * col)
+            self._drop_lora_graphs()
+        for g, tabs in self.col_tables.items():
+            o = adapter.offsets[g]
+            for tab, src in zip(tabs, (o.a_off, o.rtot, o.b_off, o.vcol)):
+                tab[:, col].copy_(src)
+        self._columns[adapter.name] = (adapter, col)
+        return col
 
-    def _forward_batch(self, b: int, lora: LoRABatch | None) -> ForwardBatch:
-        return ForwardBatch(self.ids[:b], self.positions[:b], self.slots[:b], num_decodes=b,
-                            decode_block_tables=self.tables[:b], decode_lens=self.lens[:b], decode_mask=None,
-                            prefills=(), prefill_meta=None, logits_rows=self.rows[:b], lora=lora,
-                            kernel_attention=True)
+    def _drop_lora_graphs(self) -> None:
+        self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}
+
+    # -- capture -------------------------------------------------------------------------------
+    def _forward_batch(self, b: int, with_lora: bool) -> tuple[ForwardBatch, int]:
+        """The forward's inputs as views of (and, for int32 and offsets, ops on) the static buffers: called
+        inside the capture, so the graph recomputes the derived tensors on every replay."""
+        meta = self.meta[:, :b]
+        lora, cap = None, b
+        if with_lora:
+            buffer, widths, group_in, table, max_rank = self.lora_setup
+            cols = meta[_SEG_COL]
+            kernel = {}
+            for g, modules in GROUPS.items():
+                r_max = len(modules) * max_rank
+                shrink = table.get("shrink", b, b, group_in[g], r_max)
+                expand = table.get("expand", b, b, sum(widths[g]), max_rank)
+                cap = min(cap, shrink.block_m, expand.block_m * expand.m_loop)
+                a_off, rtot, b_off, vcol = (t.index_select(1, cols) for t in self.col_tables[g])
+                kernel[g] = KernelGroupMeta(a_off, rtot, b_off, vcol, r_max, widths[g], shrink, expand)
+            seg = meta[_SEG_START:_SEG_COL].to(torch.int32)
+            lora = LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], self.scales[:b], max_len=cap, num_rows=b),
+                             kernel, buffer.buf)
+        fb = ForwardBatch(meta[_IDS], meta[_POS], meta[_SLOTS], num_decodes=b,
+                          decode_block_tables=self.tables[:b], decode_lens=meta[_LENS].to(torch.int32),
+                          decode_max_len=self.tables.shape[1] * self.page, decode_mask=None,
+                          prefills=(), prefill_meta=None, logits_rows=self.rows[:b], lora=lora, use_kernels=True)
+        return fb, cap
+
+    def _run_forward(self, b: int, with_lora: bool) -> tuple[torch.Tensor, int]:
+        fb, cap = self._forward_batch(b, with_lora)
+        return self.model.compute_logits(self.model(fb, self.kv_cache)), cap
 
     def capture(self, b: int, with_lora: bool) -> None:
-        lora, cap = self._lora_batch(b) if with_lora else (None, b)
-        fb = self._forward_batch(b, lora)
-        self.lens.zero_()
-        self.slots.fill_(self.scratch_slot)
-        if with_lora:
-            self.seg_lens.zero_()
+        self.meta[_LENS].zero_()
+        self.meta[_SEG_LEN].zero_()
+        self.meta[_SEG_COL].zero_()
+        self.meta[_SLOTS].fill_(self.scratch_slot)
+        if self.device.type != "cuda":
+            graph = _Rerun(lambda: self._run_forward(b, with_lora)[0])
+            self.graphs[(b, with_lora)] = (graph, graph.out, self._forward_batch(b, with_lora)[1])
+            return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):             # warm-up: Triton compiles, caches fill
             for _ in range(2):
-                self.model.compute_logits(self.model(fb, self.kv_cache))
+                self._run_forward(b, with_lora)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.compute_logits(self.model(fb, self.kv_cache))
+            logits, cap = self._run_forward(b, with_lora)
         self.pool = graph.pool()
         self.graphs[(b, with_lora)] = (graph, logits, cap)
 
@@ -125,44 +165,43 @@ class DecodeGraphs:
         with_lora = bool(segments)
         if b is None or (with_lora and self.lora_setup is None):
             return None
-        if with_lora and self.lora_setup[0].buf.data_ptr() != self._buf_ptr:   # the adapter buffer grew
-            self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}
-            self._buf_ptr = self.lora_setup[0].buf.data_ptr()
+        if with_lora:
+            if self.lora_setup[0].buf.data_ptr() != self._buf_ptr:        # the adapter buffer grew
+                self._drop_lora_graphs()
+                self._buf_ptr = self.lora_setup[0].buf.data_ptr()
+            cols = [self._column(seg.adapter) for seg in segments]      # before the lookup: may drop graphs
         if (b, with_lora) not in self.graphs:
             self.capture(b, with_lora)
         graph, logits, cap = self.graphs[(b, with_lora)]
-        dev = self.device
         pad = b - n
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
-                            dtype=torch.long)
-        self.ids[:b].copy_(host[0], non_blocking=True)
-        self.positions[:b].copy_(host[1], non_blocking=True)
-        self.slots[:b].copy_(host[2], non_blocking=True)
+        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, lens + [0] * pad]
+        scales = []
+        if with_lora:
+            pieces = [(s, min(s + cap, seg.end), seg, c) for seg, c in zip(segments, cols)
+                      for s in range(seg.start, seg.end, cap)]
+            k = b - len(pieces)
+            rows += [[p[0] for p in pieces] + [0] * k, [p[1] - p[0] for p in pieces] + [0] * k,
+                     [p[2].adapter.rank for p in pieces] + [0] * k, [p[3] for p in pieces] + [0] * k]
+            scales = [p[2].scale for p in pieces] + [0.0] * k
+        host = torch.tensor(rows, dtype=torch.long)
+        self.meta[:host.shape[0], :b].copy_(host, non_blocking=True)
+        if with_lora:
+            self.scales[:b].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
         nb = max(len(t) for t in tables)
         self.tables[:n, :nb].copy_(torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
                                    non_blocking=True)
-        self.lens[:b].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        if with_lora:
-            self._fill_lora(segments, cap, b, dev)
         graph.replay()
         self.num_replays += 1
         return logits[:n]
 
-    def _fill_lora(self, segments: list[LoRASegment], cap: int, b: int, dev) -> None:
-        pieces = [LoRASegment(s, min(s + cap, seg.end), seg.adapter, seg.scale)
-                  for seg in segments for s in range(seg.start, seg.end, cap)]
-        k = len(pieces)
-        pad = b - k
-        ints = torch.tensor([[p.start for p in pieces] + [0] * pad, [p.end - p.start for p in pieces] + [0] * pad,
-                             [p.adapter.rank for p in pieces] + [0] * pad], dtype=torch.int32)
-        self.seg_starts[:b].copy_(ints[0], non_blocking=True)
-        self.seg_lens[:b].copy_(ints[1], non_blocking=True)
-        self.seg_ranks[:b].copy_(ints[2], non_blocking=True)
-        self.seg_scales[:b].copy_(torch.tensor([p.scale for p in pieces] + [0.0] * pad), non_blocking=True)
-        for g in GROUPS:
-            a_off, rtot, b_off, vcol = self.offsets[g]
-            offs = [p.adapter.offsets[g] for p in pieces]
-            a_off[:, :k].copy_(torch.stack([o.a_off for o in offs], dim=1))
-            rtot[:, :k].copy_(torch.stack([o.rtot for o in offs], dim=1))
-            b_off[:, :k].copy_(torch.stack([o.b_off for o in offs], dim=1))
-            vcol[:, :k].copy_(torch.stack([o.vcol for o in offs], dim=1))
+
+class _Rerun:
+    """Stands in for a CUDA graph off the GPU: ``replay`` re-runs the captured forward into the same output
+    tensor, over the same static buffers, so the buffer and padding logic is testable on a CPU."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())

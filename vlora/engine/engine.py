@@ -75,10 +75,10 @@ class Engine:
                                         self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
         cuda = self.device.type == "cuda"
-        kernel_attention = mc.attention == "triton" or (mc.attention == "auto" and cuda)
-        graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and kernel_attention else 0
+        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
+        graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
-                                  self.adapters, kernel_attention, graph_batch, self.max_model_len)
+                                  self.adapters, use_kernels, graph_batch, self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         sc = config.scheduler
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)

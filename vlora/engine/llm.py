@@ -28,10 +28,10 @@ class LLM:
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_lora_rank: int = 128,
                  check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
-                 starvation_s: float = 0.5, seed: int = 0, attention: str = "auto", cuda_graphs: bool = True,
+                 starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
-            model=ModelConfig(model, dtype, device, max_model_len, seed, attention, cuda_graphs),
+            model=ModelConfig(model, dtype, device, max_model_len, seed, kernels, cuda_graphs),
             cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s)))

@@ -23,13 +23,13 @@ from vlora.models.forward_batch import ForwardBatch, PrefillChunk, PrefillMeta
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
-                 eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, kernel_attention: bool = False,
+                 eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, use_kernels: bool = False,
                  graph_batch: int = 0, max_model_len: int = 0):
         """``kv_cache`` holds one block past the allocator's (the scratch block CUDA-graph padding writes to);
         ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs."""
         self.model = model
         self.kv_cache = kv_cache
-        self.kernel_attention = kernel_attention
+        self.use_kernels = use_kernels
         self.block_size = block_size
         self.device = device
         self.window = model.cfg.sliding_window
@@ -48,12 +48,18 @@ class ModelRunner:
                              "down": ins["down_proj"]}
         self.graphs = None
         if graph_batch > 0:
-            from vlora.engine.cuda_graphs import DecodeGraphs
+            self.enable_graphs(graph_batch, max_model_len)
 
-            scratch = (kv_cache.shape[2] - 1) * block_size
-            lora = None if self.tiling is None else (adapters.buffer, self.group_widths, self.group_in, self.tiling,
-                                                     adapters.max_rank)
-            self.graphs = DecodeGraphs(model, kv_cache, graph_batch, -(-max_model_len // block_size), scratch, lora)
+    def enable_graphs(self, max_batch: int, max_model_len: int, columns: int = 64) -> None:
+        """Replay decode iterations of up to ``max_batch`` sequences from captured graphs (on a CPU: an
+        emulation that re-runs the captured forward on the same static buffers, for tests)."""
+        from vlora.engine.cuda_graphs import DecodeGraphs
+
+        scratch = (self.kv_cache.shape[2] - 1) * self.block_size
+        lora = None if self.tiling is None else (self.adapters.buffer, self.group_widths, self.group_in, self.tiling,
+                                                 self.adapters.max_rank)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
+                                   scratch, lora, columns)
 
     @staticmethod
     def order(scheduled: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
@@ -61,7 +67,7 @@ class ModelRunner:
         return sorted(scheduled, key=lambda s: (s.num_tokens > 1, -1 if s.seq.adapter is None else s.seq.adapter.slot))
 
     def prepare(self, ordered: list[ScheduledSeq]) -> ForwardBatch:
-        bs, dev, kernel = self.block_size, self.device, self.kernel_attention
+        bs, dev, kernel = self.block_size, self.device, self.use_kernels
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -112,10 +118,11 @@ class ModelRunner:
             input_ids=torch.tensor(ids, device=dev),
             positions=torch.tensor(positions, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
-            num_decodes=nd, decode_block_tables=table, decode_lens=lens, decode_mask=mask,
+            num_decodes=nd, decode_block_tables=table, decode_lens=lens, decode_max_len=max(decode_lens, default=0),
+            decode_mask=mask,
             prefills=tuple(prefills), prefill_meta=prefill_meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            lora=self._lora_batch(runs), kernel_attention=kernel,
+            lora=self._lora_batch(runs), use_kernels=kernel,
         )
 
     def _lora_batch(self, runs) -> LoRABatch | None:

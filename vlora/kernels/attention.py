@@ -22,25 +22,27 @@ import triton.language as tl
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale, window,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, scale, window, part_len,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kh, stride_tb,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   D: tl.constexpr):
+                   D: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    part = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
     kvh = h // GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < D
     q = tl.load(q_ptr + b * stride_qt + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32) * scale
-    lo = tl.maximum(ctx - window, 0)                 # window: huge when there is none
+    lo = tl.maximum(tl.maximum(ctx - window, 0), part * part_len)      # window: huge when there is none
+    hi = tl.minimum(ctx, (part + 1) * part_len)
     m_i = -1.0e30
     l_i = 0.0
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, ctx, BLOCK_N):
+    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         pos = n0 + offs
-        n_mask = (pos < ctx) & (pos >= lo)
+        n_mask = (pos < hi) & (pos >= lo)
         blk = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
         slot = blk * PAGE + pos % PAGE
         kv_off = slot[:, None] * stride_slot + kvh * stride_kh + offs_d[None, :]
@@ -55,8 +57,35 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, scale, wind
         l_i = l_i * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m_i = m_new
-    out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1.0e-30), 0.0)     # ctx == 0: padded row, zeros
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    if SPLIT:       # partial result of this part of the context: (max, sum, unnormalised acc) for the reduce
+        nparts = tl.num_programs(2)
+        base = (b * tl.num_programs(1) + h) * nparts + part
+        tl.store(part_ptr + base * (HEAD_DIM + 2) + offs_d, acc)
+        tl.store(part_ptr + base * (HEAD_DIM + 2) + HEAD_DIM, m_i)
+        tl.store(part_ptr + base * (HEAD_DIM + 2) + HEAD_DIM + 1, l_i)
+    else:
+        out = tl.where(l_i > 0, acc / tl.maximum(l_i, 1.0e-30), 0.0)     # ctx == 0: padded row, zeros
+        tl.store(o_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, o_ptr, stride_ot, stride_oh, NPARTS: tl.constexpr, PARTS_P: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.arange(0, PARTS_P)
+    p_mask = offs_p < NPARTS
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = ((b * tl.num_programs(1) + h) * NPARTS + offs_p) * (HEAD_DIM + 2)
+    m = tl.load(part_ptr + base + HEAD_DIM, mask=p_mask, other=-1.0e30)
+    l = tl.load(part_ptr + base + HEAD_DIM + 1, mask=p_mask, other=0.0)
+    acc = tl.load(part_ptr + base[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp(m - m_all), 0.0)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0)
+    out = tl.where(total > 0, out / tl.maximum(total, 1.0e-30), 0.0)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit
@@ -128,24 +157,48 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
 
 
+def decode_parts(batch: int, heads: int, max_ctx: int, block_n: int, target_programs: int = 512) -> tuple[int, int]:
+    """(parts, tokens per part): split each sequence's context so that a small batch still fills the GPU."""
+    parts = max(1, min(-(-target_programs // max(1, batch * heads)), -(-max_ctx // block_n)))
+    part_len = -(-(-(-max_ctx // parts)) // block_n) * block_n
+    return -(-max_ctx // part_len), part_len
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float, window: int = 0, out: torch.Tensor | None = None,
-                 block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                 max_ctx: int | None = None, block_n: int = 64, num_warps: int = 4,
+                 parts: int | None = None) -> torch.Tensor:
     """out[b, h] = softmax(scale * q[b, h] . K_b^T) V_b over the first ``lens[b]`` tokens of ``tables[b]``.
 
     Shape: q [B, Hq, D]; caches [num_blocks, page, Hkv, D]; tables [B, nb] int32; lens [B] int32
-    (0: padded row, output zeros). Returns out [B, Hq, D] in q's dtype.
+    (0: padded row, output zeros). ``max_ctx`` (host int, >= every length; default: the table's capacity)
+    decides how many parts each context is split into when B * Hq programs would leave the GPU idle
+    (flash-decoding: partial softmax per part, then a reduce). Returns out [B, Hq, D] in q's dtype.
     """
     out = torch.empty_like(q) if out is None else out
     _check(q, k_cache, v_cache, out)
-    if q.shape[0] == 0:
+    bsz, heads = q.shape[0], q.shape[1]
+    if bsz == 0:
         return out
     page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    _decode_kernel[(q.shape[0], q.shape[1])](
-        q, k_cache, v_cache, out, tables, lens, scale, _window(window),
+    head_dim = triton.next_power_of_2(d)
+    max_ctx = max(1, max_ctx or tables.shape[1] * page)
+    if parts is None:
+        parts, part_len = decode_parts(bsz, heads, max_ctx, block_n)
+    else:
+        part_len = -(-(-(-max_ctx // parts)) // block_n) * block_n
+    split = parts > 1
+    partial = torch.empty(bsz * heads * parts * (head_dim + 2) if split else 1, dtype=torch.float32,
+                          device=q.device)
+    _decode_kernel[(bsz, heads, parts)](
+        q, k_cache, v_cache, out, tables, lens, partial, scale, _window(window), part_len if split else 1 << 30,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), hkv * d, d, tables.stride(0),
-        GROUP=q.shape[1] // hkv, PAGE=page, BLOCK_N=block_n, HEAD_DIM=triton.next_power_of_2(d), D=d,
+        GROUP=heads // hkv, PAGE=page, BLOCK_N=block_n, HEAD_DIM=head_dim, D=d, SPLIT=split,
         num_warps=num_warps)
+    if split:
+        _decode_reduce_kernel[(bsz, heads)](partial, out, out.stride(0), out.stride(1), NPARTS=parts,
+                                            PARTS_P=triton.next_power_of_2(parts), HEAD_DIM=head_dim, D=d,
+                                            num_warps=4)
     return out
 
 

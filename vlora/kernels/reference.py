@@ -156,3 +156,23 @@ def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             allowed &= kpos > qpos - window
         out[s:s + n] = _attend_fp64(q[s:s + n], k, v, allowed, scale)
     return out
+
+
+def rmsnorm_ref(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Semantics: weight * round(h / sqrt(mean(h^2) + eps)) (statistics in fp32, as the decoder's RMSNorm)."""
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in fp32, rounded once. x [T, heads, D]; cos, sin [T, D] (rows of the tables)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos.float().unsqueeze(1) + rotated * sin.float().unsqueeze(1)).to(x.dtype)
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """Semantics: silu(gate) * up over the packed [T, 2I] gate_up output, silu rounded as torch rounds it."""
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -131,16 +131,35 @@ class DecoderLayer(nn.Module):
         m = self.act(gate) * up
         return h + add_lora(F.linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
 
+    def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: "RotaryEmbedding",
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
+        """The same math with the fused kernels. ``x`` = this layer's attn_norm(h); ``h`` (the residual stream)
+        is updated in place; returns ``next_norm(h)``, the next layer's (or the final) normed input."""
+        from vlora.kernels.fused import add_rmsnorm_, rope_and_cache, silu_mul
+
+        cfg, i = self.cfg, self.index
+        qkv = add_lora(F.linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        q = rope_and_cache(qkv, rope.cos, rope.sin, fb.positions, fb.slot_mapping, k_cache, v_cache,
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        attn = self._attention(q, None, None, fb, k_cache, v_cache)
+        o_in = attn.view(-1, cfg.q_size)
+        x = add_rmsnorm_(h, add_lora(F.linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o"),
+                         self.mlp_norm.weight, self.mlp_norm.eps)
+        gu = add_lora(F.linear(x, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        m = silu_mul(gu)
+        d = add_lora(F.linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+        return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
+
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         out = torch.empty_like(q)
         nd = fb.num_decodes
-        if fb.kernel_attention:
+        if fb.use_kernels:
             from vlora.kernels.attention import paged_decode, paged_prefill
 
             window = self.cfg.sliding_window or 0
             if nd:
                 paged_decode(q[:nd], k_cache, v_cache, fb.decode_block_tables, fb.decode_lens, self.scale, window,
-                             out=out[:nd])
+                             out=out[:nd], max_ctx=fb.decode_max_len)
             pm = fb.prefill_meta
             if pm is not None:
                 paged_prefill(q, k_cache, v_cache, pm.tables, pm.starts, pm.q_lens, pm.ctx_lens, pm.max_q_len,
@@ -173,9 +192,23 @@ class DecoderLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rope = RotaryEmbedding(inv_freq, attention_scaling, max_len)
 
+    @property
+    def fusable(self) -> bool:
+        """Whether the fused kernels cover this model (SwiGLU with SiLU, even head size)."""
+        return self.cfg.hidden_act == "silu" and self.cfg.head_dim % 2 == 0
+
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm. kv_cache [L, 2, num_blocks, block_size, Hkv, D]."""
         h = self.embed(fb.input_ids)
+        if fb.use_kernels and self.fusable:
+            from vlora.kernels.fused import add_rmsnorm_
+
+            first = self.layers[0].attn_norm
+            x = add_rmsnorm_(h, None, first.weight, first.eps)
+            for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
+                nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
+                x = layer.forward_fused(h, x, fb, self.rope, cache[0], cache[1], nxt)
+            return x
         cos, sin = self.rope(fb.positions, h.dtype)
         for layer, cache in zip(self.layers, kv_cache):
             h = layer(h, fb, cos, sin, cache[0], cache[1])

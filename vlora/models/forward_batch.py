@@ -8,8 +8,9 @@ Shapes: T = tokens in the iteration, Bd = decode sequences, nb = blocks per
 decode block table (padded with 0, read only up to ``decode_lens``).
 
 Attention metadata comes in one of two forms: the Triton kernels take packed
-int32 tables and lengths (``kernel_attention``); the torch reference path takes a
-boolean decode mask and one :class:`PrefillChunk` per sequence.
+int32 tables and lengths (``use_kernels``, which also selects the fused
+norm/RoPE/SiLU kernels); the torch reference path takes a boolean decode mask
+and one :class:`PrefillChunk` per sequence.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ class ForwardBatch:
     num_decodes: int                  # Bd: rows [0, Bd) are one-token decodes
     decode_block_tables: torch.Tensor | None  # [Bd, nb] int32 (kernels) or long (reference)
     decode_lens: torch.Tensor | None  # [Bd] int32, context length after this token (0: padded row)
+    decode_max_len: int               # host int >= every decode_lens entry (splits long contexts on the GPU)
     decode_mask: torch.Tensor | None  # reference path: [Bd, 1, 1, nb * block_size] bool, True = attend
     prefills: tuple[PrefillChunk, ...]  # reference path
     prefill_meta: PrefillMeta | None  # kernel path
     logits_rows: torch.Tensor         # [S] long, rows whose hidden state feeds the LM head
     lora: LoRABatch | None = None     # None: no request in the batch uses an adapter
-    kernel_attention: bool = False    # True: Triton paged attention with the packed metadata
+    use_kernels: bool = False         # True: Triton attention + fused kernels, packed metadata
 
     @property
     def num_tokens(self) -> int:
