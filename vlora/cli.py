@@ -133,7 +133,8 @@ def cmd_tune(args) -> int:
 
     import torch
 
-    from vlora.kernels.tuning import CONFIG_DIR, PRESETS, RANKS, TOKEN_BUCKETS, TilingTable, gpu_name, model_shapes, tune
+    from vlora.kernels.tuning import (CONFIG_DIR, PRESETS, RANKS, SEGMENT_BUCKETS, TOKEN_BUCKETS, TilingTable,
+                                      gpu_name, model_shapes, tune)
 
     if not torch.cuda.is_available():
         print("error: vlora tune profiles the Triton kernels on a CUDA GPU; none is visible", file=sys.stderr)
@@ -151,8 +152,13 @@ def cmd_tune(args) -> int:
     out = args.output or CONFIG_DIR / f"{gpu_name()}.json"
     table = TilingTable.load(out.stem) if args.merge and out.is_file() else TilingTable()
     ranks = tuple(int(r) for r in args.ranks.split(",")) if args.ranks else RANKS
-    new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=TOKEN_BUCKETS,
-               budget_s=args.budget_s)
+    ints = lambda text, default: tuple(int(x) for x in text.split(",")) if text else default   # noqa: E731
+    tokens, segments = ints(args.tokens, TOKEN_BUCKETS), ints(args.segments, SEGMENT_BUCKETS)
+    for what, got, allowed in (("tokens", tokens, TOKEN_BUCKETS), ("segments", segments, SEGMENT_BUCKETS)):
+        if not set(got) <= set(allowed):
+            raise ValueError(f"--{what} must be among {','.join(map(str, allowed))}")
+    new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=tokens,
+               segment_buckets=segments, budget_s=args.budget_s)
     table.entries.update(new.entries)
     table.meta = new.meta
     table.save(out)
@@ -184,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--preset", choices=["llama-7b", "llama-13b", "bench-grid"], default=None,
                      help="tune for a preset shape set instead of a model")
     tun.add_argument("--ranks", default=None, help="comma-separated adapter ranks (default 8,16,32,64,128)")
+    tun.add_argument("--tokens", default=None,
+                     help="comma-separated token-count buckets to tune (default: all, 1 to 8192)")
+    tun.add_argument("--segments", default=None, help="comma-separated segment-count buckets (default: 1,4,16,64)")
     tun.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     tun.add_argument("--output", type=__import__("pathlib").Path, default=None,
                      help="table path (default: vlora/kernels/configs/<gpu>.json)")

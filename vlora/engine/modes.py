@@ -18,7 +18,7 @@ import enum
 import time
 
 from vlora.lora.batch import PackedAdapter
-from vlora.lora.merge import MergeRecord, group_widths, merge_, unmerge_
+from vlora.lora.merge import MergeRecord, group_widths, merge_, stage_factors, unmerge_
 from vlora.models.decoder import DecoderLM
 
 
@@ -36,6 +36,7 @@ class ModeSwitcher:
         self.record: MergeRecord | None = None
         self.num_switches = 0
         self.last_switch_s = 0.0
+        self._staged: dict[str, tuple[PackedAdapter, dict]] = {}     # fused path: factors of recent merges
 
     @property
     def merged(self) -> PackedAdapter | None:
@@ -48,8 +49,20 @@ class ModeSwitcher:
         t0 = time.perf_counter()
         if self.record is not None:
             unmerge_(self.weights, self.widths, self.record)
-        self.record = merge_(self.weights, self.widths, adapter)
+        self.record = merge_(self.weights, self.widths, adapter, staged=self._factors(adapter))
         return self._switched(t0)
+
+    def _factors(self, adapter: PackedAdapter) -> dict | None:
+        """Device copies of the adapter's stacked factors, kept for the 4 most recently merged adapters."""
+        if not next(iter(self.weights.values())).is_cuda:
+            return None
+        hit = self._staged.pop(adapter.name, None)
+        staged = hit[1] if hit is not None and hit[0] is adapter else stage_factors(adapter, self.weights,
+                                                                                    self.widths)
+        self._staged[adapter.name] = (adapter, staged)
+        while len(self._staged) > 4:
+            self._staged.pop(next(iter(self._staged)))
+        return staged
 
     def unmerge(self) -> float:
         """Restore the base weights bit for bit; returns seconds taken."""

@@ -15,6 +15,12 @@ bits) for the rest. Unmerge recomputes the identical ΔW (same op, same shapes),
 applies the naive restore, then the codes: the base weights come back bit for
 bit, after any number of cycles. Cost: 1/8 of the touched weights' bytes for the
 codes plus 12 bytes per exception, held only while the adapter is merged.
+
+On CUDA (or with ``kernel=True``) the same idea runs fused in one Triton launch
+per slice (``vlora.kernels.merge``): ΔW tile on the tensor cores, weights read
+and written once, 4-bit codes covering [-7, 6] units (far fewer exceptions),
+exceptions appended by the kernel. A record remembers which path made it, and
+unmerge takes the same path, so ΔW is recomputed identically.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class MergeRecord:
     codes: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)      # uint8, 4 codes a byte
     exc_index: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # int64 flat indices
     exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
+    kernel: bool = False              # made by the fused Triton path (4-bit codes, 2 a byte)
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
@@ -111,14 +118,27 @@ def _delta(factors, layers: range, scale: float) -> torch.Tensor:
     return torch.bmm(b[sl].transpose(1, 2), a[sl].transpose(1, 2)).mul_(scale)   # [n, out_j, in]
 
 
+def _use_kernel(weights: dict[str, torch.Tensor], kernel: bool | None) -> bool:
+    if kernel is not None:
+        return kernel
+    return next(iter(weights.values())).is_cuda
+
+
 @torch.no_grad()
 def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], adapter: PackedAdapter,
-           scale: float | None = None, chunk_elems: int = 1 << 26) -> MergeRecord:
+           scale: float | None = None, chunk_elems: int = 1 << 26, kernel: bool | None = None,
+           capacity: int | None = None, staged: dict | None = None) -> MergeRecord:
     """W += s·(A·B)^T for every targeted slice of every layer, in place; returns the restore record.
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
+    kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
+    (default 1/256 of the slice's elements; overflow is finished on the host, still exact); staged: this
+    adapter's :func:`stage_factors`, if kept from before.
     """
-    rec = MergeRecord(adapter, adapter.scaling if scale is None else scale)
+    rec = MergeRecord(adapter, adapter.scaling if scale is None else scale, kernel=_use_kernel(weights, kernel))
+    if rec.kernel:
+        _merge_fused(rec, weights, widths, capacity, staged)
+        return rec
     for group, j, w in _slices(weights, widths):
         f = _factors(adapter, group, j, w.shape[0], w.shape[2], w.shape[1], w.device)
         if f is None:
@@ -145,10 +165,63 @@ def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]],
     return rec
 
 
+def stage_factors(adapter: PackedAdapter, weights: dict[str, torch.Tensor],
+                  widths: dict[str, tuple[int, ...]]) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]]:
+    """The fused path's inputs: every targeted slice's A [L, in, r] and B [L, r, out] on the weights' device and
+    in their dtype (lossless in the engine, whose adapters are in the model dtype). Staging them once lets
+    later merges of the same adapter skip the host gather and the copy."""
+    staged = {}
+    for group, w in weights.items():
+        for j, width in enumerate(widths[group]):
+            f = _factors(adapter, group, j, w.shape[0], w.shape[2], width, w.device)
+            if f is not None:
+                staged[(group, j)] = (f[0].to(w.dtype), f[1].to(w.dtype))
+    return staged
+
+
+def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None) -> None:
+    from vlora.kernels.merge import merge_slice_
+
+    staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
+    for group, w in weights.items():
+        row0 = 0
+        for j, width in enumerate(widths[group]):
+            if (group, j) in staged:
+                a, b = staged[(group, j)]
+                rec.factors[(group, j)] = (a, b)
+                cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 8)
+                codes, count, idx, bits = merge_slice_(w, row0, a, b, rec.scale, cap)
+                n = int(count.item())
+                idx, bits = idx[:min(n, cap)], bits[:min(n, cap)]
+                if n > cap:                                      # the list filled up: finish the rest here
+                    more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, codes)
+                    idx, bits = torch.cat([idx, more_idx]), torch.cat([bits, more_bits])
+                rec.codes[(group, j)], rec.exc_index[(group, j)], rec.exc_bits[(group, j)] = codes, idx, bits
+            row0 += width
+
+
+def _finish_pending(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor):
+    """Merge the elements the kernel left (code 15) and return their (flat indices, original bits)."""
+    lo, hi = codes & 15, codes >> 4
+    flat = torch.stack([lo, hi], dim=-1).reshape(-1)
+    idx = (flat == 15).nonzero().squeeze(1)
+    per_layer = w.shape[1] * w.shape[2]
+    layer, rest = idx // per_layer, idx % per_layer
+    o, i = rest // w.shape[2], rest % w.shape[2]
+    d = (a[layer, i].float() * b[layer, :, o].float()).sum(-1) * scale
+    int_dtype = _INT[w.dtype]
+    bits = w[layer, o, i].view(int_dtype).clone()
+    w[layer, o, i] = (w[layer, o, i].float() + d).to(w.dtype)
+    return idx, bits
+
+
 @torch.no_grad()
 def unmerge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], rec: MergeRecord,
              chunk_elems: int = 1 << 26) -> None:
     """Undo ``merge_`` exactly: afterwards the weights are bitwise what they were before it."""
+    if rec.kernel:
+        _unmerge_fused(rec, weights, widths)
+        return
     for group, j, w in _slices(weights, widths):
         key = (group, j)
         if key not in rec.codes:
@@ -165,6 +238,25 @@ def unmerge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]
         if idx.numel():                 # exceptions: the original bits, where two bits could not say
             l, rest = idx // per_layer, idx % per_layer
             w.view(int_dtype)[l, rest // w.shape[2], rest % w.shape[2]] = rec.exc_bits[key]
+
+
+def _unmerge_fused(rec: MergeRecord, weights, widths) -> None:
+    from vlora.kernels.merge import unmerge_slice_
+
+    for group, w in weights.items():
+        row0 = 0
+        for j, width in enumerate(widths[group]):
+            key = (group, j)
+            if key in rec.codes:
+                a, b = rec.factors[key]
+                unmerge_slice_(w, row0, a, b, rec.scale, rec.codes[key])
+                idx = rec.exc_index[key]
+                if idx.numel():
+                    sl = w[:, row0:row0 + width]
+                    per_layer = width * w.shape[2]
+                    layer, rest = idx // per_layer, idx % per_layer
+                    sl.view(_INT[w.dtype])[layer, rest // w.shape[2], rest % w.shape[2]] = rec.exc_bits[key]
+            row0 += width
 
 
 def group_widths(q_size: int, kv_size: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,79 @@
+"""The fused Triton merge/unmerge (interpreter on CPU, real kernels on GPU): bitwise exact after many cycles,
+the exception list's overflow finished on the host, merged weights equal to the torch path's up to rounding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.lora.test_merge import INS, LAYERS, OUTS, WIDTHS, stacked_weights
+from vlora.lora.adapter import ModelShape
+from vlora.lora.merge import merge_, unmerge_
+from vlora.lora.random_adapter import write_random_adapter
+from vlora.lora.registry import AdapterRegistry
+
+TARGETS = [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+           ("down_proj",), ("k_proj", "up_proj")]
+
+
+def adapters_for(tmp_path, dtype, n=4):
+    shape = ModelShape("tiny", LAYERS, INS, OUTS)
+    reg = AdapterRegistry(shape, 64, dtype, torch.device("cpu"), check_base_model=False)
+    rng = random.Random(1)
+    return [reg.register(f"a{i}", write_random_adapter(tmp_path / f"a{i}", shape, rank=rng.choice([4, 8, 16]),
+                                                        seed=i, std=rng.choice([0.05, 0.5]), targets=TARGETS[i % 4]))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("capacity", [None, 3])          # 3: the list overflows, the host finishes the rest
+def test_fused_cycles_are_bitwise_exact(tmp_path, dtype, capacity):
+    adapters = adapters_for(tmp_path, dtype)
+    weights = stacked_weights(dtype)
+    original = {k: v.clone() for k, v in weights.items()}
+    rng = random.Random(0)
+    exceptions = 0
+    for cycle in range(12):
+        a = adapters[cycle % len(adapters)]
+        rec = merge_(weights, WIDTHS, a, scale=rng.choice([a.scaling, -a.scaling, 7.5]), kernel=True,
+                     capacity=capacity)
+        assert rec.kernel and any(not torch.equal(weights[g], original[g]) for g in weights)
+        exceptions += rec.num_exceptions()
+        unmerge_(weights, WIDTHS, rec)
+        for g in weights:
+            assert torch.equal(weights[g].view(torch.uint8), original[g].view(torch.uint8)), (cycle, g)
+    assert exceptions > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_merge_equals_torch_merge(tmp_path, dtype):
+    """Same merged weights as the torch path, up to one unit in the last place (sums in another order)."""
+    a = adapters_for(tmp_path, dtype, n=2)[1]
+    ref, fused = stacked_weights(dtype), stacked_weights(dtype)
+    merge_(ref, WIDTHS, a, kernel=False)
+    merge_(fused, WIDTHS, a, kernel=True)
+    for g in ref:
+        diff = (ref[g].float() - fused[g].float()).abs()
+        ulp = ref[g].float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -22) + 1e-30
+        assert (diff <= ulp).all(), g
+
+
+@pytest.mark.gpu
+def test_gpu_fused_merge_is_exact_on_7b_shapes():
+    """One Llama-2-7B-sized layer stack slice (4 layers) in bf16, rank 64: exact after 5 cycles."""
+    from vlora.kernels.merge import merge_slice_, unmerge_slice_
+
+    w = (torch.randn(4, 11008, 4096, device="cuda") * 0.02).to(torch.bfloat16)
+    orig = w.clone()
+    a = (torch.randn(4, 4096, 64, device="cuda") * 0.02).to(torch.bfloat16)
+    b = (torch.randn(4, 64, 11008, device="cuda") * 0.02).to(torch.bfloat16)
+    for _ in range(5):
+        codes, count, idx, bits = merge_slice_(w, 0, a, b, 2.0, 1 << 20)
+        n = int(count.item())
+        assert n <= 1 << 20 and not torch.equal(w, orig)
+        unmerge_slice_(w, 0, a, b, 2.0, codes)
+        flat = w.view(torch.int16).view(-1)
+        flat[idx[:n]] = bits[:n]
+        assert torch.equal(w.view(torch.int16), orig.view(torch.int16))

@@ -1,0 +1,186 @@
+"""Fused exact merge/unmerge of one LoRA slice into stacked base weights, in Triton.
+
+One launch per projection slice covers every layer: each program computes a
+``[BM, BN]`` tile of ``ΔW = s·(A·B)^T`` on the tensor cores (adapter factors in
+the weights' dtype, fp32 accumulation), reads the weight tile once, writes the
+merged tile once, and writes the tile's restore codes: ``c = ord(W) -
+ord(round(W' - ΔW))`` (``ord``: the order-preserving integer image of the float)
+in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. Code 0 marks an
+exception: the original bits are appended, with the element's flat index, to
+an exception list through one atomic reservation per tile. When the list is
+full, an exception element is left unmerged and marked 15 ("pending"); the host
+then finishes those few elements in torch (``vlora.lora.merge``). Unmerge
+recomputes the identical ΔW (same kernel, same tiles), applies
+``round(W' - ΔW)`` and the codes, and the host scatters the exceptions back: the
+weights return bit for bit.
+
+Traffic per touched element: merge reads 2 and writes 2.5 bytes (bf16 + half a
+byte of code), unmerge reads 2.5 and writes 2: 1.125x the bytes floor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+EXC, PENDING = 0, 15
+INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@triton.jit
+def _ordered(bits, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+    b = bits.to(ORD_T)
+    return tl.where(b >= 0, b, -(b & SIGN_MASK) - 1)
+
+
+@triton.jit
+def _unordered(o, NBITS: tl.constexpr):
+    return tl.where(o >= 0, o, (-(o + 1)) - (1 << (NBITS - 1)))
+
+
+@triton.jit
+def _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale,
+                BK: tl.constexpr, IEEE: tl.constexpr):
+    """scale * sum_k B[l, k, o] * A[l, i, k] for the tile's (o, i), fp32."""
+    acc = tl.zeros((offs_o.shape[0], offs_i.shape[0]), dtype=tl.float32)
+    offs_k = tl.arange(0, BK)
+    a_base = a_ptr + l.to(tl.int64) * IN * R
+    b_base = b_ptr + l.to(tl.int64) * R * OUT
+    for k0 in range(0, R, BK):
+        k = k0 + offs_k
+        k_mask = k < R
+        bt = tl.load(b_base + k[None, :] * OUT + offs_o[:, None], mask=o_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_base + offs_i[None, :] * R + k[:, None], mask=k_mask[:, None] & i_mask[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(bt, at)
+    return acc * scale
+
+
+@triton.jit
+def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
+                  row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                  INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+    pid = tl.program_id(0)
+    l = pid // (tiles_o * tiles_i)
+    rest = pid % (tiles_o * tiles_i)
+    offs_o = (rest // tiles_i) * BM + tl.arange(0, BM)
+    offs_i = (rest % tiles_i) * BN + tl.arange(0, BN)
+    o_mask = offs_o < OUT
+    i_mask = offs_i < IN
+    mask = o_mask[:, None] & i_mask[None, :]
+    d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
+    w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
+    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
+    merged = (w.to(tl.float32) + d).to(w.dtype)
+    naive = (merged.to(tl.float32) - d).to(w.dtype)
+    c = _ordered(w.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) - _ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T)
+    exc = (c < -7) | (c > 6)
+    exc = exc & mask
+    n_exc = tl.sum(exc.to(tl.int32), axis=None)
+    nib = tl.where(exc, 0, c + 8).to(tl.int32)
+    if n_exc > 0:
+        base = tl.atomic_add(count_ptr, n_exc)
+        flat_exc = tl.reshape(exc, (BM * BN,))
+        pos = base + tl.cumsum(flat_exc.to(tl.int32), axis=0) - 1
+        stored = flat_exc & (pos < capacity)
+        flat_idx = (l.to(tl.int64) * OUT + tl.reshape(offs_o[:, None] + 0 * offs_i[None, :], (BM * BN,)).to(tl.int64)) \
+            * IN + tl.reshape(offs_i[None, :] + 0 * offs_o[:, None], (BM * BN,))
+        tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
+        tl.store(exc_bits_ptr + pos, tl.reshape(w.to(INT_T, bitcast=True), (BM * BN,)), mask=stored)
+        pending = tl.reshape(flat_exc & (pos >= capacity), (BM, BN))
+        nib = tl.where(pending, 15, nib)
+        merged = tl.where(pending, w, merged)                  # left as it was: the host finishes it
+    tl.store(w_ptr + w_off, merged, mask=mask)
+    lo, hi = tl.split(tl.reshape(nib, (BM, BN // 2, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + (rest % tiles_i) * (BN // 2) \
+        + tl.arange(0, BN // 2)[None, :]
+    c_mask = o_mask[:, None] & ((rest % tiles_i) * (BN // 2) + tl.arange(0, BN // 2) < IN // 2)[None, :]
+    tl.store(codes_ptr + c_off, packed, mask=c_mask)
+
+
+@triton.jit
+def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale,
+                    tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                    INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+    pid = tl.program_id(0)
+    l = pid // (tiles_o * tiles_i)
+    rest = pid % (tiles_o * tiles_i)
+    offs_o = (rest // tiles_i) * BM + tl.arange(0, BM)
+    offs_i = (rest % tiles_i) * BN + tl.arange(0, BN)
+    o_mask = offs_o < OUT
+    i_mask = offs_i < IN
+    mask = o_mask[:, None] & i_mask[None, :]
+    c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + (rest % tiles_i) * (BN // 2) \
+        + tl.arange(0, BN // 2)[None, :]
+    c_mask = o_mask[:, None] & ((rest % tiles_i) * (BN // 2) + tl.arange(0, BN // 2) < IN // 2)[None, :]
+    packed = tl.load(codes_ptr + c_off, mask=c_mask, other=8 | (8 << 4)).to(tl.int32)
+    nib = tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN))
+    d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
+    w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
+    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
+    naive = (w.to(tl.float32) - d).to(w.dtype)
+    step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
+    restored = _unordered(_ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) + step, NBITS).to(INT_T)
+    tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
+
+
+def _ieee(w: torch.Tensor) -> bool:
+    """fp32 products for fp32 weights, and in the interpreter (its dot of 16-bit inputs is wrong; bf16 x bf16
+    products are exact in fp32, so the result is the same)."""
+    return w.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _consts(w: torch.Tensor) -> dict:
+    it = INT_OF[w.dtype]
+    nbits = torch.iinfo(it).bits
+    # ordered images of 16-bit floats fit in int32 with room for their differences; 32-bit ones need int64
+    return dict(INT_T=tl.int16 if nbits == 16 else tl.int32, NBITS=nbits, SIGN_MASK=(1 << (nbits - 1)) - 1,
+                ORD_T=tl.int32 if nbits == 16 else tl.int64)
+
+
+def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
+    return triton.cdiv(out, bm), triton.cdiv(inn, bn)
+
+
+def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
+                 bm: int = 64, bn: int = 128, num_warps: int = 8):
+    """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
+
+    Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
+    products in IEEE fp32). Returns (codes uint8 [L, out, in/2], count int32 [1] (exceptions found),
+    exception flat indices int64 [capacity], exception bits [capacity]); entries past ``capacity`` were left
+    unmerged with code 15.
+    """
+    assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
+    L, _, inn = w.shape
+    r, out = b.shape[1], b.shape[2]
+    codes = torch.empty(L, out, inn // 2, dtype=torch.uint8, device=w.device)
+    count = torch.zeros(1, dtype=torch.int32, device=w.device)
+    exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
+    exc_bits = torch.empty(max(capacity, 1), dtype=INT_OF[w.dtype], device=w.device)
+    to, ti = _tiles(out, inn, bm, bn)
+    bk = max(16, min(64, triton.next_power_of_2(r)))
+    _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, count, exc_idx, exc_bits, row0, r, inn,
+                                  out, w.stride(0), w.stride(1), scale, capacity, to, ti, BM=bm, BN=bn, BK=bk,
+                                  IEEE=_ieee(w), num_warps=num_warps, **_consts(w))
+    return codes, count, exc_idx, exc_bits
+
+
+def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor,
+                   bm: int = 64, bn: int = 128, num_warps: int = 8) -> None:
+    """Undo :func:`merge_slice_` except for the exception elements (code 0 or 15), which the caller restores
+    from the exception list."""
+    L, _, inn = w.shape
+    r, out = b.shape[1], b.shape[2]
+    to, ti = _tiles(out, inn, bm, bn)
+    bk = max(16, min(64, triton.next_power_of_2(r)))
+    _unmerge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, row0, r, inn, out, w.stride(0),
+                                    w.stride(1), scale, to, ti, BM=bm, BN=bn, BK=bk, IEEE=_ieee(w),
+                                    num_warps=num_warps, **_consts(w))
