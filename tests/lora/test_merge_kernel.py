@@ -69,10 +69,11 @@ def test_gpu_fused_merge_is_exact_on_7b_shapes():
     orig = w.clone()
     a = (torch.randn(4, 4096, 64, device="cuda") * 0.02).to(torch.bfloat16)
     b = (torch.randn(4, 64, 11008, device="cuda") * 0.02).to(torch.bfloat16)
+    cap = w.numel() >> 6
     for _ in range(5):
-        codes, count, idx, bits = merge_slice_(w, 0, a, b, 2.0, 1 << 20)
+        codes, count, idx, bits = merge_slice_(w, 0, a, b, 2.0, cap)
         n = int(count.item())
-        assert n <= 1 << 20 and not torch.equal(w, orig)
+        assert 0 < n <= cap and not torch.equal(w, orig)
         unmerge_slice_(w, 0, a, b, 2.0, codes)
         flat = w.view(torch.int16).view(-1)
         flat[idx[:n]] = bits[:n]

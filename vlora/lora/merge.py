@@ -132,7 +132,7 @@ def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]],
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
     kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
-    (default 1/256 of the slice's elements; overflow is finished on the host, still exact); staged: this
+    (default 1/64 of the slice's elements; overflow is finished on the host, still exact); staged: this
     adapter's :func:`stage_factors`, if kept from before.
     """
     rec = MergeRecord(adapter, adapter.scaling if scale is None else scale, kernel=_use_kernel(weights, kernel))
@@ -189,7 +189,7 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
             if (group, j) in staged:
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
-                cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 8)
+                cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 6)
                 codes, count, idx, bits = merge_slice_(w, row0, a, b, rec.scale, cap)
                 n = int(count.item())
                 idx, bits = idx[:min(n, cap)], bits[:min(n, cap)]
