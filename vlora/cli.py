@@ -128,6 +128,30 @@ def _demo_adapters(engine, root) -> dict[str, str]:
     return out
 
 
+def cmd_bench(args) -> int:
+    from pathlib import Path
+
+    from vlora.bench.sweep import POLICIES, SweepConfig, default_meta, run_sweep, write_report
+    from vlora.engine.engine import Engine
+
+    floats = lambda text: tuple(float(x) for x in text.split(",") if x)   # noqa: E731
+    ints = lambda text: tuple(int(x) for x in text.split(",") if x)       # noqa: E731
+    policies = tuple(args.policies.split(","))
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown} (known: {', '.join(POLICIES)})")
+    cfg = SweepConfig(workload=args.workload, points=floats(args.points), sweep=args.sweep, rate=args.rate,
+                      skewness=args.skewness, policies=policies, duration_s=args.duration,
+                      num_adapters=args.num_adapters, ranks=ints(args.ranks), input_range=ints(args.input_range),
+                      output_range=ints(args.output_range), trace=args.trace, ttft_slo_s=args.ttft_slo,
+                      seed=args.bench_seed)
+    engine = Engine(_engine_config(args))
+    rows = run_sweep(engine, cfg, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
+    path = write_report(rows, cfg, Path(args.out), default_meta(engine))
+    print(f"report: {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_tune(args) -> int:
     import json
 
@@ -185,6 +209,27 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=cmd_serve)
 
+    ben = sub.add_parser("bench", help="serve a workload under each mode policy and write a report with plots")
+    _add_config_args(ben)
+    ben.add_argument("--workload", default="synthetic",
+                     choices=["synthetic", "retrieval", "video", "dynamic", "multiturn", "trace"])
+    ben.add_argument("--sweep", default="rate", choices=["rate", "skewness", "streams"], help="what --points are")
+    ben.add_argument("--points", default="1,2,4", help="comma-separated values of the swept quantity")
+    ben.add_argument("--rate", type=float, default=2.0, help="request rate (req/s) when not sweeping it")
+    ben.add_argument("--skewness", type=float, default=None,
+                     help="share of the most popular adapter when not sweeping it (default: power law)")
+    ben.add_argument("--policies", default="vlora,unmerged,merged-only,dlora")
+    ben.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    ben.add_argument("--num-adapters", type=int, default=8)
+    ben.add_argument("--ranks", default="8,16,32,64", help="ranks of the random adapters, round-robin")
+    ben.add_argument("--input-range", default="8,256", help="MIN,MAX prompt tokens (synthetic, dynamic)")
+    ben.add_argument("--output-range", default="8,128", help="MIN,MAX output tokens (synthetic, dynamic)")
+    ben.add_argument("--trace", default=None, help="trace file (CSV or JSONL) for --workload trace")
+    ben.add_argument("--ttft-slo", type=float, default=None, help="TTFT target (s) for every request: early abort")
+    ben.add_argument("--bench-seed", type=int, default=0)
+    ben.add_argument("--out", default="bench-report", help="directory for report.md, results.json and plots")
+    ben.add_argument("--quiet", action="store_true", help="no progress bars")
+    ben.set_defaults(func=cmd_bench)
     tun = sub.add_parser("tune", help="profile ATMM tile configs on this GPU and write its tiling table")
     tun.add_argument("--model", default=None, help="model whose projection shapes to tune for (default: embedded)")
     tun.add_argument("--preset", choices=["llama-7b", "llama-13b", "bench-grid"], default=None,

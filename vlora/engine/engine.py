@@ -14,6 +14,7 @@ import time
 import torch
 
 from vlora.config import EngineConfig
+from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import ModelRunner
@@ -82,6 +83,9 @@ class Engine:
         self.detokenizer = Detokenizer(self.tokenizer)
         sc = config.scheduler
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
+        self.admission = Admission()
+        self.estimator = ServiceEstimator()
+        self.last_mode = None                         # inference mode of the last iteration run
         self._seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -94,8 +98,12 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], adapter: str | None = None,
-                    params: SamplingParams | None = None, request_id: str | None = None) -> str:
+                    params: SamplingParams | None = None, request_id: str | None = None,
+                    slo: SLO | None = None) -> str:
+        """Queue a request; ``slo`` overrides its adapter's latency targets (see :meth:`set_slo`)."""
         params = params or SamplingParams()
+        if slo is not None and not isinstance(slo, SLO):
+            raise RequestError(f"slo must be an SLO, got {type(slo).__name__}")
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         packed = None
@@ -110,7 +118,7 @@ class Engine:
             raise RequestError(f"request id {request_id!r} is already in use")
         gen = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, packed, next(self._arrivals),
-                       prompt=prompt if isinstance(prompt, str) else None, generator=gen)
+                       prompt=prompt if isinstance(prompt, str) else None, generator=gen, slo=slo)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -146,6 +154,16 @@ class Engine:
         self._pending.append(self._output(seq, []))
         return True
 
+    def set_slo(self, adapter: str | None, slo: SLO | None) -> None:
+        """Latency targets for every request of ``adapter`` (None: the base model); None clears them.
+        Requests that can no longer meet them are rejected before they are served (finish "rejected")."""
+        if adapter is not None and adapter != self.model_name:
+            try:
+                self.adapters.get(adapter)
+            except KeyError as e:
+                raise RequestError(str(e.args[0])) from None
+        self.admission.set_slo(None if adapter == self.model_name else adapter, slo)
+
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter no request uses; unmerged first if it is the merged one."""
         if any(s.adapter_name == name for s in self._seqs.values()):
@@ -169,6 +187,10 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator):
+            self.scheduler.finish(seq, "rejected")
+            self._seqs.pop(seq.request_id, None)
+            self._pending.append(self._output(seq, [], error=reason))
         plan = self.orchestrator.plan(self.scheduler.unfinished(), self.runner.modes, self.adapters)
         out = self.scheduler.schedule(None if plan is None else plan.batch)
         if out.is_empty and plan is not None:   # the plan's requests cannot run now (memory): run anyone;
@@ -181,7 +203,12 @@ class Engine:
         mode = self.runner.modes.mode_for([s.seq.adapter for s in out.scheduled])
         t0 = time.perf_counter()
         tokens = self.runner.run(out.scheduled)
-        self.orchestrator.observe(mode, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.orchestrator.observe(mode, seconds)
+        decodes = sum(1 for s in out.scheduled if s.start >= len(s.seq.prompt_token_ids))
+        prefill = sum(s.num_tokens for s in out.scheduled if s.start < len(s.seq.prompt_token_ids))
+        self.estimator.observe(prefill, decodes, seconds)
+        self.last_mode = mode
         return tokens
 
     def _finish(self, out: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
@@ -215,10 +242,10 @@ class Engine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
                              seq.text, seq.is_finished, seq.finish_reason, new_tokens,
-                             self.detokenizer.stream_delta(seq))
+                             self.detokenizer.stream_delta(seq), error)
 
 
 def _load_tokenizer(model_dir):

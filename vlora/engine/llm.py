@@ -50,6 +50,11 @@ class LLM:
     def unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)
 
+    def set_slo(self, adapter: str | None, slo) -> None:
+        """Latency targets (``SLO(ttft_s=..., latency_s=...)``) for every request of ``adapter`` (None: the
+        base model); requests that can no longer meet them finish early as "rejected", with the reason."""
+        self.engine.set_slo(adapter, slo)
+
     def list_adapters(self) -> list[str]:
         return self.engine.adapters.names()
 

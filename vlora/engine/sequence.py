@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vlora.engine.admission import SLO
 
 from vlora.lora.batch import PackedAdapter
 from vlora.sampling_params import SamplingParams
@@ -37,12 +41,14 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    finish_reason: str | None = None         # "stop" | "length" | "abort"
+    finish_reason: str | None = None         # "stop" | "length" | "abort" | "rejected" (SLO early abort)
     text: str = ""                           # detokenized output (stop string excluded)
     num_emitted_tokens: int = 0              # streamed so far
     num_emitted_chars: int = 0
     num_preemptions: int = 0
     last_progress: float = field(default_factory=time.monotonic)   # arrival, then each new token
+    arrival_time: float = field(default_factory=time.monotonic)
+    slo: "SLO | None" = None                 # the request's own latency targets (else its adapter's)
 
     @property
     def adapter_name(self) -> str | None:
@@ -77,3 +83,4 @@ class RequestOutput:
     finish_reason: str | None
     delta_token_ids: list[int]
     delta_text: str
+    error: str | None = None                 # why a request was refused after admission (finish "rejected")

@@ -1,0 +1,86 @@
+"""Latency targets and S-LoRA-style early abort: unit tests of the estimate, and through the engine."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.models.test_parity import build
+from vlora import LLM, SLO, SamplingParams
+from vlora.engine.admission import Admission, ServiceEstimator, SLOError
+from vlora.engine.engine import RequestError
+from vlora.engine.sequence import Sequence
+
+
+def seq(rid, n_prompt, max_tokens=8, waited=0.0, slo=None, adapter=None):
+    s = Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), adapter, 0, slo=slo)
+    s.arrival_time = 100.0 - waited
+    return s
+
+
+def estimator(prefill_token_s=0.0, decode_step_s=0.0):
+    est = ServiceEstimator()
+    est.prefill_token_s, est.decode_step_s = prefill_token_s, decode_step_s
+    return est
+
+
+def test_slo_values_are_validated():
+    with pytest.raises(SLOError):
+        SLO(ttft_s=0)
+    with pytest.raises(SLOError):
+        SLO(latency_s=float("inf"))
+    assert SLO(ttft_s=0.5).latency_s is None
+
+
+def test_ttft_rejection_counts_the_queue_ahead():
+    adm = Admission()
+    est = estimator(prefill_token_s=0.01)
+    a = seq("a", 10, slo=SLO(ttft_s=0.5))                  # 0.1 s of prefill: fits
+    b = seq("b", 10, slo=SLO(ttft_s=0.5), waited=0.35)     # 0.35 + (10 + 10) * 0.01 = 0.55 > 0.5
+    c = seq("c", 10, slo=SLO(ttft_s=0.5), waited=0.25)     # b is rejected, so c is second: 0.25 + 0.2 fits
+    got = adm.reject([a, b, c], 100.0, est)
+    assert [s.request_id for s, _ in got] == ["b"]
+    assert "TTFT SLO of 0.5 s" in got[0][1] and "waited 0.350 s" in got[0][1]
+
+
+def test_latency_rejection_uses_max_tokens_and_decode_time():
+    adm = Admission()
+    est = estimator(prefill_token_s=0.001, decode_step_s=0.02)
+    ok = seq("ok", 10, max_tokens=10, slo=SLO(latency_s=1.0))        # 0.01 + 0.2
+    late = seq("late", 10, max_tokens=100, slo=SLO(latency_s=1.0))   # 0.02 + 2.0
+    assert [s.request_id for s, r in adm.reject([ok, late], 100.0, est)] == ["late"]
+
+
+def test_no_measurement_only_waiting_counts_and_served_requests_are_kept():
+    adm = Admission()
+    adm.set_slo("x", SLO(ttft_s=0.1))
+    fresh = seq("fresh", 1000, slo=SLO(ttft_s=0.1))
+    started = seq("started", 5, waited=5.0, slo=SLO(ttft_s=0.1))
+    started.output_token_ids = [3]                                       # preempted after its first token
+    assert adm.reject([fresh, started], 100.0, ServiceEstimator()) == []
+    old = seq("old", 5, waited=0.2, slo=SLO(ttft_s=0.1))
+    assert [s.request_id for s, _ in adm.reject([old], 100.0, ServiceEstimator())] == ["old"]
+
+
+def test_adapter_slo_and_request_override(tmp_path):
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4)
+    eng = llm.engine
+    with pytest.raises(RequestError):
+        llm.set_slo("missing", SLO(ttft_s=1.0))
+    llm.set_slo("a4", SLO(ttft_s=1e-9))                      # impossible: every a4 request waits longer
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    r_a4 = eng.add_request([1, 2, 3], "a4", sp)
+    r_own = eng.add_request([1, 2, 3], "a4", sp, slo=SLO(ttft_s=60.0))   # its own target overrides
+    r_base = eng.add_request([1, 2, 3], None, sp)
+    time.sleep(0.01)
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs[r_a4].finish_reason == "rejected" and outs[r_a4].token_ids == []
+    assert "TTFT SLO" in outs[r_a4].error
+    assert outs[r_own].finish_reason == "length" and len(outs[r_own].token_ids) == 4
+    assert outs[r_base].finish_reason == "length"
+    assert eng.allocator.num_free == 64 and eng.admission.num_rejected == 1

@@ -1,0 +1,194 @@
+"""``vlora bench``: one engine, a workload swept over rates (or skewness) and mode policies, one report.
+
+Every (policy, point) run starts from unmerged weights with a fresh orchestrator
+on the same engine and adapters, so the policies differ only in their
+decisions. The report (``report.md``) has a table of the BENCHMARKS.md metrics
+per run, the gap of each policy to V-LoRA's, the plot of average token latency
+against the swept value per policy, and the mode timeline of one V-LoRA run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlora.bench import workloads as W
+from vlora.bench.harness import RunResult, run_workload
+from vlora.engine.admission import SLO
+from vlora.engine.orchestrator import Orchestrator
+
+POLICIES = ("vlora", "unmerged", "merged-only", "dlora")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    workload: str = "synthetic"      # synthetic | retrieval | video | dynamic | multiturn | trace
+    points: tuple[float, ...] = (1.0, 2.0, 4.0)   # rates (req/s), skewness values, or video streams
+    sweep: str = "rate"              # what points are: rate | skewness | streams
+    rate: float = 2.0                # the rate when sweeping skewness
+    skewness: float | None = None    # fixed skewness when sweeping rate (None: the workload's own popularity)
+    policies: tuple[str, ...] = POLICIES
+    duration_s: float = 20.0
+    num_adapters: int = 8
+    ranks: tuple[int, ...] = (8, 16, 32, 64)
+    input_range: tuple[int, int] = (8, 256)
+    output_range: tuple[int, int] = (8, 128)
+    trace: str | None = None
+    ttft_slo_s: float | None = None  # applied to every request: early abort + SLO attainment in the report
+    seed: int = 0
+
+
+def make_workload(cfg: SweepConfig, point: float) -> list[W.RequestSpec]:
+    rate = point if cfg.sweep == "rate" else cfg.rate
+    skew = point if cfg.sweep == "skewness" else cfg.skewness
+    n = cfg.num_adapters
+    if cfg.workload == "synthetic":
+        shares = W.skewed_shares(n, skew) if skew else None
+        return W.synthetic(n, 1.0, 1.0, rate, cfg.duration_s, cfg.input_range, cfg.output_range, cfg.seed, shares)
+    if cfg.workload == "retrieval":
+        return W.visual_retrieval(rate, cfg.duration_s, n, skew, cfg.seed)
+    if cfg.workload == "video":
+        streams = int(point) if cfg.sweep == "streams" else max(1, int(rate))
+        return W.video_analytics(streams, cfg.duration_s, n, seed=cfg.seed)
+    if cfg.workload == "dynamic":
+        half = cfg.duration_s / 2
+        return W.dynamic_popularity([(half, max(1, n // 2)), (half, n)], n, rate, seed=cfg.seed,
+                                    input_range=cfg.input_range, output_range=cfg.output_range)
+    if cfg.workload == "multiturn":
+        return W.multi_turn(max(1, int(rate * cfg.duration_s / 3)), 3, rate, n, seed=cfg.seed)
+    if cfg.workload == "trace":
+        if not cfg.trace:
+            raise ValueError("the trace workload needs a trace file")
+        return W.load_trace(cfg.trace)
+    raise ValueError(f"unknown workload {cfg.workload!r}")
+
+
+def register_random_adapters(engine, cfg: SweepConfig, tmp: Path) -> list[str]:
+    from vlora.lora.adapter import ModelShape
+    from vlora.lora.random_adapter import write_random_adapter
+
+    mc = engine.model.cfg
+    ins, outs = mc.lora_in_out()
+    shape = ModelShape(engine.model_name, mc.num_layers, ins, outs)
+    names = W.adapter_names(cfg.num_adapters)
+    for i, name in enumerate(names):
+        if name not in engine.adapters.names():
+            engine.adapters.register(name, write_random_adapter(tmp / name, shape, cfg.ranks[i % len(cfg.ranks)],
+                                                                seed=cfg.seed + i, std=0.01))
+    return names
+
+
+def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> list[dict]:
+    sc = engine.config.scheduler
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        register_random_adapters(engine, cfg, Path(tmp))
+        slo = SLO(ttft_s=cfg.ttft_slo_s) if cfg.ttft_slo_s else None
+        for point in cfg.points:
+            specs = make_workload(cfg, point)
+            for policy in cfg.policies:
+                engine.unmerge_adapter()
+                engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
+                res: RunResult = run_workload(engine, specs, seed=cfg.seed, slo=slo,
+                                              max_wall_s=cfg.duration_s * 4 + 30, progress=progress)
+                res.label = {"policy": policy, cfg.sweep: point}
+                m = res.metrics(cfg.ttft_slo_s)
+                m["timeline"] = res.iterations
+                m["switch_times"] = res.switches
+                rows.append(m)
+                log(f"{policy:12s} {cfg.sweep}={point:g}: avg token latency "
+                    f"{_fmt(m['avg_token_latency_s'], 1e3)} ms, TTFT p50 {_fmt(m['ttft_p50_s'], 1e3)} ms, "
+                    f"{m['finished']}/{m['requests']} finished, {m['rejected']} rejected, modes {m['mode_share']}")
+    return rows
+
+
+def _fmt(x, scale=1.0, digits=1) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def write_report(rows: list[dict], cfg: SweepConfig, out: Path, meta: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k not in ("timeline", "switch_times")} for r in rows]
+    (out / "results.json").write_text(json.dumps({"config": cfg.__dict__, "meta": meta, "runs": rows}, indent=1,
+                                                 default=str))
+    key = cfg.sweep
+    lines = [f"# vlora bench: {cfg.workload} workload, {cfg.num_adapters} adapters", "",
+             f"{meta.get('date')}, {meta.get('device')}, model {meta.get('model')}; {cfg.duration_s:g} s per run; "
+             f"policies {', '.join(cfg.policies)}; swept {key} over {', '.join(f'{p:g}' for p in cfg.points)}.", "",
+             f"| policy | {key} | avg token latency ms | TTFT p50 / p90 ms | TPOT p50 ms | tok/s | finished | "
+             "rejected | switches (mean ms) | iterations per mode |", "|" + "---|" * 10]
+    for r in slim:
+        share = ", ".join(f"{m} {v:.0%}" for m, v in r["mode_share"].items())
+        lines.append(f"| {r['policy']} | {r[key]:g} | {_fmt(r['avg_token_latency_s'], 1e3, 2)} | "
+                     f"{_fmt(r['ttft_p50_s'], 1e3)} / {_fmt(r['ttft_p90_s'], 1e3)} | {_fmt(r['tpot_p50_s'], 1e3, 2)} | "
+                     f"{_fmt(r['throughput_tok_s'])} | {r['finished']}/{r['requests']} | {r['rejected']} | "
+                     f"{r['switches']} ({_fmt(r['switch_ms_mean'], 1, 2)}) | {share} |")
+    gaps = _gaps(slim, key)
+    if gaps:
+        lines += ["", "Average token latency of V-LoRA's policy relative to each other policy "
+                  "(negative: V-LoRA is faster):", ""]
+        lines += [f"- {key}={p:g}: " + ", ".join(f"vs {pol} {g:+.0%}" for pol, g in gs.items())
+                  for p, gs in gaps.items()]
+    if _plot(rows, cfg, out):
+        lines += ["", "![latency](latency.png)", "", "![modes](modes.png)"]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _gaps(rows: list[dict], key: str) -> dict:
+    out = {}
+    for p in sorted({r[key] for r in rows}):
+        at = {r["policy"]: r["avg_token_latency_s"] for r in rows if r[key] == p}
+        v = at.get("vlora")
+        if v:
+            out[p] = {pol: v / x - 1 for pol, x in at.items() if pol != "vlora" and x}
+    return out
+
+
+def _plot(rows: list[dict], cfg: SweepConfig, out: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = cfg.sweep
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for pol in cfg.policies:
+        pts = [(r[key], r["avg_token_latency_s"]) for r in rows if r["policy"] == pol and r["avg_token_latency_s"]]
+        if pts:
+            ax.plot([p for p, _ in pts], [1e3 * v for _, v in pts], marker="o", label=pol)
+    ax.set_xlabel(key)
+    ax.set_ylabel("average token latency (ms)")
+    ax.set_title(f"{cfg.workload}, {cfg.num_adapters} adapters")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "latency.png", dpi=110)
+    plt.close(fig)
+    runs = [r for r in rows if r["policy"] == "vlora" and r["timeline"]] or [r for r in rows if r["timeline"]]
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    if runs:
+        r = runs[-1]
+        levels = {"unmerged": 0, "mixed": 1, "merged": 2}
+        ts = [t for t, _, _ in r["timeline"]]
+        ax.step(ts, [levels[m] for _, m, _ in r["timeline"]], where="post", lw=0.8)
+        ax.set_yticks(list(levels.values()), list(levels))
+        ax.set_xlabel("time (s)")
+        ax.set_title(f"mode per iteration: {r['policy']}, {key}={r[key]:g}")
+    fig.tight_layout()
+    fig.savefig(out / "modes.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+def default_meta(engine) -> dict:
+    import torch
+
+    dev = engine.device
+    return {"date": dt.date.today().isoformat(), "model": engine.model_name,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}

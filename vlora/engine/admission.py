@@ -1,0 +1,101 @@
+"""Latency targets and early-abort admission control (S-LoRA Appendix B).
+
+An adapter (an application) or a single request may declare an :class:`SLO`: a
+time-to-first-token target, an end-to-end latency target, or both. Before a
+request is first served, every iteration checks whether it can still meet its
+targets: the time it has already waited plus the estimated time to prefill it
+behind the requests queued before it (and, for the latency target, to decode
+its ``max_tokens``) must fit. A request that cannot is rejected at once, with
+the numbers in its reason, rather than served late and holding memory others
+could use. Requests already being served are never aborted.
+
+Estimates come from this machine: :class:`ServiceEstimator` keeps running means
+of the decode-iteration time and of the time per prefill token, fed by the
+engine after every iteration. With no measurement yet only the waiting time
+counts, so nothing is rejected on a guess.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vlora.engine.sequence import Sequence
+
+
+class SLOError(ValueError):
+    """An SLO value is not a positive finite number of seconds."""
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float | None = None
+    """Time to first token, seconds (from arrival)."""
+    latency_s: float | None = None
+    """End-to-end latency, seconds (from arrival to the last token)."""
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "latency_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise SLOError(f"{name} must be a positive number of seconds, got {v!r}")
+
+
+class ServiceEstimator:
+    """Running means of what an iteration costs here: a decode iteration, and each prefill token on top."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.decode_step_s = 0.0
+        self.prefill_token_s = 0.0
+
+    def _mix(self, old: float, new: float) -> float:
+        return new if old == 0.0 else (1 - self.weight) * old + self.weight * new
+
+    def observe(self, prefill_tokens: int, decodes: int, seconds: float) -> None:
+        if prefill_tokens == 0:
+            if decodes:
+                self.decode_step_s = self._mix(self.decode_step_s, seconds)
+            return
+        per_token = max(0.0, seconds - (self.decode_step_s if decodes else 0.0)) / prefill_tokens
+        self.prefill_token_s = self._mix(self.prefill_token_s, per_token)
+
+
+class Admission:
+    def __init__(self):
+        self.adapter_slos: dict[str | None, SLO] = {}      # None: requests for the base model
+        self.num_rejected = 0
+
+    def set_slo(self, adapter: str | None, slo: SLO | None) -> None:
+        if slo is None:
+            self.adapter_slos.pop(adapter, None)
+        else:
+            self.adapter_slos[adapter] = slo
+
+    def slo_for(self, seq: Sequence) -> SLO | None:
+        return seq.slo if seq.slo is not None else self.adapter_slos.get(seq.adapter_name)
+
+    def reject(self, waiting: list[Sequence], now: float, est: ServiceEstimator) -> list[tuple[Sequence, str]]:
+        """The not-yet-served requests of ``waiting`` (in queue order) that can no longer meet their SLO."""
+        out = []
+        tokens_ahead = 0
+        for seq in waiting:
+            need = seq.num_tokens - seq.num_computed
+            slo = self.slo_for(seq)
+            fresh = not seq.output_token_ids and seq.num_computed == 0
+            if slo is not None and fresh:
+                waited = now - seq.arrival_time
+                to_first = (tokens_ahead + need) * est.prefill_token_s
+                if slo.ttft_s is not None and waited + to_first > slo.ttft_s:
+                    out.append((seq, f"rejected early: cannot meet its TTFT SLO of {slo.ttft_s:g} s (waited "
+                                     f"{waited:.3f} s, about {to_first:.3f} s more to prefill)"))
+                    continue
+                total = to_first + seq.params.max_tokens * est.decode_step_s
+                if slo.latency_s is not None and waited + total > slo.latency_s:
+                    out.append((seq, f"rejected early: cannot meet its latency SLO of {slo.latency_s:g} s (waited "
+                                     f"{waited:.3f} s, about {total:.3f} s more to serve)"))
+                    continue
+            tokens_ahead += need
+        self.num_rejected += len(out)
+        return out
