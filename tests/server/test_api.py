@@ -241,3 +241,24 @@ def test_health_needs_no_key(live):
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     assert httpx.get(f"{live.url}/v1/models").status_code == 401
     assert httpx.get(f"{live.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+
+
+def test_request_that_cannot_meet_its_latency_target_is_answered_503(live):
+    """An adapter's TTFT target that no request can meet: early abort, a 503 with the engine's reason; other
+    adapters are served as before, and clearing the target restores the adapter."""
+    from vlora import SLO
+
+    live.engine.set_slo("demo-r4", SLO(ttft_s=1e-9))
+    try:
+        with live.http() as h:
+            r = h.post("/v1/chat/completions", json={"model": "demo-r4", "messages": user("Hi"), "max_tokens": 4})
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert err["code"] == "slo_rejected" and "TTFT SLO" in err["message"]
+            ok = h.post("/v1/chat/completions", json={"model": "demo-r8", "messages": user("Hi"), "max_tokens": 4})
+            assert ok.status_code == 200
+    finally:
+        live.engine.set_slo("demo-r4", None)
+    with live.http() as h:
+        r = h.post("/v1/chat/completions", json={"model": "demo-r4", "messages": user("Hi"), "max_tokens": 4})
+        assert r.status_code == 200

@@ -61,6 +61,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def _raise_if_rejected(outs) -> None:
+    """A request early-aborted for its latency target is answered 503 with the engine's reason."""
+    for o in outs:
+        if o.finish_reason == "rejected":
+            raise APIError(503, o.error or "rejected: cannot meet its latency target", code="slo_rejected")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
     body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"),
@@ -193,6 +200,7 @@ class OpenAIServer:
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
+        _raise_if_rejected(outs)
         choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=o.text), finish_reason=o.finish_reason)
                    for i, o in enumerate(outs)]
         return P.ChatCompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(len(prompt), outs))
@@ -217,6 +225,7 @@ class OpenAIServer:
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
+        _raise_if_rejected(outs)
         choices = [P.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
                    for i, o in enumerate(outs)]
         return P.CompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(len(prompt), outs))
