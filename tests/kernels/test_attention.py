@@ -109,3 +109,21 @@ def test_gpu_kernels_match_reference(dtype, page):
     out = paged_prefill(q, k, v, tables, t(starts), t(q_lens), lens, max(q_lens), 128 ** -0.5)
     ref = paged_prefill_ref(q, k, v, tables, t(starts), t(q_lens), lens, 128 ** -0.5)
     assert rel_err(out, ref) < 1e-2
+
+
+def test_kernels_read_blocks_at_the_pool_page_stride():
+    """Caches that are one layer's slice of the unified pool's pages ([P, L, 2, page, Hkv, D][:, l, 0]): the
+    same results as contiguous copies."""
+    k, v, tables = paged_case([40, 7], 8, 4, 2, 32, torch.float32, "cpu", seed=5)
+    pool = torch.full((k.shape[0], 3, 2, 8, 2, 32), float("nan"))
+    pool[:, 1, 0], pool[:, 1, 1] = k, v
+    ks, vs = pool[:, 1, 0], pool[:, 1, 1]
+    assert not ks.is_contiguous()
+    t = lambda xs: torch.tensor(xs, dtype=torch.int32)       # noqa: E731
+    q = torch.randn(2, 4, 32)
+    torch.testing.assert_close(paged_decode(q, ks, vs, tables, t([40, 7]), 0.3, block_n=16, parts=2, max_ctx=40),
+                               paged_decode(q, k, v, tables, t([40, 7]), 0.3, block_n=16, parts=2, max_ctx=40))
+    qp = torch.randn(47, 4, 32)
+    args = (tables, t([0, 40]), t([40, 7]), t([40, 7]), 40, 0.3)
+    torch.testing.assert_close(paged_prefill(qp, ks, vs, *args, block_m=16, block_n=16),
+                               paged_prefill(qp, k, v, *args, block_m=16, block_n=16))

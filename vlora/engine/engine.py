@@ -22,7 +22,8 @@ from vlora.engine.scheduler import Scheduler, SchedulerOutput
 from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
 from vlora.lora.registry import AdapterRegistry
-from vlora.memory.kv_cache import BlockAllocator, blocks_for_memory, kv_cache_tensor
+from vlora.memory.kv_cache import blocks_for_memory
+from vlora.memory.pool import UnifiedPool
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
 from vlora.sampling_params import SamplingParams
 
@@ -68,9 +69,10 @@ class Engine:
         num_blocks = cc.num_blocks or blocks_for_memory(cc.kv_cache_memory_gb, cfg.num_layers, cc.block_size,
                                                         cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.block_size = cc.block_size
-        self.allocator = BlockAllocator(num_blocks)
-        kv = kv_cache_tensor(cfg.num_layers, num_blocks + 1, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
-                             self.dtype, self.device)           # + a scratch block no sequence owns
+        self.pool = UnifiedPool(num_blocks, cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                self.dtype, self.device)
+        self.allocator = self.pool                    # KV blocks are pages of the unified pool
+        kv = self.pool.kv
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel)

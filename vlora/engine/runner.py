@@ -25,7 +25,8 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, use_kernels: bool = False,
                  graph_batch: int = 0, max_model_len: int = 0):
-        """``kv_cache`` holds one block past the allocator's (the scratch block CUDA-graph padding writes to);
+        """``kv_cache``: the pool's pages [P + 1, L, 2, block_size, Hkv, D], the last one a scratch block
+        (CUDA-graph padding writes to it);
         ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs."""
         self.model = model
         self.kv_cache = kv_cache
@@ -55,7 +56,7 @@ class ModelRunner:
         emulation that re-runs the captured forward on the same static buffers, for tests)."""
         from vlora.engine.cuda_graphs import DecodeGraphs
 
-        scratch = (self.kv_cache.shape[2] - 1) * self.block_size
+        scratch = (self.kv_cache.shape[0] - 1) * self.block_size
         lora = None if self.tiling is None else (self.adapters.buffer, self.group_widths, self.group_in, self.tiling,
                                                  self.adapters.max_rank)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),

@@ -1,6 +1,7 @@
 """Paged attention in Triton: decode (one query per sequence) and prefill over a cached prefix.
 
-KV lives in pages: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]``
+KV lives in pages: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]`` views (a block's
+tokens dense, blocks at any stride: one layer's slice of the unified pool's pages)
 and a sequence's token ``p`` sits in block ``table[p // block_size]`` at offset
 ``p % block_size``. Both kernels read keys and values only through the block
 table, so a prefill chunk attends to its cached prefix and to its own tokens
@@ -23,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, scale, window, part_len,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kh, stride_tb,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_slot, stride_kh, stride_tb,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
@@ -44,8 +45,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, s
         pos = n0 + offs
         n_mask = (pos < hi) & (pos >= lo)
         blk = tl.load(tables_ptr + b * stride_tb + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-        slot = blk * PAGE + pos % PAGE
-        kv_off = slot[:, None] * stride_slot + kvh * stride_kh + offs_d[None, :]
+        kv_row = blk * stride_blk + (pos % PAGE) * stride_slot
+        kv_off = kv_row[:, None] + kvh * stride_kh + offs_d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.sum(k * q[None, :], axis=1)
@@ -90,7 +91,7 @@ def _decode_reduce_kernel(part_ptr, o_ptr, stride_ot, stride_oh, NPARTS: tl.cons
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale, window,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kh, stride_tb,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_slot, stride_kh, stride_tb,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     HEAD_DIM: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
     c = tl.program_id(0)
@@ -121,8 +122,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, starts_ptr, qlens_pt
             pos = n0 + offs
             n_mask = pos < hi
             blk = tl.load(tables_ptr + c * stride_tb + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-            slot = blk * PAGE + pos % PAGE
-            kv_off = slot[:, None] * stride_slot + kvh * stride_kh + offs_d[None, :]
+            kv_row = blk * stride_blk + (pos % PAGE) * stride_slot
+            kv_off = kv_row[:, None] + kvh * stride_kh + offs_d[None, :]
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
             if IEEE:
@@ -152,8 +153,10 @@ def _window(window: int | None) -> int:
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     assert q.dim() == 3 and q.stride(2) == 1 and out.shape == q.shape and out.stride(2) == 1
-    assert k_cache.dim() == 4 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert k_cache.shape == v_cache.shape and k_cache.shape[-1] == q.shape[-1]
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[-1] == q.shape[-1]
+    for c in (k_cache, v_cache):        # a block's tokens dense; blocks anywhere (pages of the unified pool)
+        d = c.shape[3]
+        assert c.stride(3) == 1 and c.stride(2) == d and c.stride(1) == c.shape[2] * d and c.stride() == k_cache.stride()
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
 
 
@@ -192,7 +195,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                           device=q.device)
     _decode_kernel[(bsz, heads, parts)](
         q, k_cache, v_cache, out, tables, lens, partial, scale, _window(window), part_len if split else 1 << 30,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), hkv * d, d, tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), hkv * d, d, tables.stride(0),
         GROUP=heads // hkv, PAGE=page, BLOCK_N=block_n, HEAD_DIM=head_dim, D=d, SPLIT=split,
         num_warps=num_warps)
     if split:
@@ -224,7 +227,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     grid = (starts.shape[0], q.shape[1], triton.cdiv(max_q_len, bm))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, tables, starts, q_lens, ctx_lens, scale, _window(window),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), hkv * d, d, tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), hkv * d, d, tables.stride(0),
         GROUP=q.shape[1] // hkv, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=head_dim, D=d,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=2)
     return out

@@ -56,12 +56,13 @@ def add_rmsnorm_(h: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor, 
 
 @triton.jit
 def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
-                       stride_qkv, stride_cs, stride_q, stride_slot,
-                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                       stride_qkv, stride_cs, stride_q, stride_blk, stride_slot,
+                       PAGE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                        BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    kv_row = (slot // PAGE) * stride_blk + (slot % PAGE) * stride_slot
     offs_d = tl.arange(0, HALF)
     d_mask = offs_d < D // 2
     cos = tl.load(cos_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -81,7 +82,7 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
         qo = t * stride_q + heads[:, None] * D + offs_d[None, :]
         tl.store(q_ptr + qo, o1.to(q_ptr.dtype.element_ty), mask=m & is_q[:, None])
         tl.store(q_ptr + qo + D // 2, o2.to(q_ptr.dtype.element_ty), mask=m & is_q[:, None])
-        ko = slot * stride_slot + (heads[:, None] - HQ) * D + offs_d[None, :]
+        ko = kv_row + (heads[:, None] - HQ) * D + offs_d[None, :]
         km = m & (heads >= HQ)[:, None]
         tl.store(k_ptr + ko, o1.to(k_ptr.dtype.element_ty), mask=km)
         tl.store(k_ptr + ko + D // 2, o2.to(k_ptr.dtype.element_ty), mask=km)
@@ -89,7 +90,7 @@ def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_pt
         heads = h0 + offs_h
         m = (heads < HKV)[:, None] & d_mask[None, :]
         src = row + (HQ + HKV) * D + heads[:, None] * D + offs_d[None, :]
-        dst = v_ptr + slot * stride_slot + heads[:, None] * D + offs_d[None, :]
+        dst = v_ptr + kv_row + heads[:, None] * D + offs_d[None, :]
         tl.store(dst, tl.load(src, mask=m, other=0.0), mask=m)
         tl.store(dst + D // 2, tl.load(src + D // 2, mask=m, other=0.0), mask=m)
 
@@ -100,9 +101,11 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     """Rotated q [T, Hq, D]; rotated k and v written to ``k_cache/v_cache`` (flat slot ``slots[t]``).
 
     Shape: qkv [T, (Hq + 2 Hkv) D] (packed projection output); cos, sin [max_len, D] fp32 tables;
-    positions, slots [T] long; caches [num_blocks, page, Hkv, D].
+    positions, slots [T] long (slot = block * page + offset); caches [num_blocks, page, Hkv, D], blocks at any
+    stride.
     """
-    assert qkv.stride(1) == 1 and head_dim % 2 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert qkv.stride(1) == 1 and head_dim % 2 == 0 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim and k_cache.stride(1) == num_kv_heads * head_dim
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t == 0:
@@ -110,7 +113,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     half = triton.next_power_of_2(head_dim // 2)
     block_h = max(1, min(triton.next_power_of_2(num_heads + num_kv_heads), 4096 // half))
     _rope_cache_kernel[(t,)](qkv, cos, sin, positions, slots, q, k_cache, v_cache, qkv.stride(0), cos.stride(0),
-                             q.stride(0), num_kv_heads * head_dim, HQ=num_heads, HKV=num_kv_heads, D=head_dim,
+                             q.stride(0), k_cache.stride(0), num_kv_heads * head_dim, PAGE=k_cache.shape[1],
+                             HQ=num_heads, HKV=num_kv_heads, D=head_dim,
                              HALF=half, BLOCK_H=block_h, num_warps=4)
     return q
 

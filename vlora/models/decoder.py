@@ -118,9 +118,10 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        flat_k, flat_v = k_cache.view(-1, *k.shape[1:]), v_cache.view(-1, *v.shape[1:])
-        flat_k.index_copy_(0, fb.slot_mapping, k)
-        flat_v.index_copy_(0, fb.slot_mapping, v)
+        page = k_cache.shape[1]
+        blk, off = fb.slot_mapping // page, fb.slot_mapping % page
+        k_cache[blk, off] = k
+        v_cache[blk, off] = v
         attn = self._attention(q, k, v, fb, k_cache, v_cache)
         o_in = attn.reshape(-1, cfg.q_size)
         h = h + add_lora(F.linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o")
@@ -198,20 +199,20 @@ class DecoderLM(nn.Module):
         return self.cfg.hidden_act == "silu" and self.cfg.head_dim % 2 == 0
 
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm. kv_cache [L, 2, num_blocks, block_size, Hkv, D]."""
+        """Hidden states after the final norm. kv_cache: the pool's pages [num_pages, L, 2, block_size, Hkv, D]."""
         h = self.embed(fb.input_ids)
         if fb.use_kernels and self.fusable:
             from vlora.kernels.fused import add_rmsnorm_
 
             first = self.layers[0].attn_norm
             x = add_rmsnorm_(h, None, first.weight, first.eps)
-            for i, (layer, cache) in enumerate(zip(self.layers, kv_cache)):
+            for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-                x = layer.forward_fused(h, x, fb, self.rope, cache[0], cache[1], nxt)
+                x = layer.forward_fused(h, x, fb, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], nxt)
             return x
         cos, sin = self.rope(fb.positions, h.dtype)
-        for layer, cache in zip(self.layers, kv_cache):
-            h = layer(h, fb, cos, sin, cache[0], cache[1])
+        for i, layer in enumerate(self.layers):
+            h = layer(h, fb, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1])
         return self.norm(h)
 
     def stack_projections(self) -> dict[str, torch.Tensor]:
