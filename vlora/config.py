@@ -47,9 +47,9 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block (page)."""
     num_blocks: int | None = None
-    """KV blocks to allocate. Default: sized from kv_cache_memory_gb."""
+    """KV blocks to allocate; the unified pool then also gets room for max_loras adapters of the largest rank (any page holds KV or adapter weights). Default: sized from kv_cache_memory_gb."""
     kv_cache_memory_gb: float = 1.0
-    """Memory for the KV cache when num_blocks is not given (GiB)."""
+    """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -68,8 +68,12 @@ class LoRAConfig:
     """Refuse adapters whose adapter_config.json names a different base model."""
     lora_kernel: str = "auto"
     """LoRA op backend: auto (Triton ATMM on CUDA, torch on CPU), triton, or torch."""
+    max_loras: int = 4
+    """With num_blocks: adapters of max_lora_rank the unified pool is sized to hold on top of the KV blocks (more are registered in host memory and brought in on demand)."""
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.lora_kernel not in ("auto", "triton", "torch"):
             raise ConfigError(f"lora_kernel must be auto, triton or torch, got {self.lora_kernel!r}")
         if self.max_lora_rank < 1:

@@ -200,15 +200,18 @@ def test_adapter_buffer_aligns_every_matrix(tmp_path):
     from vlora.lora.adapter import ModelShape
     from vlora.lora.random_adapter import write_random_adapter
     from vlora.lora.registry import AdapterRegistry
+    from vlora.memory.pool import UnifiedPool
 
     ins = {"q_proj": 64, "k_proj": 64, "v_proj": 64, "o_proj": 64, "gate_proj": 64, "up_proj": 64, "down_proj": 128}
     outs = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "o_proj": 64, "gate_proj": 128, "up_proj": 128, "down_proj": 64}
     shape = ModelShape("tiny", 2, ins, outs)
-    reg = AdapterRegistry(shape, 64, torch.float32, torch.device("cpu"), kernel="triton")
+    pool = UnifiedPool(256, 2, 2, 4, 16, torch.float32, torch.device("cpu"))    # pages of 512 elements
+    reg = AdapterRegistry(shape, 64, torch.float32, torch.device("cpu"), kernel="triton", pool=pool)
     for i, r in enumerate((8, 24, 5)):           # rank 5: odd sizes get padded
         reg.register(f"a{i}", write_random_adapter(tmp_path / f"a{i}", shape, r, seed=i, targets=("q_proj", "v_proj", "down_proj")))
     reg.unregister("a1")
     reg.register("a3", write_random_adapter(tmp_path / "a3", shape, 16, seed=3))
+    assert reg.store.ensure([reg.get(n) for n in reg.names()], set()) == set(reg.names())
     for name in reg.names():
         for g in reg.get(name).offsets.values():
             assert (g.a_off % 16 == 0).all() and (g.b_off[g.b_off >= 0] % 16 == 0).all()

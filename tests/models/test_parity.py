@@ -48,6 +48,8 @@ def vlora_logits(llm: LLM, prompts, names) -> list[torch.Tensor]:
         seq = Sequence(f"t{i}", list(p), SamplingParams(), None if a is None else eng.adapters.get(a), i)
         seq.blocks = eng.allocator.allocate(-(-len(p) // eng.block_size))
         scheduled.append(ScheduledSeq(seq, 0, len(p)))
+    if eng.adapters.store is not None:             # kernel path: the adapters must be in the pool
+        eng.adapters.store.ensure([s.seq.adapter for s in scheduled if s.seq.adapter is not None], set())
     ordered = eng.runner.order(tuple(scheduled))
     fb = eng.runner.prepare(ordered)
     with torch.inference_mode():

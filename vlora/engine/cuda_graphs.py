@@ -55,7 +55,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.lora_setup = lora_setup
-        self._columns: dict[str, tuple[PackedAdapter, int]] = {}
+        self._columns: dict[str, tuple[PackedAdapter, int, int]] = {}     # name -> (adapter, column, epoch)
         if lora_setup is not None:
             self._alloc_columns(columns)
         self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, int]] = {}
@@ -81,9 +81,10 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
     def _column(self, adapter: PackedAdapter) -> int:
-        """The offset-table column of ``adapter``, written on first sight (a re-registered name is rewritten)."""
+        """The offset-table column of ``adapter``, written on first sight and again whenever the adapter has
+        moved in the pool since (a reload, or a re-registered name)."""
         known = self._columns.get(adapter.name)
-        if known is not None and known[0] is adapter:
+        if known is not None and known[0] is adapter and known[2] == adapter.placement.epoch:
             return known[1]
         col = known[1] if known is not None else len(self._columns)
         if col >= next(iter(self.col_tables.values()))[0].shape[1]:      # full: double, recapture LoRA graphs
@@ -93,7 +94,7 @@ class DecodeGraphs:
             o = adapter.offsets[g]
             for tab, src in zip(tabs, (o.a_off, o.rtot, o.b_off, o.vcol)):
                 tab[:, col].copy_(src)
-        self._columns[adapter.name] = (adapter, col)
+        self._columns[adapter.name] = (adapter, col, adapter.placement.epoch)
         return col
 
     def _drop_lora_graphs(self) -> None:

@@ -69,13 +69,19 @@ class Engine:
         num_blocks = cc.num_blocks or blocks_for_memory(cc.kv_cache_memory_gb, cfg.num_layers, cc.block_size,
                                                         cfg.num_kv_heads, cfg.head_dim, self.dtype)
         self.block_size = cc.block_size
-        self.pool = UnifiedPool(num_blocks, cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
+        lc = config.lora
+        kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
+        pages = num_blocks
+        if cc.num_blocks and kernel_lora:            # room for max_loras adapters beside the KV blocks asked for
+            pages += lc.max_loras * _adapter_pages(cfg, lc.max_lora_rank, cc.block_size)
+        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
                                 self.dtype, self.device)
         self.allocator = self.pool                    # KV blocks are pages of the unified pool
         kv = self.pool.kv
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
-                                        self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel)
+                                        self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel,
+                                        self.pool)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
         cuda = self.device.type == "cuda"
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
@@ -194,12 +200,47 @@ class Engine:
             self._seqs.pop(seq.request_id, None)
             self._pending.append(self._output(seq, [], error=reason))
         plan = self.orchestrator.plan(self.scheduler.unfinished(), self.runner.modes, self.adapters)
-        out = self.scheduler.schedule(None if plan is None else plan.batch)
+        ready = self._adapters_ready()
+        out = self.scheduler.schedule(_both(None if plan is None else plan.batch, ready))
         if out.is_empty and plan is not None:   # the plan's requests cannot run now (memory): run anyone;
-            out = self.scheduler.schedule()     # outputs never depend on the mode, only speed does
+            out = self.scheduler.schedule(ready)  # outputs never depend on the mode, only speed does
         self.orchestrator.apply(plan, self.runner.modes, self.adapters)
+        self._merged_resident(out)
         tokens = self._run(out) if not out.is_empty else {}
+        store = self.adapters.store
+        if store is not None:                   # queued requests' adapters, while pages are spare
+            store.prefetch([s.adapter for s in self.scheduler.waiting if s.adapter is not None],
+                           keep_free_pages=self.pool.num_pages // 4)
         return self._finish(out, tokens)
+
+    def _adapters_ready(self) -> set[str] | None:
+        """Kernel path: bring the adapters of running requests, then of the waiting ones that could be admitted
+        now, into the pool (evicting idle ones); they stay protected from eviction this iteration. Returns the
+        ids of requests that can run now (None: every one)."""
+        store = self.adapters.store
+        if store is None:
+            return None
+        merged = self.runner.modes.merged
+        running = [s.adapter for s in self.scheduler.running if s.adapter is not None]
+        room = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
+        waiting = [s.adapter for s in list(self.scheduler.waiting)[:room] if s.adapter is not None]
+        keep = {a.name for a in running} | ({merged.name} if merged is not None else set())
+        ok = store.ensure(running + waiting, keep)
+        store.protected = keep | ok
+        seqs = self.scheduler.unfinished()
+        if all(s.adapter is None or s.adapter.name in ok for s in seqs):
+            return None
+        return {s.request_id for s in seqs if s.adapter is None or s.adapter.name in ok}
+
+    def _merged_resident(self, out: SchedulerOutput) -> None:
+        """Mixed mode subtracts the merged adapter through the kernels: it must be in the pool; if it cannot
+        be, unmerge (outputs do not depend on the mode)."""
+        store, modes = self.adapters.store, self.runner.modes
+        if store is None or modes.merged is None:
+            return
+        store.protected.update(s.seq.adapter.name for s in out.scheduled if s.seq.adapter is not None)
+        if modes.merged.name not in store.ensure([modes.merged], store.protected):
+            modes.unmerge()
 
     def _run(self, out: SchedulerOutput) -> dict[str, int]:
         mode = self.runner.modes.mode_for([s.seq.adapter for s in out.scheduled])
@@ -248,6 +289,21 @@ class Engine:
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
                              seq.text, seq.is_finished, seq.finish_reason, new_tokens,
                              self.detokenizer.stream_delta(seq), error)
+
+
+def _adapter_pages(cfg, rank: int, block_size: int) -> int:
+    """Pool pages an adapter of ``rank`` on every projection takes (with alignment slack)."""
+    ins, outs = cfg.lora_in_out()
+    elems = cfg.num_layers * (rank * sum(ins[m] + outs[m] for m in ins) + 16 * 11)
+    page = cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim
+    return -(-elems // page)
+
+
+def _both(a, b):
+    """Request ids allowed by both filters (None: no filter), in ``a``'s order."""
+    if a is None or b is None:
+        return b if a is None else a
+    return tuple(r for r in a if r in b)
 
 
 def _load_tokenizer(model_dir):

@@ -38,7 +38,7 @@ class ModelRunner:
         self.adapters = adapters
         self.modes = ModeSwitcher(model)
         self.tiling = None
-        if adapters.buffer is not None:                 # CUDA: ATMM kernels with this GPU's tiling table
+        if adapters.store is not None:                 # CUDA: ATMM kernels with this GPU's tiling table
             from vlora.kernels.tuning import TilingTable
 
             self.tiling = TilingTable.load()
@@ -57,7 +57,7 @@ class ModelRunner:
         from vlora.engine.cuda_graphs import DecodeGraphs
 
         scratch = (self.kv_cache.shape[0] - 1) * self.block_size
-        lora = None if self.tiling is None else (self.adapters.buffer, self.group_widths, self.group_in, self.tiling,
+        lora = None if self.tiling is None else (self.adapters.store, self.group_widths, self.group_in, self.tiling,
                                                  self.adapters.max_rank)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
                                    scratch, lora, columns)
@@ -141,7 +141,7 @@ class ModelRunner:
             return LoRABatch(tuple(segs))
         from vlora.lora.device_store import build_kernel_batch
 
-        return build_kernel_batch(segs, self.adapters.buffer, self.group_widths, self.group_in, self.tiling,
+        return build_kernel_batch(segs, self.adapters.store, self.group_widths, self.group_in, self.tiling,
                                   self.device)
 
     def _prefill_mask(self, start: int, n: int) -> torch.Tensor | None:

@@ -66,7 +66,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self._blocks_needed(seq, num_tokens)
-        if need > self.allocator.num_free:
+        if not self.allocator.make_room(need):
             return False
         seq.blocks.extend(self.allocator.allocate(need))
         return True

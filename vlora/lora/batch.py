@@ -10,7 +10,7 @@ Each adapter keeps its own rank; nothing is padded to the largest rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,15 @@ class GroupOffsets:
     vcol: torch.Tensor                # [L, NS] int32: first column of slice j's part of x @ A^T
 
 
+@dataclass(eq=False)
+class Placement:
+    """Where an adapter sits in the unified pool now (kernel path); changes as it is loaded and evicted."""
+
+    offsets: dict[str, GroupOffsets] | None = None   # None: not resident
+    epoch: int = 0                                   # bumped at every load, so cached offsets can tell
+    ready: object = None                             # CUDA event: its copy into the pool is done
+
+
 @dataclass(frozen=True)
 class PackedAdapter:
     """One adapter, laid out for the batched LoRA op."""
@@ -56,7 +65,11 @@ class PackedAdapter:
     rank: int
     scaling: float
     layers: tuple[dict[str, GroupWeights], ...]  # [num_layers] group name -> weights (absent = untouched)
-    offsets: dict[str, GroupOffsets] | None = None  # set when the adapter is also in the device buffer
+    placement: Placement = field(default_factory=Placement, compare=False)   # in the pool or not
+
+    @property
+    def offsets(self) -> dict[str, GroupOffsets] | None:
+        return self.placement.offsets
 
     def num_bytes(self) -> int:
         total = 0

@@ -1,102 +1,168 @@
-"""Adapters in one flat device buffer, addressed by offsets (the kernel path of the LoRA op).
+"""Adapters in the unified pool, loaded on demand from host memory (the kernel path of the LoRA op).
 
-Every registered adapter is written once into ``AdapterBuffer.buf``; the ATMM
-kernels read each adapter where it sits, so an iteration never copies adapter
-weights. The unified memory pool takes over this buffer's role later (pages
-instead of first-fit ranges); the offsets interface stays.
+Every registered adapter lives in host memory (pinned on CUDA, for asynchronous
+copies). :class:`AdapterStore` brings an adapter into pool pages when a request
+needs it, on a side stream whose copy overlaps the running iteration (the
+iteration that uses it waits on the copy's event, the host never does), and
+releases the least recently used adapters no running request needs when pages
+are short. The ATMM kernels read each adapter where it sits in the pool
+through its :class:`Placement` offsets, so an iteration never copies adapter
+weights.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import nullcontext
 
 import torch
 
 from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRASegment, PackedAdapter,
                               SegmentMeta)
-
+from vlora.memory.kv_cache import OutOfBlocks
 
 ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
 
 
-def _padded(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1)
-    pad = -flat.numel() % ALIGN
-    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+def _matrices(adapter: PackedAdapter) -> list[torch.Tensor]:
+    """The adapter's matrices in pool order: per layer and group, A^T ([R, in]) then each present slice's B."""
+    out = []
+    for groups in adapter.layers:
+        for name in GROUPS:
+            gw = groups.get(name)
+            if gw is not None:
+                out.append(gw.a.T.contiguous().reshape(-1))
+                out.extend(sl.b.reshape(-1) for sl in gw.slices)
+    return out
 
 
-class AdapterBuffer:
-    def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int = 1 << 20):
-        self.buf = torch.zeros(capacity, dtype=dtype, device=device)
-        self._free: list[tuple[int, int]] = [(0, capacity)]       # (offset, size), sorted by offset
-        self._owned: dict[str, tuple[int, int]] = {}
+class AdapterStore:
+    def __init__(self, pool, device: torch.device):
+        self.pool = pool
+        self.device = device
+        self.resident: OrderedDict[str, PackedAdapter] = OrderedDict()     # least recently used first
+        self._host: dict[str, list[torch.Tensor]] = {}
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.protected: set[str] = set()          # adapters in use (running requests, the merged one)
+        pool.reclaim = self.reclaim
+        self.num_loads = 0
+        self.num_evictions = 0
+        self.bytes_loaded = 0
 
-    def _alloc(self, n: int) -> int:
-        n = -(-n // ALIGN) * ALIGN
-        for i, (off, size) in enumerate(self._free):
-            if size >= n:
-                self._free[i:i + 1] = [(off + n, size - n)] if size > n else []
-                return off
-        old = self.buf.numel()                                     # grow: offsets stay valid
-        new = max(2 * old, old + n)
-        grown = torch.zeros(new, dtype=self.buf.dtype, device=self.buf.device)
-        grown[:old] = self.buf
-        self.buf = grown
-        tail = self._free.pop() if self._free and sum(self._free[-1]) == old else (old, 0)
-        self._free.append((tail[0], tail[1] + new - old))
-        return self._alloc(n)
+    @property
+    def buf(self) -> torch.Tensor:
+        return self.pool.buf
 
-    def free(self, name: str) -> None:
-        off, n = self._owned.pop(name)
-        self._free.append((off, n))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for o, s in self._free:
-            if merged and sum(merged[-1]) == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + s)
-            else:
-                merged.append((o, s))
-        self._free = merged
+    def add(self, adapter: PackedAdapter) -> None:
+        """Keep the adapter's matrices ready for copies (pinned host memory on CUDA)."""
+        mats = _matrices(adapter)
+        if self.device.type == "cuda":
+            mats = [m.pin_memory() for m in mats]
+        self._host[adapter.name] = mats
 
-    def write(self, adapter: PackedAdapter) -> dict[str, GroupOffsets]:
-        """Copy the adapter into the buffer; returns its per-group offsets."""
-        parts: list[torch.Tensor] = []
-        for groups in adapter.layers:
-            for name in GROUPS:
-                gw = groups.get(name)
-                if gw is not None:
-                    parts.append(_padded(gw.a.T))
-                    parts.extend(_padded(s.b) for s in gw.slices)
-        total = sum(p.numel() for p in parts)
-        base = self._alloc(max(total, 1))
-        self._owned[adapter.name] = (base, -(-max(total, 1) // ALIGN) * ALIGN)
-        if total:
-            self.buf[base:base + total] = torch.cat(parts).to(self.buf)
-        offsets: dict[str, list] = {g: ([], [], [], []) for g in GROUPS}
-        pos = base
-        r = adapter.rank
+    def remove(self, name: str) -> None:
+        if name in self.resident:
+            self.evict(name)
+        self._host.pop(name, None)
+
+    def pages_needed(self, adapter: PackedAdapter) -> int:
+        return self.pool.pages_for([m.numel() for m in self._host[adapter.name]])
+
+    def load(self, adapter: PackedAdapter) -> bool:
+        """Copy the adapter into free pages; False when there are not enough."""
+        mats = self._host[adapter.name]
+        try:
+            offs = self.pool.place_adapter(adapter.name, [m.numel() for m in mats])
+        except OutOfBlocks:
+            return False
+        buf = self.pool.buf
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with ctx:
+            for m, off in zip(mats, offs):
+                buf[off:off + m.numel()].copy_(m, non_blocking=True)
+            if self.stream is not None:
+                adapter.placement.ready = torch.cuda.Event()
+                adapter.placement.ready.record(self.stream)
+        adapter.placement.offsets = self._offsets(adapter, iter(offs))
+        adapter.placement.epoch += 1
+        self.resident[adapter.name] = adapter
+        self.num_loads += 1
+        self.bytes_loaded += sum(m.numel() * m.element_size() for m in mats)
+        return True
+
+    def evict(self, name: str) -> None:
+        adapter = self.resident.pop(name)
+        self.pool.release_adapter(name)
+        adapter.placement.offsets = None
+        adapter.placement.ready = None
+        self.num_evictions += 1
+
+    def reclaim(self, pages: int) -> None:
+        """Evict least recently used adapters outside ``protected`` until ``pages`` pages are freed (KV needs
+        them) or none is left to evict."""
+        freed = 0
+        for name in [n for n in self.resident if n not in self.protected]:
+            if freed >= pages:
+                return
+            freed += len(self.pool.adapter_pages[name])
+            self.evict(name)
+
+    def ensure(self, wanted: list[PackedAdapter], protect: set[str]) -> set[str]:
+        """Make ``wanted`` resident in priority order, evicting least recently used adapters that are neither
+        protected nor wanted earlier in the list; returns the names resident afterwards among ``wanted``.
+        The current stream is made to wait for the copies of the ones it gets."""
+        ok: set[str] = set()
+        keep = set(protect)
+        for a in wanted:
+            if a.name in ok:
+                continue
+            keep.add(a.name)
+            if a.name not in self.resident:
+                while not self.load(a):
+                    victim = next((n for n in self.resident if n not in keep), None)
+                    if victim is None:
+                        break
+                    self.evict(victim)
+            if a.name in self.resident:
+                self.resident.move_to_end(a.name)
+                ok.add(a.name)
+                if a.placement.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(a.placement.ready)
+        return ok
+
+    def prefetch(self, wanted: list[PackedAdapter], keep_free_pages: int) -> None:
+        """Load adapters queued requests will need while pages are spare (no eviction, no waiting)."""
+        for a in wanted:
+            if a.name in self.resident:
+                continue
+            if self.pool.num_free - self.pages_needed(a) < keep_free_pages:
+                return
+            self.load(a)
+
+    def _offsets(self, adapter: PackedAdapter, offs) -> dict[str, GroupOffsets]:
+        table: dict[str, list] = {g: ([], [], [], []) for g in GROUPS}
         for groups in adapter.layers:
             for name, modules in GROUPS.items():
-                a_off, rtot, b_off, vcol = offsets[name]
+                a_off, rtot, b_off, vcol = table[name]
                 gw = groups.get(name)
                 if gw is None:
                     a_off.append(0), rtot.append(0)
                     b_off.append([-1] * len(modules)), vcol.append([0] * len(modules))
                     continue
-                a_off.append(pos), rtot.append(gw.a.shape[1])
-                pos += -(-gw.a.numel() // ALIGN) * ALIGN
+                a_off.append(next(offs)), rtot.append(gw.a.shape[1])
                 row_b, row_v = [-1] * len(modules), [0] * len(modules)
                 for sl in gw.slices:
-                    row_b[sl.index], row_v[sl.index] = pos, sl.rank_start
-                    pos += -(-sl.b.numel() // ALIGN) * ALIGN
+                    row_b[sl.index], row_v[sl.index] = next(offs), sl.rank_start
                 b_off.append(row_b), vcol.append(row_v)
-        dev = self.buf.device
+        dev = self.pool.buf.device
         return {g: GroupOffsets(torch.tensor(a, dtype=torch.int64, device=dev),
                                 torch.tensor(rt, dtype=torch.int32, device=dev),
                                 torch.tensor(b, dtype=torch.int64, device=dev),
                                 torch.tensor(v, dtype=torch.int32, device=dev))
-                for g, (a, rt, b, v) in offsets.items()}
+                for g, (a, rt, b, v) in table.items()}
 
 
-def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterBuffer, widths: dict[str, tuple[int, ...]],
+def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterStore, widths: dict[str, tuple[int, ...]],
                        in_features: dict[str, int], table, device: torch.device) -> LoRABatch:
     """Segment metadata + per-group offset tables, once per iteration, for every layer's kernels."""
     lens = [s.end - s.start for s in segs]

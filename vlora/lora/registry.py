@@ -11,11 +11,10 @@ import os
 
 import torch
 
-from dataclasses import replace
 
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
-from vlora.lora.device_store import AdapterBuffer
+from vlora.lora.device_store import AdapterStore
 
 _NAME_MAX = 128
 
@@ -41,7 +40,7 @@ def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: 
 
 class AdapterRegistry:
     def __init__(self, shape: ModelShape, max_rank: int, dtype: torch.dtype, device: torch.device,
-                 check_base_model: bool = True, kernel: str = "auto"):
+                 check_base_model: bool = True, kernel: str = "auto", pool=None):
         self.shape = shape
         self.max_rank = max_rank
         self.dtype = dtype
@@ -49,9 +48,12 @@ class AdapterRegistry:
         self.check_base_model = check_base_model
         self._by_name: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
-        # kernel path: weights stay in host memory (torch path, merges); the kernels read a device copy
+        # kernel path: every adapter stays in host memory (torch path, merges); the kernels read the copy
+        # the store brings into the unified pool when a request needs it
         use_kernels = kernel == "triton" or (kernel == "auto" and device.type == "cuda")
-        self.buffer = AdapterBuffer(dtype, device) if use_kernels else None
+        if use_kernels and pool is None:
+            raise ValueError("the kernel path needs the unified pool to hold adapters")
+        self.store = AdapterStore(pool, device) if use_kernels else None
 
     def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():
@@ -66,9 +68,9 @@ class AdapterRegistry:
         used = {a.slot for a in self._by_name.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         packed = pack(loaded, slot, self.shape.out_features,
-                      self.device if self.buffer is None else torch.device("cpu"))
-        if self.buffer is not None:
-            packed = replace(packed, offsets=self.buffer.write(packed))
+                      self.device if self.store is None else torch.device("cpu"))
+        if self.store is not None:
+            self.store.add(packed)
         self._by_name[name] = packed
         self._paths[name] = str(path)
         return packed
@@ -78,8 +80,8 @@ class AdapterRegistry:
             raise KeyError(f"unknown adapter {name!r}")
         del self._by_name[name]
         del self._paths[name]
-        if self.buffer is not None:
-            self.buffer.free(name)
+        if self.store is not None:
+            self.store.remove(name)
 
     def get(self, name: str) -> PackedAdapter:
         try:

@@ -22,6 +22,9 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def make_room(self, n: int) -> bool:
+        return n <= len(self._free)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")

@@ -4,8 +4,9 @@ A page holds one KV block of every layer: ``[L, 2 (k, v), block_size, Hkv, D]``
 elements. The KV cache is the pages viewed as ``[num_pages, L, 2, block_size,
 Hkv, D]``; layer ``l``'s K is ``kv[:, l, 0]`` (blocks one page apart, the
 kernels take that stride). An adapter takes as many whole pages as its packed
-A and B need and each matrix sits inside one page, so the LoRA kernels read it
-through offsets into the flat buffer ``buf``, where it is. There is no split
+A and B need, as one run of consecutive pages (taken from the high end, while KV
+blocks come from the low end), so every matrix is contiguous and the LoRA
+kernels read it through offsets into the flat buffer ``buf``, where it is. There is no split
 between the two uses: a page is free, a KV block, or part of an adapter.
 
 The last page is a scratch block no one owns (CUDA-graph padding rows write
@@ -31,6 +32,7 @@ class UnifiedPool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.kv_pages = 0
         self.adapter_pages: dict[str, list[int]] = {}
+        self.reclaim = None          # callable(pages): frees pages held by adapters nobody uses (the store's)
 
     # -- the KV allocator interface -------------------------------------------------------------
     @property
@@ -41,6 +43,12 @@ class UnifiedPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def make_room(self, n: int) -> bool:
+        """Whether ``n`` pages can be had, releasing idle adapters' pages first if that is what it takes."""
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n - len(self._free))
+        return n <= len(self._free)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} pages, {len(self._free)} free")
@@ -49,39 +57,45 @@ class UnifiedPool:
 
     def free(self, pages: list[int]) -> None:
         self.kv_pages -= len(pages)
-        self._free.extend(reversed(pages))
+        self._free.extend(pages)
+        self._free.sort(reverse=True)                    # pop() hands out the lowest free page
 
     # -- adapters ---------------------------------------------------------------------------------
-    def pages_for(self, sizes: list[int]) -> int:
-        """Pages that matrices of ``sizes`` elements take (each 16-aligned, none across a page boundary)."""
-        spots = self._place(sizes)
-        return spots[-1][0] + 1 if spots else 0
+    def pages_for(self, sizes: list[int], align: int = 16) -> int:
+        """Pages that matrices of ``sizes`` elements take, packed back to back (each 16-element aligned)."""
+        return -(-sum(-(-n // align) * align for n in sizes) // self.page_elems)
 
-    def _place(self, sizes: list[int], align: int = 16) -> list[tuple[int, int]]:
-        """(page index in the adapter's list, offset) of each matrix; pages are filled in order."""
-        out, page, used = [], 0, 0
-        for n in sizes:
-            n = -(-n // align) * align
-            if n > self.page_elems:
-                raise ValueError(f"a matrix of {n} elements does not fit a page of {self.page_elems}")
-            if used + n > self.page_elems:
-                page, used = page + 1, 0
-            out.append((page, used))
-            used += n
-        return out
+    def _highest_run(self, n: int) -> int | None:
+        """First page of the highest run of ``n`` consecutive free pages (KV takes pages from the low end,
+        adapters from the high end, so the two rarely break each other's runs)."""
+        free = set(self._free)
+        run = 0
+        for p in range(self.num_pages - 1, -1, -1):
+            run = run + 1 if p in free else 0
+            if run == n:
+                return p
+        return None
 
-    def place_adapter(self, name: str, sizes: list[int]) -> list[int]:
-        """Reserve pages for adapter ``name``'s matrices; returns each matrix's flat offset in ``buf``."""
-        spots = self._place(sizes)
-        need = spots[-1][0] + 1 if spots else 0
-        if need > len(self._free):
-            raise OutOfBlocks(f"adapter {name!r} needs {need} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(need)]
+    def place_adapter(self, name: str, sizes: list[int], align: int = 16) -> list[int]:
+        """Reserve a run of consecutive pages for adapter ``name``'s matrices (so a matrix larger than a page
+        stays contiguous for the kernels); returns each matrix's flat offset in ``buf``."""
+        need = max(1, self.pages_for(sizes, align))
+        first = self._highest_run(need)
+        if first is None:
+            raise OutOfBlocks(f"adapter {name!r} needs {need} consecutive pages, {len(self._free)} free")
+        pages = list(range(first, first + need))
+        taken = set(pages)
+        self._free = [p for p in self._free if p not in taken]
         self.adapter_pages[name] = pages
-        return [pages[p] * self.page_elems + off for p, off in spots]
+        offs, pos = [], first * self.page_elems
+        for n in sizes:
+            offs.append(pos)
+            pos += -(-n // align) * align
+        return offs
 
     def release_adapter(self, name: str) -> None:
-        self._free.extend(reversed(self.adapter_pages.pop(name)))
+        self._free.extend(self.adapter_pages.pop(name))
+        self._free.sort(reverse=True)                    # pop() keeps handing out the lowest page
 
     def check(self) -> None:
         """Invariants (tests): every page is exactly one of free / KV / one adapter's."""
