@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
-    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--kv-gb", type=float, default=32.0, help="unified pool (KV + adapters), GiB")
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--skip-peft", action="store_true", help="leave out the transformers+PEFT mixed run")
     ap.add_argument("--skip-hf", action="store_true", help="leave out both transformers runs")

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--kv-gb", type=float, default=24.0)
+    ap.add_argument("--kv-gb", type=float, default=32.0)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.kv_gb,
