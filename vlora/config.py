@@ -48,6 +48,8 @@ class CacheConfig:
     """Tokens per KV-cache block (page)."""
     num_blocks: int | None = None
     """KV blocks to allocate; the unified pool then also gets room for max_loras adapters of the largest rank (any page holds KV or adapter weights). Default: sized from kv_cache_memory_gb."""
+    prefix_caching: bool = False
+    """Keep finished requests' KV in a tree under their adapter and reuse the longest cached prefix (multi-turn chats, shared system prompts); cached blocks give way when the pool needs pages."""
     kv_cache_memory_gb: float = 1.0
     """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB)."""
 

@@ -50,9 +50,10 @@ def test_pages_never_overlap_or_leak(ops):
             del owned[name], marks[name]
         elif op == "reclaim" and owned:
             name = sorted(owned)[0]
-            pool.reclaim = lambda pages, name=name: (pool.release_adapter(name), owned.pop(name), marks.pop(name))
+            pool.reclaimers = [lambda pages, name=name: (pool.release_adapter(name), owned.pop(name),
+                                                         marks.pop(name))]
             pool.make_room(pool.num_free + 1)
-            pool.reclaim = None
+            pool.reclaimers = []
         pool.check()
         kv_pages = [p for b in kv for p in b]
         assert not set(kv_pages) & {p for ps in owned.values() for p in ps}

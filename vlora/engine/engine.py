@@ -24,6 +24,7 @@ from vlora.lora.adapter import ModelShape
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import blocks_for_memory
 from vlora.memory.pool import UnifiedPool
+from vlora.memory.tree import PrefixTree
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
 from vlora.sampling_params import SamplingParams
 
@@ -82,7 +83,13 @@ class Engine:
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel,
                                         self.pool)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size)
+        self.prefix_cache = None
+        if cc.prefix_caching:
+            self.prefix_cache = PrefixTree(self.pool, cc.block_size)
+            self.pool.reclaimers.insert(0, self.prefix_cache.evict)     # cached KV gives way before adapters
+            if self.adapters.store is not None:
+                self.adapters.store.on_evict.append(self.prefix_cache.drop_adapter)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
@@ -179,6 +186,8 @@ class Engine:
         merged = self.runner.modes.merged
         if merged is not None and merged.name == name:
             self.runner.modes.unmerge()
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_adapter(name)
         self.adapters.unregister(name)
 
     # -- inference modes (the orchestrator decides; these are the mechanics) -------------------

@@ -29,11 +29,11 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_lora_rank: int = 128,
                  check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
-                 max_loras: int = 4,
+                 max_loras: int = 4, prefix_caching: bool = False,
                  config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
             model=ModelConfig(model, dtype, device, max_model_len, seed, kernels, cuda_graphs),
-            cache=CacheConfig(block_size, num_blocks, kv_cache_memory_gb),
+            cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s)))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())

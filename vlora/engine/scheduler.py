@@ -45,10 +45,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int, cache=None):
+        """``cache``: a :class:`~vlora.memory.tree.PrefixTree` (prefix caching), or None."""
         self.config = config
         self.allocator = allocator
         self.block_size = block_size
+        self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # sorted by arrival
         self.num_preemptions = 0
@@ -71,9 +73,25 @@ class Scheduler:
         seq.blocks.extend(self.allocator.allocate(need))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.allocator.free(seq.blocks)
+    def _release(self, seq: Sequence) -> None:
+        """Give back ``seq``'s KV blocks: to the prefix cache (full computed blocks) or the pool."""
+        if self.cache is not None and seq.blocks:
+            self.cache.release(seq.adapter_name, seq.tokens(0, seq.num_computed), seq.blocks, seq.num_cached)
+        else:
+            self.allocator.free(seq.blocks)
         seq.blocks = []
+        seq.num_cached = 0
+
+    def _match(self, seq: Sequence) -> None:
+        """A fresh sequence starts from the longest prefix cached under its adapter."""
+        if self.cache is None or seq.blocks or seq.num_computed:
+            return
+        pages = self.cache.match(seq.adapter_name, seq.tokens(0, seq.num_tokens))
+        seq.blocks, seq.num_cached = pages, len(pages)
+        seq.num_computed = len(pages) * self.block_size
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -113,8 +131,11 @@ class Scheduler:
         for seq in [s for s in self.waiting if ok(s)]:
             if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
+            self._match(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, n):
+                self._release(seq)              # back to a fresh start (matched blocks unpinned)
+                seq.num_computed = 0
                 break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
@@ -130,7 +151,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free(seq.blocks)
-        seq.blocks = []
+        self._release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

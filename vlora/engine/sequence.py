@@ -40,6 +40,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    num_cached: int = 0                      # leading blocks that came from the prefix cache (pinned there)
     generator: torch.Generator | None = None
     finish_reason: str | None = None         # "stop" | "length" | "abort" | "rejected" (SLO early abort)
     text: str = ""                           # detokenized output (stop string excluded)

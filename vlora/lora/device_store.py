@@ -44,7 +44,8 @@ class AdapterStore:
         self._host: dict[str, list[torch.Tensor]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.protected: set[str] = set()          # adapters in use (running requests, the merged one)
-        pool.reclaim = self.reclaim
+        pool.reclaimers.append(self.reclaim)
+        self.on_evict: list = []                  # callables(name): e.g. drop the KV cached under it
         self.num_loads = 0
         self.num_evictions = 0
         self.bytes_loaded = 0
@@ -96,6 +97,8 @@ class AdapterStore:
         adapter.placement.offsets = None
         adapter.placement.ready = None
         self.num_evictions += 1
+        for hook in self.on_evict:
+            hook(name)
 
     def reclaim(self, pages: int) -> None:
         """Evict least recently used adapters outside ``protected`` until ``pages`` pages are freed (KV needs

@@ -32,7 +32,7 @@ class UnifiedPool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.kv_pages = 0
         self.adapter_pages: dict[str, list[int]] = {}
-        self.reclaim = None          # callable(pages): frees pages held by adapters nobody uses (the store's)
+        self.reclaimers: list = []   # callables(pages) freeing idle pages, tried in order (cached KV, idle adapters)
 
     # -- the KV allocator interface -------------------------------------------------------------
     @property
@@ -44,9 +44,11 @@ class UnifiedPool:
         return len(self._free)
 
     def make_room(self, n: int) -> bool:
-        """Whether ``n`` pages can be had, releasing idle adapters' pages first if that is what it takes."""
-        if n > len(self._free) and self.reclaim is not None:
-            self.reclaim(n - len(self._free))
+        """Whether ``n`` pages can be had, releasing idle pages (cached KV, then idle adapters) if needed."""
+        for reclaim in self.reclaimers:
+            if n <= len(self._free):
+                break
+            reclaim(n - len(self._free))
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:

@@ -1,0 +1,111 @@
+"""Prefix caching in the dependency tree: same tokens with and without it, reuse only under the same adapter,
+pages never leak or overlap under random workloads, cached KV dropped with its adapter."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.models.test_parity import NAMES, build
+from vlora import LLM, SamplingParams
+
+
+def chats(seed=0, n=6):
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 250) for _ in range(13)]          # a shared "system prompt"
+    return [system + [rng.randrange(3, 250) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+
+
+def test_multi_turn_reuse_gives_the_same_tokens(tmp_path):
+    path, paths, _ = build(tmp_path)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = LLM(str(path), adapters=paths, num_blocks=128, block_size=4)
+    cached = LLM(str(path), adapters=paths, num_blocks=128, block_size=4, prefix_caching=True)
+    tree = cached.engine.prefix_cache
+    histories = {a: chats(seed=i, n=1)[0] for i, a in enumerate(NAMES)}
+    for turn in range(3):                                         # each turn: the whole history + new tokens
+        prompts = [histories[a] for a in NAMES]
+        want = [o.token_ids for o in plain.generate(prompts, NAMES, sp)]
+        got = [o.token_ids for o in cached.generate(prompts, NAMES, sp)]
+        assert got == want
+        for a, p, out in zip(NAMES, prompts, got):
+            histories[a] = p + out + [7 + turn, 11]
+    assert tree.hit_tokens > 0
+    cached.engine.pool.check()
+    tree.clear()
+    assert cached.engine.pool.num_free == cached.engine.pool.num_pages
+
+
+def test_prefix_is_never_shared_across_adapters(tmp_path):
+    path, paths, _ = build(tmp_path)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm = LLM(str(path), adapters=paths, num_blocks=128, block_size=4, prefix_caching=True)
+    tree = llm.engine.prefix_cache
+    prompt = chats()[0]
+    llm.generate([prompt], ["a4"], sp)
+    before = tree.hit_tokens
+    llm.generate([prompt], ["a8"], sp)                            # same tokens, other adapter: no hit
+    assert tree.hit_tokens == before
+    llm.generate([prompt], [None], sp)                            # nor for the base model
+    assert tree.hit_tokens == before
+    llm.generate([prompt], ["a4"], sp)                            # the same adapter: hit
+    assert tree.hit_tokens > before
+    llm.unregister_adapter("a4")                                  # its cached KV goes with it
+    assert "a4" not in tree.root.children
+    llm.engine.pool.check()
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(1, 6)), min_size=1, max_size=10),
+       st.integers(10, 40))
+def test_random_workloads_keep_pages_consistent(tmp_path_factory, jobs, num_blocks):
+    """Shared prefixes, several adapters, a small pool (preemption, cache eviction): tokens equal to an
+    engine without caching; afterwards every page is free once the cache is cleared."""
+    path, paths, _ = _built(tmp_path_factory)
+    base = chats(seed=1, n=4)
+    prompts = [base[i][:8 + 3 * j] for i, j, _ in jobs]
+    names = [NAMES[(i + j) % 4] for i, j, _ in jobs]
+    sps = [SamplingParams(max_tokens=m, ignore_eos=True) for _, _, m in jobs]
+    want = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=256, block_size=4)
+            .generate(prompts, names, sps)]
+    llm = LLM(str(path), adapters=paths, num_blocks=num_blocks, block_size=4, prefix_caching=True,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    got = [o.token_ids for o in llm.generate(prompts, names, sps)]
+    again = [o.token_ids for o in llm.generate(prompts, names, sps)]     # now from the cache where it is
+    assert got == want and again == want
+    pool, tree = llm.engine.pool, llm.engine.prefix_cache
+    pool.check()
+    assert pool.kv_pages == tree.num_pages == len(tree.pages()) == len(set(tree.pages()))
+    tree.clear()
+    assert pool.num_free == pool.num_pages
+
+
+_BUILT = {}
+
+
+def _built(factory):
+    if "x" not in _BUILT:
+        _BUILT["x"] = build(factory.mktemp("model"))
+    return _BUILT["x"]
+
+
+def test_cached_kv_only_below_resident_adapters(tmp_path):
+    """Kernel path with room for about one adapter: adapters come and go, and the tree never keeps KV under
+    an adapter that left the pool; tokens stay those of the plain engine."""
+    path, paths, _ = build(tmp_path)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [p for p in chats(seed=3, n=6)]
+    names = [NAMES[1 + i % 3] for i in range(6)]
+    want = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=128, block_size=4)
+            .generate(prompts + prompts, names + names, sp)]
+    llm = LLM(str(path), adapters=paths, num_blocks=12, block_size=4, lora_kernel="triton", max_loras=1,
+              max_lora_rank=16, prefix_caching=True)
+    store, tree = llm.engine.adapters.store, llm.engine.prefix_cache
+    got = []
+    for p, a in zip(prompts + prompts, names + names):
+        got.append(llm.generate([p], [a], sp)[0].token_ids)
+        assert set(tree.root.children) - {None} <= set(store.resident)
+    assert got == want and store.num_evictions > 0
+    llm.engine.pool.check()
