@@ -84,3 +84,17 @@ def test_adapter_slo_and_request_override(tmp_path):
     assert outs[r_own].finish_reason == "length" and len(outs[r_own].token_ids) == 4
     assert outs[r_base].finish_reason == "length"
     assert eng.allocator.num_free == 64 and eng.admission.num_rejected == 1
+
+
+def test_preempted_requests_are_not_rejected_and_slo_types_are_checked(tmp_path):
+    adm = Admission()
+    s = seq("p", 10, waited=5.0, slo=SLO(ttft_s=0.1))
+    s.num_preemptions = 1                      # served once already (preempted mid-prefill)
+    assert adm.reject([s], 100.0, ServiceEstimator()) == []
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=16, block_size=4)
+    with pytest.raises(RequestError):
+        llm.set_slo("a4", {"ttft_s": 1.0})
+    llm.set_slo("a4", SLO(ttft_s=1.0))
+    llm.unregister_adapter("a4")               # its targets go with it
+    assert "a4" not in llm.engine.admission.adapter_slos

@@ -91,3 +91,24 @@ def test_adapters_swap_in_and_out_with_unchanged_tokens(tmp_path):
     llm.unregister_adapter("a4")                             # its pages, if resident, come back
     assert "a4" not in llm.engine.pool.adapter_pages
     llm.engine.pool.check()
+
+
+def test_a_sequence_larger_than_kv_can_get_finishes_instead_of_hanging(tmp_path):
+    """Pages pinned by its own adapter are not KV's: a sequence that can never fit is finished ("length") and
+    reported, also when the mode policy's first schedule came back empty."""
+    path, paths, _ = build(tmp_path)
+    for policy in ("unmerged", "merged-only"):
+        llm = LLM(str(path), adapters=paths, num_blocks=4, block_size=4, lora_kernel="triton", max_loras=1,
+                  max_lora_rank=16, policy=policy)
+        eng = llm.engine
+        rid = eng.add_request([5, 6, 7], "a16", SamplingParams(max_tokens=200, ignore_eos=True))
+        final = None
+        for _ in range(300):
+            for o in eng.step():
+                if o.request_id == rid and o.finished:
+                    final = o
+            if not eng.has_unfinished():
+                break
+        assert final is not None and final.finish_reason == "length", policy
+        assert not eng.has_unfinished() and eng.pool.kv_pages == 0
+        eng.pool.check()

@@ -83,7 +83,7 @@ class Admission:
         for seq in waiting:
             need = seq.num_tokens - seq.num_computed
             slo = self.slo_for(seq)
-            fresh = not seq.output_token_ids and seq.num_computed == 0
+            fresh = not seq.output_token_ids and seq.num_computed == 0 and seq.num_preemptions == 0
             if slo is not None and fresh:
                 waited = now - seq.arrival_time
                 to_first = (tokens_ahead + need) * est.prefill_token_s

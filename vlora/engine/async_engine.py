@@ -308,7 +308,7 @@ class AsyncEngine:
     def _snapshot(self) -> EngineStats:
         e = self.engine
         return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting),
-                           e.allocator.num_blocks - e.allocator.num_free, e.allocator.num_blocks,
+                           e.pool.kv_pages, e.pool.num_pages,
                            e.orchestrator.mode.value, e.runner.modes.num_switches)
 
     def _publish_adapter_names(self) -> None:

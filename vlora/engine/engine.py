@@ -172,6 +172,8 @@ class Engine:
     def set_slo(self, adapter: str | None, slo: SLO | None) -> None:
         """Latency targets for every request of ``adapter`` (None: the base model); None clears them.
         Requests that can no longer meet them are rejected before they are served (finish "rejected")."""
+        if slo is not None and not isinstance(slo, SLO):
+            raise RequestError(f"slo must be an SLO or None, got {type(slo).__name__}")
         if adapter is not None and adapter != self.model_name:
             try:
                 self.adapters.get(adapter)
@@ -189,6 +191,7 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.drop_adapter(name)
         self.adapters.unregister(name)
+        self.admission.set_slo(name, None)
 
     # -- inference modes (the orchestrator decides; these are the mechanics) -------------------
     def merge_adapter(self, name: str) -> float:
@@ -212,7 +215,9 @@ class Engine:
         ready = self._adapters_ready()
         out = self.scheduler.schedule(_both(None if plan is None else plan.batch, ready))
         if out.is_empty and plan is not None:   # the plan's requests cannot run now (memory): run anyone;
-            out = self.scheduler.schedule(ready)  # outputs never depend on the mode, only speed does
+            first = out                         # outputs never depend on the mode, only speed does
+            out = self.scheduler.schedule(ready)
+            out = SchedulerOutput(out.scheduled, first.preempted + out.preempted, first.truncated + out.truncated)
         self.orchestrator.apply(plan, self.runner.modes, self.adapters)
         self._merged_resident(out)
         tokens = self._run(out) if not out.is_empty else {}
@@ -236,6 +241,7 @@ class Engine:
         keep = {a.name for a in running} | ({merged.name} if merged is not None else set())
         ok = store.ensure(running + waiting, keep)
         store.protected = keep | ok
+        self.pool.pinned = store.protected      # their pages are not available to KV this iteration
         seqs = self.scheduler.unfinished()
         if all(s.adapter is None or s.adapter.name in ok for s in seqs):
             return None
@@ -248,6 +254,7 @@ class Engine:
         if store is None or modes.merged is None:
             return
         store.protected.update(s.seq.adapter.name for s in out.scheduled if s.seq.adapter is not None)
+        self.pool.pinned = store.protected
         if modes.merged.name not in store.ensure([modes.merged], store.protected):
             modes.unmerge()
 

@@ -77,6 +77,8 @@ class AdapterStore:
         except OutOfBlocks:
             return False
         buf = self.pool.buf
+        if self.stream is not None:     # the pages may still be read or written by queued work: after it
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with ctx:
             for m, off in zip(mats, offs):
@@ -93,6 +95,8 @@ class AdapterStore:
 
     def evict(self, name: str) -> None:
         adapter = self.resident.pop(name)
+        if adapter.placement.ready is not None:      # a copy still in flight must land before the pages are reused
+            torch.cuda.current_stream(self.device).wait_event(adapter.placement.ready)
         self.pool.release_adapter(name)
         adapter.placement.offsets = None
         adapter.placement.ready = None
@@ -115,12 +119,16 @@ class AdapterStore:
         protected nor wanted earlier in the list; returns the names resident afterwards among ``wanted``.
         The current stream is made to wait for the copies of the ones it gets."""
         ok: set[str] = set()
-        keep = set(protect)
+        keep = set(protect) | {a.name for a in wanted if a.name in self.resident}
         for a in wanted:
             if a.name in ok:
                 continue
             keep.add(a.name)
-            if a.name not in self.resident:
+            if a.name not in self.resident and not self.load(a):
+                need = self.pages_needed(a)
+                for reclaim in self.pool.reclaimers:      # cached KV first (not other adapters: below)
+                    if getattr(reclaim, "__self__", None) is not self:
+                        reclaim(need)
                 while not self.load(a):
                     victim = next((n for n in self.resident if n not in keep), None)
                     if victim is None:

@@ -32,12 +32,15 @@ class UnifiedPool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.kv_pages = 0
         self.adapter_pages: dict[str, list[int]] = {}
+        self.pinned: set[str] = set()     # adapters that must stay this iteration (their pages are not KV's)
         self.reclaimers: list = []   # callables(pages) freeing idle pages, tried in order (cached KV, idle adapters)
 
     # -- the KV allocator interface -------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return self.num_pages
+        """Pages KV could have at most now: all but those of adapters that must stay (a sequence longer than
+        this can never run and is finished instead of preempting everyone)."""
+        return self.num_pages - sum(len(p) for n, p in self.adapter_pages.items() if n in self.pinned)
 
     @property
     def num_free(self) -> int:

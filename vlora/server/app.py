@@ -87,7 +87,7 @@ class OpenAIServer:
         # the event loop tokenizes with its own copy; the engine thread detokenizes with the original
         self.tokenizer = copy.deepcopy(e.tokenizer) if e.tokenizer is not None else None
         # longest prompt + output: the model's limit, and what one sequence can hold in the KV cache
-        self.context_len = min(e.max_model_len, e.allocator.num_blocks * e.block_size)
+        self.context_len = min(e.max_model_len, e.pool.num_pages * e.block_size)
         self.metrics = ServerMetrics(self.engine, self.base_name)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         self.created = int(time.time())
