@@ -241,7 +241,6 @@ class Engine:
         keep = {a.name for a in running} | ({merged.name} if merged is not None else set())
         ok = store.ensure(running + waiting, keep)
         store.protected = keep | ok
-        self.pool.pinned = store.protected      # their pages are not available to KV this iteration
         seqs = self.scheduler.unfinished()
         if all(s.adapter is None or s.adapter.name in ok for s in seqs):
             return None
@@ -253,8 +252,7 @@ class Engine:
         store, modes = self.adapters.store, self.runner.modes
         if store is None or modes.merged is None:
             return
-        store.protected.update(s.seq.adapter.name for s in out.scheduled if s.seq.adapter is not None)
-        self.pool.pinned = store.protected
+        store.protected = store.protected | {s.seq.adapter.name for s in out.scheduled if s.seq.adapter is not None}
         if modes.merged.name not in store.ensure([modes.merged], store.protected):
             modes.unmerge()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from vlora.config import SchedulerConfig
 from vlora.engine.sequence import Sequence, Status
-from vlora.memory.kv_cache import BlockAllocator
+from vlora.memory.pool import UnifiedPool
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int, cache=None):
+    def __init__(self, config: SchedulerConfig, allocator: UnifiedPool, block_size: int, cache=None):
         """``cache``: a :class:`~vlora.memory.tree.PrefixTree` (prefix caching), or None."""
         self.config = config
         self.allocator = allocator

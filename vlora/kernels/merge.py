@@ -62,10 +62,8 @@ def _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, sca
 
 
 @triton.jit
-def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
-                  row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's tile: layer, rows/columns and masks, weight offsets, packed-code offsets and mask."""
     pid = tl.program_id(0)
     l = pid // (tiles_o * tiles_i)
     rest = pid % (tiles_o * tiles_i)
@@ -73,9 +71,22 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
     offs_i = (rest % tiles_i) * BN + tl.arange(0, BN)
     o_mask = offs_o < OUT
     i_mask = offs_i < IN
+    w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
+    half = (rest % tiles_i) * (BN // 2) + tl.arange(0, BN // 2)
+    c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + half[None, :]
+    c_mask = o_mask[:, None] & (half < IN // 2)[None, :]
+    return l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask
+
+
+@triton.jit
+def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
+                  row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                  INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+    l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
+                                                                    tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
     w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
     merged = (w.to(tl.float32) + d).to(w.dtype)
     naive = (merged.to(tl.float32) - d).to(w.dtype)
@@ -99,9 +110,6 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
     tl.store(w_ptr + w_off, merged, mask=mask)
     lo, hi = tl.split(tl.reshape(nib, (BM, BN // 2, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
-    c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + (rest % tiles_i) * (BN // 2) \
-        + tl.arange(0, BN // 2)[None, :]
-    c_mask = o_mask[:, None] & ((rest % tiles_i) * (BN // 2) + tl.arange(0, BN // 2) < IN // 2)[None, :]
     tl.store(codes_ptr + c_off, packed, mask=c_mask)
 
 
@@ -109,21 +117,12 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale,
                     tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                     INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
-    pid = tl.program_id(0)
-    l = pid // (tiles_o * tiles_i)
-    rest = pid % (tiles_o * tiles_i)
-    offs_o = (rest // tiles_i) * BM + tl.arange(0, BM)
-    offs_i = (rest % tiles_i) * BN + tl.arange(0, BN)
-    o_mask = offs_o < OUT
-    i_mask = offs_i < IN
+    l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
+                                                                    tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
-    c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + (rest % tiles_i) * (BN // 2) \
-        + tl.arange(0, BN // 2)[None, :]
-    c_mask = o_mask[:, None] & ((rest % tiles_i) * (BN // 2) + tl.arange(0, BN // 2) < IN // 2)[None, :]
     packed = tl.load(codes_ptr + c_off, mask=c_mask, other=8 | (8 << 4)).to(tl.int32)
     nib = tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN))
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
     w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
     naive = (w.to(tl.float32) - d).to(w.dtype)
     step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)

@@ -43,7 +43,7 @@ class AdapterStore:
         self.resident: OrderedDict[str, PackedAdapter] = OrderedDict()     # least recently used first
         self._host: dict[str, list[torch.Tensor]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.protected: set[str] = set()          # adapters in use (running requests, the merged one)
+        self._protected: set[str] = set()
         pool.reclaimers.append(self.reclaim)
         self.on_evict: list = []                  # callables(name): e.g. drop the KV cached under it
         self.num_loads = 0
@@ -104,6 +104,16 @@ class AdapterStore:
         for hook in self.on_evict:
             hook(name)
 
+    @property
+    def protected(self) -> set[str]:
+        """Adapters in use this iteration (running requests, the merged one): never evicted, and their pages
+        are not the KV's (the pool is told)."""
+        return self._protected
+
+    @protected.setter
+    def protected(self, names: set[str]) -> None:
+        self._protected = self.pool.pinned = set(names)
+
     def reclaim(self, pages: int) -> None:
         """Evict least recently used adapters outside ``protected`` until ``pages`` pages are freed (KV needs
         them) or none is left to evict."""
@@ -137,8 +147,9 @@ class AdapterStore:
             if a.name in self.resident:
                 self.resident.move_to_end(a.name)
                 ok.add(a.name)
-                if a.placement.ready is not None:
+                if a.placement.ready is not None:     # once: later work on this stream is ordered after it
                     torch.cuda.current_stream(self.device).wait_event(a.placement.ready)
+                    a.placement.ready = None
         return ok
 
     def prefetch(self, wanted: list[PackedAdapter], keep_free_pages: int) -> None:
