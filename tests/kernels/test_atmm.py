@@ -110,7 +110,7 @@ CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig
 def test_shrink_expand_match_float64_reference(dist, cfg):
     lens = [1, 5, 17, 33, 0, 2] if dist != "identical" else [40, 9]
     w, x, segs = make_case(dist, 7, lens, ranks=[8, 16, 4], dtype=torch.float32, device="cpu", seed=hash(dist) % 97)
-    v, v_ref, y, y_ref, y0, starts, lens = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 16, 16, m_loop=cfg.m_loop), "cpu")
+    v, v_ref, y, y_ref, y0, starts, lens = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 16, 16, m_loop=cfg.m_loop, n_loop=cfg.split_k), "cpu")
     torch.testing.assert_close(v.double(), v_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
     covered = torch.zeros(x.shape[0], dtype=torch.bool)

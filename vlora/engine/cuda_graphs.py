@@ -128,7 +128,7 @@ class DecodeGraphs:
 
     def _run_forward(self, b: int, with_lora: bool) -> tuple[torch.Tensor, int]:
         fb, cap = self._forward_batch(b, with_lora)
-        return self.model.compute_logits(self.model(fb, self.kv_cache)), cap
+        return self.model.compute_logits(self.model(fb, self.kv_cache), fast=True), cap
 
     def capture(self, b: int, with_lora: bool) -> None:
         self.meta[_LENS].zero_()

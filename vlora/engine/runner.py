@@ -165,7 +165,7 @@ class ModelRunner:
             hidden = self.model(fb, self.kv_cache)
             if not samplers:
                 return {}
-            logits = self.model.compute_logits(hidden[fb.logits_rows])
+            logits = self.model.compute_logits(hidden[fb.logits_rows], fast=fb.use_kernels)
         tokens = sample(logits, samplers, self.eos_token_ids)
         return {seq.request_id: t for seq, t in zip(samplers, tokens)}
 

@@ -21,6 +21,7 @@ Tile sizes come from :mod:`vlora.kernels.tuning` (one table lookup per call).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,9 +41,11 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     m_loop: int = 1            # expand: M tiles each program walks (amortises metadata, reuses B from cache)
+    n_loop: int = 1            # expand: N tiles each program walks (decode: a few rows, a long strip of B)
 
     def as_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, self.m_loop]
+        return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, self.m_loop,
+                self.n_loop]
 
 
 @triton.jit
@@ -95,7 +98,8 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
 def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
                    starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   M_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+                   M_LOOP: tl.constexpr, N_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr,
+                   ALIGNED: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
     seg = pid0 // m_progs
@@ -117,30 +121,31 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
             col0 = tl.multiple_of(col0, 16)
             b_off = tl.multiple_of(b_off, 16)
             vcol = tl.multiple_of(vcol, 8)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        n_mask = offs_n < width
-        b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
-        for mi in range(M_LOOP):                # this program's M tiles share metadata and B (cached)
-            offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < seg_len
-            v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
-            y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
-            y = tl.load(y_ptrs, mask=mask, other=0.0)        # issued before the K loop: overlaps it
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, r, BLOCK_K):
-                k_mask = (k + offs_k) < r
-                vmask = m_mask[:, None] & k_mask[None, :]
-                vt = tl.load(v_ptrs + k, mask=vmask, other=0.0)
-                for p in tl.static_range(1, SPLIT_V):       # split-K planes of the shrink
-                    vt += tl.load(v_ptrs + p * stride_vk + k, mask=vmask, other=0.0)
-                bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if IEEE:
-                    acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
-                else:
-                    acc += tl.dot(vt.to(bt.dtype), bt)
-            tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+        for ni in range(N_LOOP):                # a strip of N_LOOP column tiles of one slice
+            offs_n = n0 + ni * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < width
+            b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
+            for mi in range(M_LOOP):            # this program's M tiles share metadata and B (cached)
+                offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < seg_len
+                v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+                y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
+                mask = m_mask[:, None] & n_mask[None, :]
+                y = tl.load(y_ptrs, mask=mask, other=0.0)    # issued before the K loop: overlaps it
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k in range(0, r, BLOCK_K):
+                    k_mask = (k + offs_k) < r
+                    vmask = m_mask[:, None] & k_mask[None, :]
+                    vt = tl.load(v_ptrs + k, mask=vmask, other=0.0)
+                    for p in tl.static_range(1, SPLIT_V):   # split-K planes of the shrink
+                        vt += tl.load(v_ptrs + p * stride_vk + k, mask=vmask, other=0.0)
+                    bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    if IEEE:
+                        acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
+                    else:
+                        acc += tl.dot(vt.to(bt.dtype), bt)
+                tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
 
 
 @lru_cache(maxsize=256)
@@ -168,10 +173,9 @@ def fit_shared(cfg: TileConfig, a_bytes: int, b_bytes: int) -> TileConfig:
 
     while need(cfg) > SHARED_BYTES and (cfg.num_stages > 1 or cfg.block_k > 16):
         if cfg.num_stages > 1:
-            cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages - 1,
-                             cfg.m_loop)
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
         else:
-            cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.block_k // 2, cfg.split_k, cfg.num_warps, 1, cfg.m_loop)
+            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, num_stages=1)
     return cfg
 
 
@@ -224,12 +228,13 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     if num_segs == 0 or meta.max_len == 0:
         return y
     cfg = fit_shared(cfg, 4, y.element_size())
-    tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n, str(y.device))
+    tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
     m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
     grid = (num_segs * m_progs, tiles.shape[0] // 2)
     _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
                          meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
+                         N_LOOP=cfg.n_loop,
                          SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),
                          IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -96,7 +96,7 @@ def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, n
 def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
     """Pruned by expert rules: M tile no larger than a segment needs, shrink's N tile fit to the rank,
     expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension),
-    M-tile walking only for long segments."""
+    M-tile walking only for long segments, N-strip walking only for short ones."""
     per_seg = max(1, tokens // max(1, segments))
     bms = [m for m in (16, 32, 64) if m <= max(16, pow2_bucket(per_seg))]
     if op == "shrink":
@@ -104,8 +104,9 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
         return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3)
                 for bm, bk, split in itertools.product(bms, (128, 256), (1, 2, 4, 8))]
     loops = [1, 4] if per_seg >= 256 else [1]
-    return [TileConfig(bm, bn, bk, 1, 4, 2, loop)
-            for bm, bn, bk, loop in itertools.product(bms, (64, 128, 256), (16, 32), loops)
+    strips = (1, 2, 4, 8) if per_seg <= 16 else (1,)    # decode: few rows, walk a long strip of B
+    return [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
+            for bm, bn, bk, loop, strip in itertools.product(bms, (64, 128, 256), (16, 32), loops, strips)
             if bk <= max(16, pow2_bucket(rank))]
 
 

@@ -137,18 +137,19 @@ class DecoderLayer(nn.Module):
         """The same math with the fused kernels. ``x`` = this layer's attn_norm(h); ``h`` (the residual stream)
         is updated in place; returns ``next_norm(h)``, the next layer's (or the final) normed input."""
         from vlora.kernels.fused import add_rmsnorm_, rope_and_cache, silu_mul
+        from vlora.kernels.gemv import linear
 
         cfg, i = self.cfg, self.index
-        qkv = add_lora(F.linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        qkv = add_lora(linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
         q = rope_and_cache(qkv, rope.cos, rope.sin, fb.positions, fb.slot_mapping, k_cache, v_cache,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
         o_in = attn.view(-1, cfg.q_size)
-        x = add_rmsnorm_(h, add_lora(F.linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o"),
+        x = add_rmsnorm_(h, add_lora(linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o"),
                          self.mlp_norm.weight, self.mlp_norm.eps)
-        gu = add_lora(F.linear(x, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        gu = add_lora(linear(x, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
         m = silu_mul(gu)
-        d = add_lora(F.linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+        d = add_lora(linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
         return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
 
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
@@ -228,7 +229,11 @@ class DecoderLM(nn.Module):
         self.stacked = stacked
         return stacked
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, h] -> logits [n, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """hidden [n, h] -> logits [n, vocab] in float32; ``fast``: the fused path's projection kernel."""
         w = self.embed.weight if self.lm_head is None else self.lm_head
+        if fast:
+            from vlora.kernels.gemv import linear
+
+            return linear(hidden, w).float()
         return F.linear(hidden, w).float()
