@@ -174,7 +174,7 @@ def cmd_tune(args) -> int:
         groups = model_shapes(cfg["hidden_size"], heads * head_dim,
                               cfg.get("num_key_value_heads", heads) * head_dim, cfg["intermediate_size"])
     out = args.output or CONFIG_DIR / f"{gpu_name()}.json"
-    table = TilingTable.load(out.stem) if args.merge and out.is_file() else TilingTable()
+    table = TilingTable.load(path=out) if args.merge and out.is_file() else TilingTable()
     ranks = tuple(int(r) for r in args.ranks.split(",")) if args.ranks else RANKS
     ints = lambda text, default: tuple(int(x) for x in text.split(",")) if text else default   # noqa: E731
     tokens, segments = ints(args.tokens, TOKEN_BUCKETS), ints(args.segments, SEGMENT_BUCKETS)

@@ -53,3 +53,17 @@ def test_config_fits_budget_and_linear_falls_back_on_cpu():
         assert bn >= 1 and bk <= 1024 and bn * bk * m <= 8192 * 2
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     torch.testing.assert_close(linear(x, w), x @ w.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008), (1000, 4000), (32000, 4096)])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gemv_gpu_bf16(m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    y = linear(x, w, b)
+    want = x.double() @ w.double().T + b.double()
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)

@@ -60,8 +60,9 @@ class TilingTable:
         self.meta = meta or {}
 
     @classmethod
-    def load(cls, name: str | None = None) -> "TilingTable":
-        path = CONFIG_DIR / f"{name or gpu_name()}.json"
+    def load(cls, name: str | None = None, path: Path | None = None) -> "TilingTable":
+        """The table of GPU ``name`` (default: this one) in the shipped configs, or the file ``path``."""
+        path = path or CONFIG_DIR / f"{name or gpu_name()}.json"
         if not path.is_file():
             return cls()
         data = json.loads(path.read_text())
