@@ -32,12 +32,18 @@ class ModelConfig:
     """Decoder hot path: auto (Triton on CUDA, torch on CPU), triton (paged attention and fused norm/RoPE/SiLU kernels), or torch."""
     cuda_graphs: bool = True
     """Replay decode iterations from CUDA graphs captured per batch-size bucket (CUDA only)."""
+    max_images_per_request: int = 16
+    """LMMs: most images in one request (each video frame counts as one)."""
+    max_pixels_per_image: int = 16_000_000
+    """LMMs: largest image accepted before preprocessing, width x height (checked before decoding)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):
             raise ConfigError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_images_per_request < 1 or self.max_pixels_per_image < 1:
+            raise ConfigError("max_images_per_request and max_pixels_per_image must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

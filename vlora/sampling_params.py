@@ -29,6 +29,8 @@ class SamplingParams:
     """Keep generating past the end-of-sequence token (for benchmarks)."""
     min_tokens: int = 0
     """Forbid end-of-sequence and stop tokens until this many tokens are generated."""
+    task_head: bool = False
+    """Answer with the adapter's vision task head (label + scores after the prefill, no tokens); the adapter must carry one."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +52,8 @@ class SamplingParams:
             raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.task_head, bool):
+            raise SamplingError(f"task_head must be a bool, got {self.task_head!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 

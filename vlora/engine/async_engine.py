@@ -51,6 +51,7 @@ class Job:
     adapter: str | None
     params: SamplingParams
     request_id: str
+    images: tuple | None = None         # LMMs: one decoded image (or a list of frames) per placeholder
 
 
 @dataclass(frozen=True)
@@ -344,7 +345,8 @@ class AsyncEngine:
         added = []
         try:
             for job in group.jobs:
-                added.append(self.engine.add_request(job.prompt, job.adapter, job.params, job.request_id))
+                added.append(self.engine.add_request(job.prompt, job.adapter, job.params, job.request_id,
+                                                     images=job.images))
         except Exception:
             for rid in added:
                 self.engine.abort(rid)

@@ -25,7 +25,9 @@ from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import blocks_for_memory
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.tree import PrefixTree
+from vlora.models.lmm import ImageInputError, build_lmm, is_lmm_dir
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
+from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,13 +55,20 @@ class Engine:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
+        self.vision = None                   # LMMs: the vision tower + projector (VisionModel)
         if is_random_spec(mc.model):     # benchmark shapes with seeded random weights; prompts are token ids
             self.model, self.max_model_len = build_random_decoder(mc.model, self.dtype, self.device,
                                                                   mc.max_model_len, mc.seed)
             self.tokenizer = None
         else:
             model_dir = resolve_model_dir(mc.model)
-            self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device, mc.max_model_len)
+            if is_lmm_dir(model_dir):
+                self.model, self.max_model_len, self.vision = build_lmm(
+                    model_dir, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
+                    mc.max_pixels_per_image)
+            else:
+                self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device,
+                                                               mc.max_model_len)
             self.tokenizer = _load_tokenizer(model_dir)
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
@@ -94,7 +103,7 @@ class Engine:
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
-                                  self.adapters, use_kernels, graph_batch, self.max_model_len)
+                                  self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
         self.detokenizer = Detokenizer(self.tokenizer)
         sc = config.scheduler
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
@@ -114,8 +123,10 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], adapter: str | None = None,
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    slo: SLO | None = None) -> str:
-        """Queue a request; ``slo`` overrides its adapter's latency targets (see :meth:`set_slo`)."""
+                    slo: SLO | None = None, images=None) -> str:
+        """Queue a request; ``slo`` overrides its adapter's latency targets (see :meth:`set_slo`).
+        ``images`` (LMMs): one entry per image placeholder of the prompt, an image (PIL image, encoded bytes,
+        a path or a preprocessed [C, H, W] tensor) or a video (a list of frames); see ``models/lmm.py``."""
         params = params or SamplingParams()
         if slo is not None and not isinstance(slo, SLO):
             raise RequestError(f"slo must be an SLO, got {type(slo).__name__}")
@@ -127,13 +138,18 @@ class Engine:
                 packed = self.adapters.get(adapter)
             except KeyError as e:
                 raise RequestError(str(e.args[0])) from None
+        if params.task_head and (packed is None or packed.name not in self.adapters.heads):
+            raise RequestError(f"task_head=True needs an adapter with a vision task head; "
+                               f"{adapter or self.model_name!r} has none")
         ids = self._tokenize(prompt)
+        ids, spans = self._images(ids, images)
+        self._check_fits(ids)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         gen = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, packed, next(self._arrivals),
-                       prompt=prompt if isinstance(prompt, str) else None, generator=gen, slo=slo)
+                       prompt=prompt if isinstance(prompt, str) else None, generator=gen, slo=slo, images=spans)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -152,13 +168,33 @@ class Engine:
             raise RequestError("prompt is empty")
         if any(t < 0 or t >= vocab for t in ids):
             raise RequestError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _images(self, ids: list[int], images) -> tuple[list[int], tuple]:
+        """(prompt with image placeholders expanded, image spans); text-only models refuse images."""
+        if images is not None and not isinstance(images, (list, tuple)):
+            raise RequestError("images must be a list (one entry per image; a list of frames for a video)")
+        if self.vision is None:
+            if images:
+                raise RequestError(f"model {self.model_name!r} is text-only: it does not accept images")
+            return ids, ()
+        if not images:
+            if self.vision.image_token_id in ids:
+                raise RequestError(f"prompt holds image placeholder tokens (id {self.vision.image_token_id}) "
+                                   f"but no images were given")
+            return ids, ()
+        try:
+            return self.vision.prepare(ids, images)
+        except ImageInputError as e:
+            raise RequestError(str(e)) from None
+
+    def _check_fits(self, ids: list[int]) -> None:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
                                f"{self.max_model_len - 1}")
         if -(-(len(ids) + 1) // self.block_size) > self.allocator.num_blocks:
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV cache "
                                f"({self.allocator.num_blocks} blocks of {self.block_size})")
-        return ids
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its memory; False if it is unknown or already finished."""
@@ -279,6 +315,12 @@ class Engine:
             token = tokens.get(seq.request_id)
             if token is None:
                 continue
+            if isinstance(token, TaskResult):   # answered by the adapter's task head: no decode
+                seq.task = token
+                self.scheduler.finish(seq, "stop")
+                del self._seqs[seq.request_id]
+                results.append(self._output(seq, []))
+                continue
             seq.output_token_ids.append(token)
             seq.last_progress = time.monotonic()
             reason = self._stop_reason(seq, token)
@@ -302,7 +344,7 @@ class Engine:
     def _output(self, seq: Sequence, new_tokens: list[int], error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
                              seq.text, seq.is_finished, seq.finish_reason, new_tokens,
-                             self.detokenizer.stream_delta(seq), error)
+                             self.detokenizer.stream_delta(seq), error, seq.task)
 
 
 def _adapter_pages(cfg, rank: int, block_size: int) -> int:

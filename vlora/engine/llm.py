@@ -29,10 +29,11 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_lora_rank: int = 128,
                  check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
-                 max_loras: int = 4, prefix_caching: bool = False,
-                 config: EngineConfig | None = None):
+                 max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
+                 max_pixels_per_image: int = 16_000_000, config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
-            model=ModelConfig(model, dtype, device, max_model_len, seed, kernels, cuda_graphs),
+            model=ModelConfig(model, dtype, device, max_model_len, seed, kernels, cuda_graphs, max_images_per_request,
+                              max_pixels_per_image),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s)))
@@ -60,15 +61,22 @@ class LLM:
         return self.engine.adapters.names()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], adapters: str | None | Sequence[str | None] = None,
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (continuous batching); outputs in prompt order."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 images: Sequence | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in prompt order. ``images`` (LMMs):
+        per prompt, None or a list with one image (or video: a list of frames) per placeholder in it; for a
+        single prompt, just its list."""
+        single = isinstance(prompts, str) or _is_token_list(prompts)
+        prompts = [prompts] if single else list(prompts)
         adapters_ = _broadcast(adapters, len(prompts), "adapters")
         sampling_ = _broadcast(sampling, len(prompts), "sampling")
+        images_ = [None] * len(prompts) if images is None else [images] if single else list(images)
+        if len(images_) != len(prompts):
+            raise RequestError(f"images has {len(images_)} entries for {len(prompts)} prompts")
         ids = []
         try:
-            for p, a, s in zip(prompts, adapters_, sampling_):
-                ids.append(self.engine.add_request(p, a, s))
+            for p, a, s, im in zip(prompts, adapters_, sampling_, images_):
+                ids.append(self.engine.add_request(p, a, s, images=im))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)
@@ -79,6 +87,13 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], adapters: str | Sequence[str],
+                 images: Sequence | None = None) -> list:
+        """Answer each prompt with its adapter's vision task head (one prefill, no decoding): a list of
+        ``TaskResult(label, scores)`` in prompt order."""
+        outs = self.generate(prompts, adapters, SamplingParams(max_tokens=1, task_head=True), images)
+        return [o.task for o in outs]
 
     def chat(self, conversations, adapters=None, sampling=None) -> list[RequestOutput]:
         """Like generate, for chat messages ([{"role", "content"}, ...] or a list of them)."""

@@ -19,14 +19,15 @@ from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
 from vlora.models.decoder import DecoderLM
 from vlora.models.forward_batch import ForwardBatch, PrefillChunk, PrefillMeta
+from vlora.models.task_head import TaskResult, apply_heads
 
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, use_kernels: bool = False,
-                 graph_batch: int = 0, max_model_len: int = 0):
+                 graph_batch: int = 0, max_model_len: int = 0, vision=None):
         """``kv_cache``: the pool's pages [P + 1, L, 2, block_size, Hkv, D], the last one a scratch block
-        (CUDA-graph padding writes to it);
+        (CUDA-graph padding writes to it); ``vision``: an LMM's :class:`~vlora.models.lmm.VisionModel`;
         ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs."""
         self.model = model
         self.kv_cache = kv_cache
@@ -37,6 +38,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.adapters = adapters
         self.modes = ModeSwitcher(model)
+        self.vision = vision
+        self.num_images_encoded = 0                    # frames through the vision tower (prefix-cache hits skip it)
         self.tiling = None
         if adapters.store is not None:                 # CUDA: ATMM kernels with this GPU's tiling table
             from vlora.kernels.tuning import TilingTable
@@ -78,6 +81,8 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         chunks: list[tuple[int, int, int, list[int]]] = []     # (row, new tokens, context, blocks)
+        embed_rows: list[range] = []
+        embed_values: list[torch.Tensor] = []
         for s in ordered:
             seq, start, n = s.seq, s.start, s.num_tokens
             row = len(ids)
@@ -86,6 +91,10 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(seq.blocks[p // bs] * bs + p % bs for p in pos)
             runs.append((row, row + n, seq.adapter))
+            for k, lo, hi in _image_overlaps(seq, start, n):
+                span = seq.images[k]
+                embed_rows.append(range(row + lo - start, row + hi - start))
+                embed_values.append(seq.image_embeds[k][lo - span.offset:hi - span.offset])
             ctx = start + n
             nblocks = -(-ctx // bs)
             if n == 1:
@@ -124,6 +133,8 @@ class ModelRunner:
             prefills=tuple(prefills), prefill_meta=prefill_meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             lora=self._lora_batch(runs), use_kernels=kernel,
+            embed_rows=torch.tensor([r for rr in embed_rows for r in rr], device=dev) if embed_rows else None,
+            embed_values=torch.cat(embed_values) if embed_values else None,
         )
 
     def _lora_batch(self, runs) -> LoRABatch | None:
@@ -154,20 +165,53 @@ class ModelRunner:
             allowed &= k > q - self.window
         return allowed
 
+    def encode_images(self, ordered: list[ScheduledSeq]) -> None:
+        """Run the vision tower once over every image (frame) this iteration's chunks need and has not yet
+        encoded; the embeddings stay on their sequence until its chunks have passed the image."""
+        need = [(s.seq, k) for s in ordered for k, _, _ in _image_overlaps(s.seq, s.start, s.num_tokens)
+                if k not in s.seq.image_embeds]
+        if not need:
+            return
+        pixels = torch.cat([seq.images[k].pixels for seq, k in need])
+        out = self.vision.encode(pixels)
+        self.num_images_encoded += pixels.shape[0]
+        for (seq, k), emb in zip(need, out.split([seq.images[k].pixels.shape[0] for seq, k in need])):
+            seq.image_embeds[k] = emb.reshape(-1, emb.shape[-1])
+
+    @staticmethod
+    def _drop_images(ordered: list[ScheduledSeq]) -> None:
+        for s in ordered:
+            end = s.start + s.num_tokens
+            for k in [k for k in s.seq.image_embeds if s.seq.images[k].offset + s.seq.images[k].length <= end]:
+                del s.seq.image_embeds[k]
+
     @torch.inference_mode()
-    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int]:
-        """One forward over the scheduled chunks; returns request_id -> sampled token."""
+    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int | TaskResult]:
+        """One forward over the scheduled chunks; returns request_id -> sampled token (a task head's answer
+        for ``task_head`` requests)."""
         ordered = self.order(scheduled)
         samplers = [s.seq for s in ordered if s.samples]
         logits = self._replay(ordered) if self.graphs is not None else None
+        answers = {}
         if logits is None:
+            self.encode_images(ordered)
             fb = self.prepare(ordered)
             hidden = self.model(fb, self.kv_cache)
+            self._drop_images(ordered)
             if not samplers:
                 return {}
-            logits = self.model.compute_logits(hidden[fb.logits_rows], fast=fb.use_kernels)
+            hidden = hidden[fb.logits_rows]
+            if any(seq.params.task_head for seq in samplers):
+                heads = [i for i, seq in enumerate(samplers) if seq.params.task_head]
+                results = apply_heads(hidden[heads], [self.adapters.heads[samplers[i].adapter_name] for i in heads])
+                answers = {samplers[i].request_id: r for i, r in zip(heads, results)}
+                keep = [i for i, seq in enumerate(samplers) if not seq.params.task_head]
+                samplers, hidden = [samplers[i] for i in keep], hidden[keep]
+                if not samplers:
+                    return answers
+            logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
         tokens = sample(logits, samplers, self.eos_token_ids)
-        return {seq.request_id: t for seq, t in zip(samplers, tokens)}
+        return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
 
     def _replay(self, ordered: list[ScheduledSeq]) -> torch.Tensor | None:
         """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
@@ -186,6 +230,14 @@ class ModelRunner:
             tables.append(seq.blocks[:p // bs + 1])
             lens.append(p + 1)
         return self.graphs.run(ids, positions, slots, tables, lens, LoRABatch.segments_of(own))
+
+
+def _image_overlaps(seq, start: int, n: int):
+    """(span index, first, end) of the prompt positions in [start, start + n) that are image tokens."""
+    for k, span in enumerate(seq.images):
+        lo, hi = max(start, span.offset), min(start + n, span.offset + span.length)
+        if lo < hi:
+            yield k, lo, hi
 
 
 def _padded_table(tables: list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -76,7 +76,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Give back ``seq``'s KV blocks: to the prefix cache (full computed blocks) or the pool."""
         if self.cache is not None and seq.blocks:
-            self.cache.release(seq.adapter_name, seq.tokens(0, seq.num_computed), seq.blocks, seq.num_cached)
+            self.cache.release(seq.adapter_name, seq.cache_keys(0, seq.num_computed), seq.blocks,
+                               seq.num_cached)
         else:
             self.allocator.free(seq.blocks)
         seq.blocks = []
@@ -86,7 +87,7 @@ class Scheduler:
         """A fresh sequence starts from the longest prefix cached under its adapter."""
         if self.cache is None or seq.blocks or seq.num_computed:
             return
-        pages = self.cache.match(seq.adapter_name, seq.tokens(0, seq.num_tokens))
+        pages = self.cache.match(seq.adapter_name, seq.cache_keys(0, seq.num_tokens))
         seq.blocks, seq.num_cached = pages, len(pages)
         seq.num_computed = len(pages) * self.block_size
 

@@ -17,6 +17,8 @@ import torch
 
 if TYPE_CHECKING:
     from vlora.engine.admission import SLO
+    from vlora.models.lmm import ImageSpan
+    from vlora.models.task_head import TaskResult
 
 from vlora.lora.batch import PackedAdapter
 from vlora.sampling_params import SamplingParams
@@ -50,6 +52,10 @@ class Sequence:
     last_progress: float = field(default_factory=time.monotonic)   # arrival, then each new token
     arrival_time: float = field(default_factory=time.monotonic)
     slo: "SLO | None" = None                 # the request's own latency targets (else its adapter's)
+    images: tuple["ImageSpan", ...] = ()     # LMM: where each image's tokens sit in the prompt, its pixels
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # span index -> [length, hidden], while
+    #                                          its tokens still wait for KV (the runner drops them after)
+    task: "TaskResult | None" = None         # the adapter's task head answer (task_head requests)
 
     @property
     def adapter_name(self) -> str | None:
@@ -65,6 +71,16 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
+
+    def cache_keys(self, start: int, end: int) -> list:
+        """Prefix-cache keys of positions [start, end): the token id, or (image digest, index in the image)
+        inside an image, so cached KV of an image is found only for the same pixels."""
+        keys = self.tokens(start, end)
+        for span in self.images:
+            lo, hi = max(start, span.offset), min(end, span.offset + span.length)
+            if lo < hi:
+                keys[lo - start:hi - start] = span.keys(lo, hi)
+        return keys
 
     @property
     def is_finished(self) -> bool:
@@ -85,3 +101,4 @@ class RequestOutput:
     delta_token_ids: list[int]
     delta_text: str
     error: str | None = None                 # why a request was refused after admission (finish "rejected")
+    task: "TaskResult | None" = None         # task_head requests: the head's label and scores (no tokens)

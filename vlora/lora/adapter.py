@@ -25,8 +25,10 @@ from safetensors.torch import load_file
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _PARENT = {m: ("self_attn" if m in LORA_TARGETS[:4] else "mlp") for m in LORA_TARGETS}
-# [base_model.model.]model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.{adapter_name}].weight
-_KEY_RE = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+# [base_model.model.]model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}[.{adapter_name}].weight; on a LLaVA
+# LMM the layers sit under model.language_model. (or language_model.model. in older transformers)
+_KEY_RE = re.compile(r"(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)layers\."
+                     r"(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 _LORA_KEY_RE = re.compile(r"(?:.*\.)?(\w+)\.lora_[AB](?:\.[^.]+)?\.weight")
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -114,6 +116,9 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     """(layer, module, "A" | "B") for a PEFT weight key, or AdapterError."""
     m = _KEY_RE.fullmatch(key)
     if m is None or m[3] not in LORA_TARGETS or _PARENT[m[3]] != m[2]:
+        if "vision_tower." in key or "multi_modal_projector." in key:
+            raise AdapterError(f"{_WEIGHTS}: tensor {key!r} adapts the vision tower or projector; LoRA is served "
+                               f"only on the language model (target e.g. r'.*language_model.*\\.(q_proj|v_proj)')")
         lora = _LORA_KEY_RE.fullmatch(key)
         if lora is not None and lora[1] not in LORA_TARGETS:
             raise AdapterError(f"{_WEIGHTS}: tensor {key!r} targets module {lora[1]!r}; "

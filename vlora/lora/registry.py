@@ -15,6 +15,7 @@ import torch
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
 from vlora.lora.device_store import AdapterStore
+from vlora.models.task_head import TaskHead, load_task_head
 
 _NAME_MAX = 128
 
@@ -48,6 +49,7 @@ class AdapterRegistry:
         self.check_base_model = check_base_model
         self._by_name: dict[str, PackedAdapter] = {}
         self._paths: dict[str, str] = {}
+        self.heads: dict[str, TaskHead] = {}     # adapters that carry a vision task head
         # kernel path: every adapter stays in host memory (torch path, merges); the kernels read the copy
         # the store brings into the unified pool when a request needs it
         use_kernels = kernel == "triton" or (kernel == "auto" and device.type == "cuda")
@@ -65,6 +67,7 @@ class AdapterRegistry:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
         loaded = load_adapter(path, name, self.shape, max_rank=self.max_rank, dtype=self.dtype,
                               check_base_model=self.check_base_model)
+        head = load_task_head(path, self.shape.in_features["q_proj"], self.dtype, self.device)
         used = {a.slot for a in self._by_name.values()}
         slot = next(i for i in range(len(used) + 1) if i not in used)
         packed = pack(loaded, slot, self.shape.out_features,
@@ -73,6 +76,8 @@ class AdapterRegistry:
             self.store.add(packed)
         self._by_name[name] = packed
         self._paths[name] = str(path)
+        if head is not None:
+            self.heads[name] = head
         return packed
 
     def unregister(self, name: str) -> None:
@@ -80,6 +85,7 @@ class AdapterRegistry:
             raise KeyError(f"unknown adapter {name!r}")
         del self._by_name[name]
         del self._paths[name]
+        self.heads.pop(name, None)
         if self.store is not None:
             self.store.remove(name)
 

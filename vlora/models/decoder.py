@@ -202,6 +202,8 @@ class DecoderLM(nn.Module):
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm. kv_cache: the pool's pages [num_pages, L, 2, block_size, Hkv, D]."""
         h = self.embed(fb.input_ids)
+        if fb.embed_rows is not None:        # image tokens: the vision tower's rows replace the lookup
+            h.index_copy_(0, fb.embed_rows, fb.embed_values.to(h.dtype))
         if fb.use_kernels and self.fusable:
             from vlora.kernels.fused import add_rmsnorm_
 

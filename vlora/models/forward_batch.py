@@ -59,6 +59,8 @@ class ForwardBatch:
     logits_rows: torch.Tensor         # [S] long, rows whose hidden state feeds the LM head
     lora: LoRABatch | None = None     # None: no request in the batch uses an adapter
     use_kernels: bool = False         # True: Triton attention + fused kernels, packed metadata
+    embed_rows: torch.Tensor | None = None    # [E] long, rows whose input embedding is given (image tokens)
+    embed_values: torch.Tensor | None = None  # [E, hidden], used instead of the embedding lookup of those rows
 
     @property
     def num_tokens(self) -> int:

@@ -51,7 +51,12 @@ def gguf_model_name(path: Path) -> str:
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """A local HF directory for ``model``: the directory itself, or a GGUF file's converted copy."""
+    """A local HF directory for ``model``: the directory itself, or a GGUF file's converted copy
+    (``demo:smollm2-llava``: the demo LMM of ``demo_lmm.py``, built on first use)."""
+    if model == "demo:smollm2-llava":
+        from vlora.models.demo_lmm import demo_lmm_dir
+
+        return demo_lmm_dir()
     path = embedded_gguf() if model is None else Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -129,12 +134,13 @@ def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float, str]
     return inv, float(scaling), rope_type
 
 
-def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int | None) -> tuple[DecoderLM, int]:
-    """Build the decoder and load its weights. Returns (model, max_model_len)."""
+def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                  hf_config=None, weights=None) -> tuple[DecoderLM, int]:
+    """Build the decoder and load its weights. Returns (model, max_model_len). An LMM passes its text
+    config and ``weights``, a callable giving its language model's tensors under decoder-checkpoint names."""
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
     cfg = decoder_config(hf_config, name=model_dir.name)
     inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim)
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
@@ -144,7 +150,7 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device,
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
-    load_weights(model, iter_safetensors(model_dir))
+    load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     model = model.to(dtype).eval().requires_grad_(False)
     model.stack_projections()
     return model, max_len

@@ -152,8 +152,13 @@ class OpenAIServer:
             raise APIError(400, f"min_tokens={min_tokens} is larger than max_tokens={n}", param="min_tokens")
         return n
 
+    def image_tokens(self, images: list) -> int:
+        """Prompt tokens the images add once their placeholders are expanded (one placeholder per image)."""
+        vision = self.engine.engine.vision
+        return 0 if vision is None else len(images) * (vision.tokens_per_image - 1)
+
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
-             request_id: str) -> list[Job]:
+             request_id: str, images: list | None = None) -> list[Job]:
         jobs = []
         for i in range(req.n):
             try:
@@ -162,10 +167,10 @@ class OpenAIServer:
                     top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else float(req.top_p),
                     seed=None if req.seed is None else req.seed + i, stop=req.stop_strings(),
                     stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                    min_tokens=req.min_tokens)
+                    min_tokens=req.min_tokens, task_head=req.task_head)
             except SamplingError as e:
                 raise APIError(400, str(e)) from None
-            jobs.append(Job(prompt, adapter, params, f"{request_id}-{i}"))
+            jobs.append(Job(prompt, adapter, params, f"{request_id}-{i}", tuple(images) if images else None))
         return jobs
 
     async def submit(self, jobs: list[Job]) -> RequestGroup:
@@ -190,20 +195,21 @@ class OpenAIServer:
         self.check_accepting()
         req: P.ChatCompletionRequest = await self.read_request(request, P.ChatCompletionRequest)
         adapter = self.adapter_for(req.model)
-        prompt = await self.chat_prompt(req.messages)
-        max_tokens = self.max_tokens(len(prompt), req.requested_max_tokens(), req.min_tokens, "messages")
+        prompt, images = await self.chat_prompt(req.messages)
+        prompt_len = len(prompt) + self.image_tokens(images)
+        max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid))
+        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self.chat_chunks(group, rid, req.model, len(prompt), include_usage), group)
+            return _sse(self.chat_chunks(group, rid, req.model, prompt_len, include_usage), group)
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
         _raise_if_rejected(outs)
-        choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=o.text), finish_reason=o.finish_reason)
-                   for i, o in enumerate(outs)]
-        return P.ChatCompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(len(prompt), outs))
+        choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
+                                task=_task(o)) for i, o in enumerate(outs)]
+        return P.ChatCompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(prompt_len, outs))
 
     async def completions(self, request: Request):
         self.check_accepting()
@@ -226,27 +232,33 @@ class OpenAIServer:
         if outs is None:
             return Response(status_code=499)
         _raise_if_rejected(outs)
-        choices = [P.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason)
+        choices = [P.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, task=_task(o))
                    for i, o in enumerate(outs)]
         return P.CompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(len(prompt), outs))
 
-    async def chat_prompt(self, messages: list[P.ChatMessage]) -> list[int]:
-        """Check every image first (sizes, decoding), then refuse them (the model is text-only); template."""
-        images = [part.image_url.url for m in messages if isinstance(m.content, list)
-                  for part in m.content if isinstance(part, P.ImagePart)]
-        for i, url in enumerate(images):
+    async def chat_prompt(self, messages: list[P.ChatMessage]) -> tuple[list[int], list]:
+        """(templated prompt, decoded images). Every image is checked first (sizes, decoding); a text-only model
+        then refuses them; an LMM gets its image placeholder token where each image part was."""
+        urls = [part.image_url.url for m in messages if isinstance(m.content, list)
+                for part in m.content if isinstance(part, P.ImagePart)]
+        images = []
+        for i, url in enumerate(urls):
             try:
-                await asyncio.to_thread(load_image, url, self.image_limits)
+                images.append(await asyncio.to_thread(load_image, url, self.image_limits))
             except ImageError as e:
                 raise APIError(e.status, f"image {i}: {e}", param="messages", code="invalid_image") from None
-        if images:
+        vision = self.engine.engine.vision
+        if images and vision is None:
             raise APIError(400, f"model {self.base_name!r} does not accept images (it is a text-only model)",
                            param="messages", code="images_not_supported")
+        placeholder = (None if vision is None or self.tokenizer is None
+                       else self.tokenizer.convert_ids_to_tokens(vision.image_token_id))
         conv = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)}
+                 "content": m.content if isinstance(m.content, str) else
+                 "\n".join(p.text if isinstance(p, P.TextPart) else placeholder for p in m.content)}
                 for m in messages]
         try:
-            return apply_chat_template(self.tokenizer, conv)
+            return apply_chat_template(self.tokenizer, conv), images
         except RequestError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:       # a template may reject a conversation (e.g. roles out of order)
@@ -353,6 +365,10 @@ class OpenAIServer:
 
 def _event(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
+
+
+def _task(out: RequestOutput) -> P.TaskAnswer | None:
+    return None if out.task is None else P.TaskAnswer(label=out.task.label, scores=out.task.scores)
 
 
 def _usage(prompt_len: int, outs: list[RequestOutput]) -> P.Usage:

@@ -67,6 +67,7 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False                            # extension
     min_tokens: int = Field(0, ge=0)                    # extension
+    task_head: bool = False                             # extension: answer with the adapter's vision task head
     user: str | None = None                             # accepted, unused
     # accepted at their neutral value only
     frequency_penalty: float | None = None
@@ -85,6 +86,8 @@ class SamplingRequest(_Request):
                 return name, f"{name} is not supported (only 0)"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        if self.task_head and self.stream:
+            return "task_head", "task_head answers are not streamed (send stream: false)"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
         stops = self.stop_strings()
@@ -177,11 +180,19 @@ class ChatMessageOut(_Response):
     content: str
 
 
+class TaskAnswer(_Response):
+    """A vision task head's answer (extension): the label and every label's raw score."""
+
+    label: str
+    scores: dict[str, float]
+
+
 class ChatChoice(_Response):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
     logprobs: None = None
+    task: TaskAnswer | None = None                      # extension: task_head requests
 
 
 class ChatCompletionResponse(_Response):
@@ -219,6 +230,7 @@ class CompletionChoice(_Response):
     text: str
     finish_reason: str | None
     logprobs: None = None
+    task: TaskAnswer | None = None                      # extension: task_head requests
 
 
 class CompletionResponse(_Response):
