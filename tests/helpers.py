@@ -20,13 +20,7 @@ def make_tiny_model(root: Path, model_type: str = "llama", name: str = "tiny-lla
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[model_type]
     torch.manual_seed(seed)
     cfg = cls[0](**{**TINY, **overrides})
-    model = cls[1](cfg).eval()
-    with torch.no_grad():                    # non-trivial norms and biases
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif n.endswith(".bias"):
-                p.normal_(0, 0.02)
+    model = perturb_norms_and_biases(cls[1](cfg).eval())
     path = root / name
     model.save_pretrained(path)
     return path, model
@@ -49,3 +43,37 @@ def make_peft_adapter(base_model, path: Path, rank: int, seed: int, targets=ALL_
                 p.normal_(0, 0.05)
     pm.save_pretrained(path)
     return path
+
+
+def perturb_norms_and_biases(model):
+    """Random (seeded by the caller) norm weights around 1 and small biases, so parity tests see them."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n and n.endswith("weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif n.endswith(".bias"):
+                p.normal_(0, 0.02)
+    return model
+
+
+def prefill_logits(eng, seqs) -> list[torch.Tensor]:
+    """Logits of every prompt position of fresh ``seqs`` (Sequences), all prefilled in one engine iteration."""
+    from vlora.engine.scheduler import ScheduledSeq
+
+    scheduled = []
+    for seq in seqs:
+        seq.blocks = eng.allocator.allocate(-(-seq.num_tokens // eng.block_size))
+        scheduled.append(ScheduledSeq(seq, 0, seq.num_tokens))
+    if eng.adapters.store is not None:             # kernel path: the adapters must be in the pool
+        eng.adapters.store.ensure([s.seq.adapter for s in scheduled if s.seq.adapter is not None], set())
+    ordered = eng.runner.order(tuple(scheduled))
+    with torch.inference_mode():
+        eng.runner.encode_images(ordered)
+        fb = eng.runner.prepare(ordered)
+        logits = eng.model.compute_logits(eng.model(fb, eng.runner.kv_cache))
+    rows, out = 0, {}
+    for s in ordered:
+        out[s.seq.request_id] = logits[rows:rows + s.num_tokens]
+        rows += s.num_tokens
+        eng.allocator.free(s.seq.blocks)
+    return [out[seq.request_id] for seq in seqs]

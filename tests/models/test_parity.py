@@ -6,9 +6,8 @@ import peft
 import pytest
 import torch
 
-from tests.helpers import make_peft_adapter, make_tiny_model
+from tests.helpers import make_peft_adapter, make_tiny_model, prefill_logits
 from vlora import LLM, SamplingParams
-from vlora.engine.scheduler import ScheduledSeq
 from vlora.engine.sequence import Sequence
 
 RANKS = {"a4": 4, "a8": 8, "a16": 16}
@@ -43,23 +42,9 @@ def peft_logits(pm, prompts, names) -> list[torch.Tensor]:
 def vlora_logits(llm: LLM, prompts, names) -> list[torch.Tensor]:
     """Logits of every prompt position, all prompts prefilled in one iteration."""
     eng = llm.engine
-    scheduled = []
-    for i, (p, a) in enumerate(zip(prompts, names)):
-        seq = Sequence(f"t{i}", list(p), SamplingParams(), None if a is None else eng.adapters.get(a), i)
-        seq.blocks = eng.allocator.allocate(-(-len(p) // eng.block_size))
-        scheduled.append(ScheduledSeq(seq, 0, len(p)))
-    if eng.adapters.store is not None:             # kernel path: the adapters must be in the pool
-        eng.adapters.store.ensure([s.seq.adapter for s in scheduled if s.seq.adapter is not None], set())
-    ordered = eng.runner.order(tuple(scheduled))
-    fb = eng.runner.prepare(ordered)
-    with torch.inference_mode():
-        logits = eng.model.compute_logits(eng.model(fb, eng.runner.kv_cache))
-    rows, out = 0, {}
-    for s in ordered:
-        out[s.seq.request_id] = logits[rows:rows + s.num_tokens]
-        rows += s.num_tokens
-        eng.allocator.free(s.seq.blocks)
-    return [out[f"t{i}"] for i in range(len(prompts))]
+    adapter = lambda a: None if a is None else eng.adapters.get(a)        # noqa: E731
+    return prefill_logits(eng, [Sequence(f"t{i}", list(p), SamplingParams(), adapter(a), i)
+                                for i, (p, a) in enumerate(zip(prompts, names))])
 
 
 def peft_greedy(pm, prompt, name, max_new_tokens) -> list[int]:

@@ -200,18 +200,23 @@ class ModelRunner:
             self._drop_images(ordered)
             if not samplers:
                 return {}
-            hidden = hidden[fb.logits_rows]
-            if any(seq.params.task_head for seq in samplers):
-                heads = [i for i, seq in enumerate(samplers) if seq.params.task_head]
-                results = apply_heads(hidden[heads], [self.adapters.heads[samplers[i].adapter_name] for i in heads])
-                answers = {samplers[i].request_id: r for i, r in zip(heads, results)}
-                keep = [i for i, seq in enumerate(samplers) if not seq.params.task_head]
-                samplers, hidden = [samplers[i] for i in keep], hidden[keep]
-                if not samplers:
-                    return answers
+            answers, samplers, hidden = self._task_heads(samplers, hidden[fb.logits_rows])
+            if not samplers:
+                return answers
             logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
         tokens = sample(logits, samplers, self.eos_token_ids)
         return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
+
+    def _task_heads(self, samplers, hidden: torch.Tensor):
+        """Answer ``task_head`` requests with their adapter's head; returns (answers, the other samplers, their
+        hidden rows) for the LM head."""
+        heads = [i for i, seq in enumerate(samplers) if seq.params.task_head]
+        if not heads:
+            return {}, samplers, hidden
+        results = apply_heads(hidden[heads], [self.adapters.heads[samplers[i].adapter_name] for i in heads])
+        keep = [i for i, seq in enumerate(samplers) if not seq.params.task_head]
+        return ({samplers[i].request_id: r for i, r in zip(heads, results)}, [samplers[i] for i in keep],
+                hidden[keep])
 
     def _replay(self, ordered: list[ScheduledSeq]) -> torch.Tensor | None:
         """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
