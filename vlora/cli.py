@@ -1,4 +1,4 @@
-"""Command line: ``vlora generate``, ``vlora serve``, ``vlora tune`` (more subcommands arrive with their issues)."""
+"""Command line: ``vlora generate``, ``vlora serve``, ``vlora bench``, ``vlora tune``, ``vlora adapters fuse|demo``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ DEMO_PROMPTS = [
     "Give me three tips for learning to cook.",
     "Explain what a LoRA adapter is in one sentence.",
 ]
+
+
+# demo training settings: about 5 min on this 2-core CPU with SmolLM2-135M (baselines included), see docs/adapters.md
+DEMO_TRAINING = dict(last_layers=8, epochs=6, lr=3e-3, batch_size=16, threads=1)
 
 
 def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) -> None:
@@ -69,13 +73,16 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     adapters = _parse_adapters(args.adapter)
     llm = LLM(config=_engine_config(args))
+    prompts = args.prompt or DEMO_PROMPTS
     if not adapters:
-        adapters = _demo_adapters(llm.engine, cache_root() / "demo-adapters")
-        print(_DEMO_NOTE, file=sys.stderr)
+        adapters, trained = _demo_adapters(llm.engine, cache_root() / "demo-adapters")
+        if trained and not args.prompt:
+            from vlora.adapters.demo import DEMO_QUESTIONS
+
+            prompts = DEMO_PROMPTS[:2] + DEMO_QUESTIONS
     for name, path in adapters.items():
         llm.register_adapter(name, path)
     names = [None] + list(adapters)
-    prompts = args.prompt or DEMO_PROMPTS
     jobs = [(p, a) for p in prompts for a in names]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
     print(f"model {llm.engine.model_name} on {llm.engine.device} ({time.perf_counter() - t0:.1f}s to load); "
@@ -90,8 +97,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-_DEMO_NOTE = ("note: no --adapter given; serving two random-weight demo adapters (they nudge the base "
-              "model's answers at random; they are not trained skills)")
 
 
 def cmd_serve(args) -> int:
@@ -105,8 +110,7 @@ def cmd_serve(args) -> int:
     adapters = _parse_adapters(args.adapter)
     engine = Engine(_engine_config(args))
     if not adapters:
-        adapters = _demo_adapters(engine, cache_root() / "demo-adapters")
-        print(_DEMO_NOTE, file=sys.stderr)
+        adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
     for name, path in adapters.items():
         engine.adapters.register(name, path)
     print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
@@ -115,17 +119,61 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _demo_adapters(engine, root) -> dict[str, str]:
+def _demo_adapters(engine, root) -> tuple[dict[str, str], bool]:
+    """The trained demo adapters (``vlora adapters demo``) when built for this model, else two random ones;
+    and whether they are the trained ones."""
+    from vlora.adapters.demo import TRAINED, trained_adapters
     from vlora.lora.random_adapter import write_random_adapter
 
     shape = engine.adapters.shape
+    trained = trained_adapters(root / shape.name / TRAINED)
+    if trained:
+        print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
+              f"{root / shape.name / TRAINED}; ask them e.g. 'Classify: The concert was wonderful.')", file=sys.stderr)
+        return trained, True
+    print("note: no --adapter given; serving two random-weight demo adapters (they nudge the base model's answers "
+          "at random; they are not trained skills); `vlora adapters demo` builds trained ones", file=sys.stderr)
     out = {}
     for name, rank, seed in (("demo-r8", 8, 1), ("demo-r16", 16, 2)):
         path = root / shape.name / name
         if not (path / "adapter_model.safetensors").is_file():
             write_random_adapter(path, shape, rank, seed, std=0.03)
         out[name] = str(path)
-    return out
+    return out, False
+
+
+def cmd_adapters_fuse(args) -> int:
+    from vlora.adapters.sources import load_sources
+
+    sources = load_sources(args.spec)                 # bad sources fail before the model loads
+    return _fuse(sources, args, args.out)
+
+
+def cmd_adapters_demo(args) -> int:
+    from vlora.adapters.demo import TRAINED, demo_sources
+    from vlora.models.loader import cache_root, resolve_model_dir
+
+    out = args.out or cache_root() / "demo-adapters" / resolve_model_dir(args.model).name / TRAINED
+    code = _fuse(demo_sources(), args, out)
+    if args.out is None:
+        print("`vlora serve` / `vlora generate` (make run) serve these adapters when no --adapter is given",
+              file=sys.stderr)
+    return code
+
+
+def _fuse(sources, args, out) -> int:
+    from vlora.adapters.fusion import FusionConfig, fuse
+    from vlora.adapters.report import REPORT_MD
+    from vlora.adapters.trainer import LoraTrainer, TrainConfig
+
+    log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
+    train_config, fusion_config = _pick(TrainConfig, args), _pick(FusionConfig, args)   # checked before loading
+    trainer = LoraTrainer(train_config, progress=not args.quiet)
+    r = fuse(sources, trainer, out, fusion_config, args.checkpoint_dir, log=log)
+    print(f"{len(sources)} sources -> {len(r.adapters)} adapters in {out} "
+          f"({', '.join('+'.join(a.tasks) for a in r.adapters)}); every requirement met: "
+          f"{'yes' if r.all_met else 'NO'}; {r.wall_s:.0f} s; report: {out}/{REPORT_MD}", file=sys.stderr)
+    return 0 if r.all_met else 1
 
 
 def cmd_bench(args) -> int:
@@ -245,12 +293,37 @@ def main(argv: list[str] | None = None) -> int:
                      help="keep the existing table's other entries")
     tun.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds")
     tun.set_defaults(func=cmd_tune)
+    _add_adapters_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_adapters_parser(sub) -> None:
+    from vlora.adapters.fusion import FusionConfig
+    from vlora.adapters.trainer import TrainConfig
+
+    ada = sub.add_parser("adapters", help="generate LoRA adapters from knowledge sources (accuracy-aware fusion)")
+    asub = ada.add_subparsers(dest="adapters_command", required=True)
+    fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement")
+    fz.add_argument("spec", help="JSON file listing the knowledge sources (format: docs/adapters.md)")
+    fz.add_argument("--out", required=True, help="folder for adapter-N/ and fusion-report.{md,json}")
+    dm = asub.add_parser("demo", help="build the demo adapters of the default model from built-in text tasks",
+                         description="Fuse three built-in text tasks (sentiment, topic, language) into adapters for "
+                                     "the default model. Demo defaults differ from fuse's: "
+                                     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_TRAINING.items()))
+    dm.add_argument("--out", default=None, help="output folder (default: $VLORA_CACHE/demo-adapters/<model>/trained, "
+                                                "where vlora serve looks)")
+    for p in (fz, dm):
+        _add_config_args(p, (TrainConfig, FusionConfig))
+        p.add_argument("--checkpoint-dir", default=None,
+                       help="journal and last good states; a rerun resumes from it (default: OUT/checkpoint)")
+        p.add_argument("--quiet", action="store_true", help="no progress bars or step log")
+    fz.set_defaults(func=cmd_adapters_fuse)
+    dm.set_defaults(func=cmd_adapters_demo, **DEMO_TRAINING)
 
 
 if __name__ == "__main__":
