@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=11008)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="time the fused kernels' tile alternatives first and "
+                   "report with the fastest")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,15 +72,30 @@ def main() -> None:
     touched = sum(t.numel() * t.element_size() for t in weights.values())
     bw = copy_bandwidth(dev)
     floor = 2 * touched / bw
-    merges, unmerges, rec = [], [], None
     stage_s, staged = timed(lambda: stage_factors(adapter, weights, widths), dev)   # once per adapter, kept
-    for _ in range(args.repeats):
-        t, rec = timed(lambda: merge_(weights, widths, adapter, staged=staged), dev)
-        merges.append(t)
-        t, _ = timed(lambda: unmerge_(weights, widths, rec), dev)
-        unmerges.append(t)
-    exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+
+    def cycles(repeats):
+        merges, unmerges, rec = [], [], None
+        for _ in range(repeats):
+            t, rec = timed(lambda: merge_(weights, widths, adapter, staged=staged), dev)
+            merges.append(t)
+            t, _ = timed(lambda: unmerge_(weights, widths, rec), dev)
+            unmerges.append(t)
+        return merges, unmerges, rec
+
+    sweep = []
+    if args.sweep and dev.type == "cuda":
+        from vlora.kernels import merge as kernels
+        for tile in [(64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4),
+                     (128, 256, 8)]:
+            kernels.TILE = tile
+            m, u, _ = cycles(2)
+            sweep.append({"tile": tile, "merge_ms": med(m) * 1e3, "unmerge_ms": med(u) * 1e3})
+            print(f"tile {tile}: merge {med(m) * 1e3:.2f} ms, unmerge {med(u) * 1e3:.2f} ms", flush=True)
+        kernels.TILE = tuple(min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])["tile"])
+    merges, unmerges, rec = cycles(args.repeats)
+    exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     res = {
         "benchmark": "merge", "device": gpu_name() if dev.type == "cuda" else platform.processor() or "cpu",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
@@ -87,7 +104,7 @@ def main() -> None:
         "merge_ms": med(merges) * 1e3, "unmerge_ms": med(unmerges) * 1e3,
         "merge_over_floor": med(merges) / floor, "unmerge_over_floor": med(unmerges) / floor,
         "merge_plus_unmerge_over_floor": (med(merges) + med(unmerges)) / (2 * floor),
-        "stage_factors_ms": stage_s * 1e3, "fused_kernel": rec.kernel,
+        "stage_factors_ms": stage_s * 1e3, "fused_kernel": rec.kernel, "tile": rec.tile, "tile_sweep": sweep,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -92,8 +92,9 @@ def _built(factory):
 
 
 def test_cached_kv_only_below_resident_adapters(tmp_path):
-    """Kernel path with room for about one adapter: adapters come and go, and the tree never keeps KV under
-    an adapter that left the pool; tokens stay those of the plain engine."""
+    """Kernel path with room for about one adapter: adapters come and go, and the tree never keeps KV in the
+    pool under an adapter that left it (the swapper moves that KV to host memory and brings it back); tokens
+    stay those of the plain engine."""
     path, paths, _ = build(tmp_path)
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     prompts = [p for p in chats(seed=3, n=6)]
@@ -103,9 +104,13 @@ def test_cached_kv_only_below_resident_adapters(tmp_path):
     llm = LLM(str(path), adapters=paths, num_blocks=12, block_size=4, lora_kernel="triton", max_loras=1,
               max_lora_rank=16, prefix_caching=True)
     store, tree = llm.engine.adapters.store, llm.engine.prefix_cache
-    got = []
+    got, seen_gone = [], 0
     for p, a in zip(prompts + prompts, names + names):
         got.append(llm.generate([p], [a], sp)[0].token_ids)
-        assert set(tree.root.children) - {None} <= set(store.resident)
+        gone = [node for name, node in tree.root.children.items() if name is not None and name not in store.resident]
+        assert all(n.page is None for node in gone for n in tree._nodes(node) if n is not node)
+        seen_gone += sum(1 for node in gone for n in tree._nodes(node) if n.host is not None)
+    assert seen_gone > 0                                          # KV kept in host memory under a gone adapter
     assert got == want and store.num_evictions > 0
+    assert llm.engine.swapper.swapped_out > 0 and llm.engine.swapper.swapped_in > 0     # out and back
     llm.engine.pool.check()

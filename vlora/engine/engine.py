@@ -24,6 +24,7 @@ from vlora.lora.adapter import ModelShape
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import blocks_for_memory
 from vlora.memory.pool import UnifiedPool
+from vlora.memory.swapper import CacheSwapper
 from vlora.memory.tree import PrefixTree
 from vlora.models.lmm import ImageInputError, build_lmm, is_lmm_dir
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
@@ -84,20 +85,30 @@ class Engine:
         pages = num_blocks
         if cc.num_blocks and kernel_lora:            # room for max_loras adapters beside the KV blocks asked for
             pages += lc.max_loras * _adapter_pages(cfg, lc.max_lora_rank, cc.block_size)
+        fixed = cc.memory_policy == "lru-fixed"
         self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                self.dtype, self.device)
+                                self.dtype, self.device,
+                                adapter_limit=int(pages * cc.adapter_pool_fraction) if fixed else None)
         self.allocator = self.pool                    # KV blocks are pages of the unified pool
         kv = self.pool.kv
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel,
                                         self.pool)
-        self.prefix_cache = None
+        self.prefix_cache = self.swapper = None
+        store = self.adapters.store
+        if fixed and store is not None:           # fixed pools: adapters never give their pages to KV
+            self.pool.reclaimers.remove(store.reclaim)
         if cc.prefix_caching:
             self.prefix_cache = PrefixTree(self.pool, cc.block_size)
-            self.pool.reclaimers.insert(0, self.prefix_cache.evict)     # cached KV gives way before adapters
-            if self.adapters.store is not None:
-                self.adapters.store.on_evict.append(self.prefix_cache.drop_adapter)
+            if fixed:                             # LRU within the KV pool, cached KV discarded
+                self.pool.reclaimers.insert(0, self.prefix_cache.evict)
+            else:                                 # FastLibra's cost model over KV blocks and adapters
+                self.swapper = CacheSwapper(self.pool, self.prefix_cache, store, self.adapters.find,
+                                            host_kv_bytes=int(cc.host_kv_gb * 2**30))
+                self.pool.reclaimers.insert(0, self.swapper.reclaim)
+            if store is not None:
+                store.on_evict.append(self.prefix_cache.drop_adapter)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
@@ -225,7 +236,7 @@ class Engine:
         if merged is not None and merged.name == name:
             self.runner.modes.unmerge()
         if self.prefix_cache is not None:
-            self.prefix_cache.drop_adapter(name)
+            self.prefix_cache.forget_adapter(name)
         self.adapters.unregister(name)
         self.admission.set_slo(name, None)
 
@@ -257,6 +268,8 @@ class Engine:
         self.orchestrator.apply(plan, self.runner.modes, self.adapters)
         self._merged_resident(out)
         tokens = self._run(out) if not out.is_empty else {}
+        if self.swapper is not None:
+            self.swapper.tick(len(out.scheduled))
         store = self.adapters.store
         if store is not None:                   # queued requests' adapters, while pages are spare
             store.prefetch([s.adapter for s in self.scheduler.waiting if s.adapter is not None],

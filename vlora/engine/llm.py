@@ -30,11 +30,13 @@ class LLM:
                  check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
-                 max_pixels_per_image: int = 16_000_000, config: EngineConfig | None = None):
+                 max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
+                 adapter_pool_fraction: float = 0.1, config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
             model=ModelConfig(model, dtype, device, max_model_len, seed, kernels, cuda_graphs, max_images_per_request,
                               max_pixels_per_image),
-            cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb),
+            cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
+                              adapter_pool_fraction),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s)))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())

@@ -86,25 +86,26 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
+    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)        # issued first: in flight while ΔW is computed
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
     merged = (w.to(tl.float32) + d).to(w.dtype)
     naive = (merged.to(tl.float32) - d).to(w.dtype)
     c = _ordered(w.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) - _ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T)
     exc = (c < -7) | (c > 6)
     exc = exc & mask
-    n_exc = tl.sum(exc.to(tl.int32), axis=None)
     nib = tl.where(exc, 0, c + 8).to(tl.int32)
+    row_n = tl.sum(exc.to(tl.int32), axis=1)                 # exceptions per row of the tile
+    n_exc = tl.sum(row_n, axis=0)
     if n_exc > 0:
+        # slots in the list: one reservation per tile, then row offsets + a scan along each row (no 2D->1D
+        # reshape of the tile, which costs a shuffle through shared memory)
         base = tl.atomic_add(count_ptr, n_exc)
-        flat_exc = tl.reshape(exc, (BM * BN,))
-        pos = base + tl.cumsum(flat_exc.to(tl.int32), axis=0) - 1
-        stored = flat_exc & (pos < capacity)
-        flat_idx = (l.to(tl.int64) * OUT + tl.reshape(offs_o[:, None] + 0 * offs_i[None, :], (BM * BN,)).to(tl.int64)) \
-            * IN + tl.reshape(offs_i[None, :] + 0 * offs_o[:, None], (BM * BN,))
+        pos = base + (tl.cumsum(row_n, axis=0) - row_n)[:, None] + tl.cumsum(exc.to(tl.int32), axis=1) - 1
+        stored = exc & (pos < capacity)
+        flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
         tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
-        tl.store(exc_bits_ptr + pos, tl.reshape(w.to(INT_T, bitcast=True), (BM * BN,)), mask=stored)
-        pending = tl.reshape(flat_exc & (pos >= capacity), (BM, BN))
+        tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
+        pending = exc & (pos >= capacity)
         nib = tl.where(pending, 15, nib)
         merged = tl.where(pending, w, merged)                  # left as it was: the host finishes it
     tl.store(w_ptr + w_off, merged, mask=mask)
@@ -120,10 +121,10 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl,
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
+    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)        # issued first: in flight while ΔW is computed
     packed = tl.load(codes_ptr + c_off, mask=c_mask, other=8 | (8 << 4)).to(tl.int32)
     nib = tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN))
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
     naive = (w.to(tl.float32) - d).to(w.dtype)
     step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
     restored = _unordered(_ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) + step, NBITS).to(INT_T)
@@ -148,8 +149,12 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
     return triton.cdiv(out, bm), triton.cdiv(inn, bn)
 
 
+# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives.
+TILE = (64, 128, 8)
+
+
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
-                 bm: int = 64, bn: int = 128, num_warps: int = 8):
+                 tile: tuple[int, int, int] | None = None):
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
@@ -164,6 +169,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     count = torch.zeros(1, dtype=torch.int32, device=w.device)
     exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
     exc_bits = torch.empty(max(capacity, 1), dtype=INT_OF[w.dtype], device=w.device)
+    bm, bn, num_warps = tile or TILE
     to, ti = _tiles(out, inn, bm, bn)
     bk = max(16, min(64, triton.next_power_of_2(r)))
     _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, count, exc_idx, exc_bits, row0, r, inn,
@@ -173,11 +179,12 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
 
 
 def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor,
-                   bm: int = 64, bn: int = 128, num_warps: int = 8) -> None:
+                   tile: tuple[int, int, int] | None = None) -> None:
     """Undo :func:`merge_slice_` except for the exception elements (code 0 or 15), which the caller restores
     from the exception list."""
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
+    bm, bn, num_warps = tile or TILE
     to, ti = _tiles(out, inn, bm, bn)
     bk = max(16, min(64, triton.next_power_of_2(r)))
     _unmerge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, row0, r, inn, out, w.stride(0),

@@ -44,6 +44,7 @@ class AdapterStore:
         self._host: dict[str, list[torch.Tensor]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._protected: set[str] = set()
+        self.keep: set[str] = set()               # adapters an ensure() in progress wants: not to be evicted
         pool.reclaimers.append(self.reclaim)
         self.on_evict: list = []                  # callables(name): e.g. drop the KV cached under it
         self.num_loads = 0
@@ -65,6 +66,15 @@ class AdapterStore:
         if name in self.resident:
             self.evict(name)
         self._host.pop(name, None)
+
+    def host_bytes(self) -> int:
+        """Host memory the registered adapters' matrices take."""
+        return sum(m.numel() * m.element_size() for mats in self._host.values() for m in mats)
+
+    @property
+    def capacity(self) -> int:
+        """Most pages an adapter can have (the adapter pool of fixed pools, else the whole pool)."""
+        return self.pool.num_pages if self.pool.adapter_limit is None else self.pool.adapter_limit
 
     def pages_needed(self, adapter: PackedAdapter) -> int:
         return self.pool.pages_for([m.numel() for m in self._host[adapter.name]])
@@ -129,7 +139,13 @@ class AdapterStore:
         protected nor wanted earlier in the list; returns the names resident afterwards among ``wanted``.
         The current stream is made to wait for the copies of the ones it gets."""
         ok: set[str] = set()
-        keep = set(protect) | {a.name for a in wanted if a.name in self.resident}
+        keep = self.keep = set(protect) | {a.name for a in wanted if a.name in self.resident}
+        try:
+            return self._ensure(wanted, keep, ok)
+        finally:
+            self.keep = set()
+
+    def _ensure(self, wanted: list[PackedAdapter], keep: set[str], ok: set[str]) -> set[str]:
         for a in wanted:
             if a.name in ok:
                 continue
@@ -137,7 +153,7 @@ class AdapterStore:
             if a.name not in self.resident and not self.load(a):
                 need = self.pages_needed(a)
                 for reclaim in self.pool.reclaimers:      # cached KV first (not other adapters: below)
-                    if getattr(reclaim, "__self__", None) is not self:
+                    if getattr(reclaim, "__self__", None) is not self and self.pool.adapter_limit is None:
                         reclaim(need)
                 while not self.load(a):
                     victim = next((n for n in self.resident if n not in keep), None)

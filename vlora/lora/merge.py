@@ -46,6 +46,7 @@ class MergeRecord:
     exc_index: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # int64 flat indices
     exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
     kernel: bool = False              # made by the fused Triton path (4-bit codes, 2 a byte)
+    tile: tuple[int, int, int] | None = None  # the fused path's tile: unmerge recomputes ΔW with the same one
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
@@ -180,7 +181,9 @@ def stage_factors(adapter: PackedAdapter, weights: dict[str, torch.Tensor],
 
 
 def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None) -> None:
-    from vlora.kernels.merge import merge_slice_
+    from vlora.kernels import merge as kernels
+
+    rec.tile = kernels.TILE
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
     for group, w in weights.items():
@@ -190,7 +193,7 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 6)
-                codes, count, idx, bits = merge_slice_(w, row0, a, b, rec.scale, cap)
+                codes, count, idx, bits = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
                 n = int(count.item())
                 idx, bits = idx[:min(n, cap)], bits[:min(n, cap)]
                 if n > cap:                                      # the list filled up: finish the rest here
@@ -249,7 +252,7 @@ def _unmerge_fused(rec: MergeRecord, weights, widths) -> None:
             key = (group, j)
             if key in rec.codes:
                 a, b = rec.factors[key]
-                unmerge_slice_(w, row0, a, b, rec.scale, rec.codes[key])
+                unmerge_slice_(w, row0, a, b, rec.scale, rec.codes[key], rec.tile)
                 idx = rec.exc_index[key]
                 if idx.numel():
                     sl = w[:, row0:row0 + width]

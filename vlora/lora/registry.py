@@ -74,6 +74,11 @@ class AdapterRegistry:
                       self.device if self.store is None else torch.device("cpu"))
         if self.store is not None:
             self.store.add(packed)
+            need, room = self.store.pages_needed(packed), self.store.capacity
+            if need > room:
+                self.store.remove(name)
+                raise AdapterError(f"adapter {name!r} needs {need} pages of the memory pool, which has {room} for "
+                                   f"adapters: it could never be loaded (a larger pool or a smaller rank)")
         self._by_name[name] = packed
         self._paths[name] = str(path)
         if head is not None:
@@ -95,6 +100,10 @@ class AdapterRegistry:
         except KeyError:
             known = ", ".join(sorted(self._by_name)) or "none"
             raise KeyError(f"unknown adapter {name!r} (registered: {known})") from None
+
+    def find(self, name: str):
+        """The registered adapter ``name``, or None."""
+        return self._by_name.get(name)
 
     def names(self) -> list[str]:
         return sorted(self._by_name)

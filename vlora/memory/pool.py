@@ -10,7 +10,9 @@ kernels read it through offsets into the flat buffer ``buf``, where it is. There
 between the two uses: a page is free, a KV block, or part of an adapter.
 
 The last page is a scratch block no one owns (CUDA-graph padding rows write
-their KV there). The pool keeps the KV allocator interface the scheduler uses
+their KV there). ``adapter_limit`` turns the pool into the baseline of the
+memory benchmark: two fixed pools, at most that many pages for adapters and
+the rest for KV, neither giving way to the other. The pool keeps the KV allocator interface the scheduler uses
 (``allocate``, ``free``, ``num_free``, ``num_blocks``).
 """
 
@@ -23,7 +25,7 @@ from vlora.memory.kv_cache import OutOfBlocks
 
 class UnifiedPool:
     def __init__(self, num_pages: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, adapter_limit: int | None = None):
         self.page_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.page_elems = num_layers * 2 * block_size * num_kv_heads * head_dim
         self.num_pages = num_pages                       # usable pages; one scratch page follows them
@@ -33,6 +35,9 @@ class UnifiedPool:
         self.kv_pages = 0
         self.adapter_pages: dict[str, list[int]] = {}
         self.pinned: set[str] = set()     # adapters that must stay this iteration (their pages are not KV's)
+        if adapter_limit is not None and not 0 <= adapter_limit <= num_pages:
+            raise ValueError(f"adapter_limit must be in [0, {num_pages}], got {adapter_limit}")
+        self.adapter_limit = adapter_limit               # None: one unified pool
         self.reclaimers: list = []   # callables(pages) freeing idle pages, tried in order (cached KV, idle adapters)
 
     # -- the KV allocator interface -------------------------------------------------------------
@@ -40,23 +45,32 @@ class UnifiedPool:
     def num_blocks(self) -> int:
         """Pages KV could have at most now: all but those of adapters that must stay (a sequence longer than
         this can never run and is finished instead of preempting everyone)."""
+        if self.adapter_limit is not None:
+            return self.num_pages - self.adapter_limit
         return self.num_pages - sum(len(p) for n, p in self.adapter_pages.items() if n in self.pinned)
 
     @property
     def num_free(self) -> int:
+        """Pages KV can take now."""
+        if self.adapter_limit is not None:
+            return min(len(self._free), self.num_pages - self.adapter_limit - self.kv_pages)
         return len(self._free)
+
+    @property
+    def num_adapter_pages(self) -> int:
+        return sum(len(p) for p in self.adapter_pages.values())
 
     def make_room(self, n: int) -> bool:
         """Whether ``n`` pages can be had, releasing idle pages (cached KV, then idle adapters) if needed."""
         for reclaim in self.reclaimers:
-            if n <= len(self._free):
+            if n <= self.num_free:
                 break
-            reclaim(n - len(self._free))
-        return n <= len(self._free)
+            reclaim(n - self.num_free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} pages, {len(self._free)} free")
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} pages, {self.num_free} free")
         self.kv_pages += n
         return [self._free.pop() for _ in range(n)]
 
@@ -85,6 +99,9 @@ class UnifiedPool:
         """Reserve a run of consecutive pages for adapter ``name``'s matrices (so a matrix larger than a page
         stays contiguous for the kernels); returns each matrix's flat offset in ``buf``."""
         need = max(1, self.pages_for(sizes, align))
+        if self.adapter_limit is not None and self.num_adapter_pages + need > self.adapter_limit:
+            raise OutOfBlocks(f"adapter {name!r} needs {need} pages, the adapter pool has "
+                              f"{self.adapter_limit - self.num_adapter_pages} left")
         first = self._highest_run(need)
         if first is None:
             raise OutOfBlocks(f"adapter {name!r} needs {need} consecutive pages, {len(self._free)} free")
@@ -109,3 +126,5 @@ class UnifiedPool:
         assert not set(self._free) & set(adapter)
         assert len(self._free) + len(adapter) + self.kv_pages == self.num_pages
         assert all(0 <= p < self.num_pages for p in self._free + adapter)
+        if self.adapter_limit is not None:
+            assert len(adapter) <= self.adapter_limit and self.kv_pages <= self.num_pages - self.adapter_limit

@@ -11,15 +11,19 @@ another. A finished or preempted request gives its full blocks to the tree
 or the next request with the same system prompt skips them.
 
 Pages held by the tree count as KV pages of the pool. Nodes used by running
-requests are pinned (reference counts); unpinned leaves are evicted least
-recently used first when the pool needs pages, and an adapter's whole subtree
-is dropped when the adapter leaves the pool (KV is only kept below a resident
-adapter).
+requests are pinned (reference counts). Without a swapper, unpinned leaves are
+evicted least recently used first when the pool needs pages, and an adapter's
+whole subtree is dropped when the adapter leaves the pool (KV is only kept
+below a resident adapter). With a swapper (:mod:`vlora.memory.swapper`) a node
+may instead sit in host memory (``host``): a GPU node's parent is always on the
+GPU (or is a resident adapter), so nodes leave the GPU from the leaves and come
+back from the root side; :meth:`match` brings host blocks on its path back.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 
@@ -29,8 +33,11 @@ class Node:
     parent: "Node | None"
     page: int | None = None           # the KV page (None: the root and adapter nodes)
     refs: int = 0                     # running requests using this block
-    last_use: int = 0
+    last_use: int = 0                 # logical clock (LRU order)
     children: dict = field(default_factory=dict)
+    host: object = None               # the block's KV in host memory while it is swapped out (page is None)
+    visits: int = 0                   # requests that used this node (the swapper's frequency)
+    used_at: float = 0.0              # wall clock of the last use (the swapper's recency)
 
 
 class PrefixTree:
@@ -42,6 +49,9 @@ class PrefixTree:
         self.num_pages = 0
         self.hit_tokens = 0
         self.lookup_tokens = 0
+        self.requests = 0                 # matches made (the denominator of the visit frequencies)
+        self.swapper = None               # set by a CacheSwapper: host blocks on a path come back through it
+        self.time = time.monotonic
 
     def _adapter(self, name: str | None, create: bool) -> Node | None:
         node = self.root.children.get(name)
@@ -54,7 +64,12 @@ class PrefixTree:
         pinned for the caller until it :meth:`release` s them."""
         bs = self.block_size
         self.lookup_tokens += len(tokens)
-        node = self._adapter(adapter, create=False)
+        self.requests += 1
+        node = self._adapter(adapter, create=self.swapper is not None)   # the swapper counts adapter visits
+        wall = self.time()
+        if node is not None:
+            node.visits += 1
+            node.used_at = wall
         pages: list[int] = []
         now = next(self._clock)
         for i in range((len(tokens) - 1) // bs):
@@ -63,8 +78,12 @@ class PrefixTree:
             node = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
             if node is None:
                 break
+            if node.page is None and not self.swapper.swap_in(node):     # on the host, and no page for it
+                break
             node.refs += 1
             node.last_use = now
+            node.visits += 1
+            node.used_at = wall
             pages.append(node.page)
         self.hit_tokens += len(pages) * bs
         return pages
@@ -83,8 +102,13 @@ class PrefixTree:
             if i < num_matched:
                 child.refs -= 1
             elif child is None:
-                child = node.children[key] = Node(key, node, pages[i])
+                child = node.children[key] = Node(key, node, pages[i], visits=1, used_at=self.time())
                 self.num_pages += 1
+            elif child.page is None:               # swapped out meanwhile: this copy is the fresher one
+                child.page, child.host = pages[i], None
+                self.num_pages += 1
+                if self.swapper is not None:
+                    self.swapper.forget(child)
             else:
                 drop.append(pages[i])             # computed twice (another request cached it meanwhile)
             child.last_use = now
@@ -97,7 +121,7 @@ class PrefixTree:
         """Free up to ``pages`` pages from unpinned leaves, least recently used first; returns pages freed."""
         freed = 0
         while freed < pages:
-            leaves = [n for n in self._nodes() if n.page is not None and not n.children and n.refs == 0]
+            leaves = [n for n in self.gpu_leaves() if n.refs == 0]
             if not leaves:
                 break
             for leaf in sorted(leaves, key=lambda n: n.last_use):
@@ -107,25 +131,54 @@ class PrefixTree:
                 freed += 1
         return freed
 
+    def gpu_leaves(self):
+        """KV nodes on the GPU none of whose children is (they may leave the GPU without breaking a path)."""
+        return [n for n in self._nodes() if n.page is not None
+                and not any(c.page is not None for c in n.children.values())]
+
     def drop_adapter(self, adapter: str | None) -> None:
-        """Forget everything cached under ``adapter`` (it left the pool); none of it may be in use."""
-        node = self.root.children.pop(adapter, None)
+        """``adapter`` left the pool: its cached KV goes to host memory (with a swapper) or is forgotten; none
+        of it may be in use."""
+        node = self.root.children.get(adapter)
         if node is None:
             return
-        pages = [n.page for n in self._nodes(node) if n.page is not None]
         assert all(n.refs == 0 for n in self._nodes(node)), "cached KV of an adapter in use"
+        if self.swapper is not None:
+            self.swapper.swap_out_subtree(node)
+            return
+        del self.root.children[adapter]
+        pages = [n.page for n in self._nodes(node) if n.page is not None]
         self.num_pages -= len(pages)
         if pages:
             self.pool.free(pages)
 
     def clear(self) -> None:
+        """Forget every cached block, on the GPU and in host memory."""
         for name in list(self.root.children):
-            self.drop_adapter(name)
+            self.forget_adapter(name)
+
+    def forget_adapter(self, adapter: str | None) -> None:
+        """Forget every block cached under ``adapter``, on the GPU and in host memory (it is unregistered)."""
+        node = self.root.children.pop(adapter, None)
+        if node is not None:
+            assert all(n.refs == 0 for n in self._nodes(node)), "cached KV in use"
+            pages = [n.page for n in self._nodes(node) if n.page is not None]
+            self.num_pages -= len(pages)
+            if pages:
+                self.pool.free(pages)
+            if self.swapper is not None:
+                for n in self._nodes(node):
+                    self.swapper.forget(n)
 
     def _remove(self, leaf: Node) -> None:
+        """Forget a KV leaf (its children, if any, are host blocks: forgotten with it)."""
         del leaf.parent.children[leaf.key]
-        self.num_pages -= 1
-        self.pool.free([leaf.page])
+        if self.swapper is not None:
+            for n in self._nodes(leaf):
+                self.swapper.forget(n)
+        if leaf.page is not None:
+            self.num_pages -= 1
+            self.pool.free([leaf.page])
 
     def _nodes(self, start: Node | None = None):
         stack = [start or self.root]

@@ -1,0 +1,252 @@
+"""The cache swapper (FastLibra cost model, watermarks, host tier) and the fixed-pool baseline: the cost model's
+orderings, KV content intact through swaps under random interleavings (hypothesis), engine outputs unchanged,
+1,000 adapters registered with the host memory they take reported."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.models.test_parity import NAMES, build
+from tests.memory.test_tree import chats
+from vlora import LLM, SamplingParams
+from vlora.config import CacheConfig, ConfigError
+from vlora.memory.pool import UnifiedPool
+from vlora.memory.swapper import CacheSwapper
+from vlora.memory.tree import PrefixTree
+
+BS = 2                                                    # tokens per block in the data-structure tests
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _setup(pages=16, host_blocks=6, **kw):
+    pool = UnifiedPool(pages, 1, BS, 1, 4, torch.float32, torch.device("cpu"))     # pages of 16 elements
+    tree = PrefixTree(pool, BS)
+    clock = Clock()
+    swapper = CacheSwapper(pool, tree, None, lambda name: None, clock=clock,
+                           host_kv_bytes=host_blocks * pool.page_elems * 4, **kw)
+    pool.reclaimers.insert(0, swapper.reclaim)
+    return pool, tree, swapper, clock
+
+
+def _value(adapter, tokens) -> float:
+    return float(zlib.crc32(repr((adapter, tuple(tokens))).encode()) % 10007)
+
+
+def _serve(pool, tree, adapter, tokens) -> bool:
+    """One request: match, check the matched KV is this adapter's for these tokens, compute the rest (write
+    its blocks' values), give it back. False when the pool had no room."""
+    pages = tree.match(adapter, tokens)
+    for i, p in enumerate(pages):
+        assert torch.all(pool.kv[p] == _value(adapter, tokens[:(i + 1) * BS])), "wrong KV served"
+    need = -(-len(tokens) // BS) - len(pages)
+    if not pool.make_room(need):
+        tree.release(adapter, tokens[:len(pages) * BS], pages, len(pages))
+        return False
+    new = pool.allocate(need)
+    for i, p in enumerate(new, start=len(pages)):
+        pool.kv[p].fill_(_value(adapter, tokens[:(i + 1) * BS]))
+    tree.release(adapter, tokens, pages + new, len(pages))
+    return True
+
+
+def _invariants(pool, tree, swapper):
+    pool.check()
+    assert pool.kv_pages == tree.num_pages == len(tree.pages())
+    for n in tree._nodes():
+        if n.parent is None or n.parent is tree.root:
+            continue
+        assert (n.page is None) != (n.host is None), "a block is on exactly one side"
+        if n.page is not None and n.parent.parent is not tree.root:
+            assert n.parent.page is not None, "a GPU block under a host block"
+    assert swapper.host_nodes == {n for n in tree._nodes() if n.host is not None}
+    assert len(swapper.host_nodes) * swapper.page_bytes <= swapper.host_kv_bytes
+
+
+PROMPTS_ = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9, 9, 9, 9], [1, 2, 8, 8, 8], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
+OPS = st.lists(st.tuples(st.sampled_from(["req", "req", "req", "tick", "pressure", "evict_all"]),
+                         st.integers(0, 3), st.sampled_from([None, "x", "y"]), st.floats(0, 3)), max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(OPS, st.integers(6, 16), st.integers(0, 8))
+def test_random_interleavings_keep_kv_intact_and_never_leak(ops, pages, host_blocks):
+    pool, tree, swapper, clock = _setup(pages, host_blocks, high=0.8, low=0.4, interval_s=0.5)
+    for op, k, adapter, dt in ops:
+        clock.t += dt
+        if op == "req":
+            _serve(pool, tree, adapter, PROMPTS_[k] + [k] * (k % 2))
+        elif op == "tick":
+            swapper.tick(batch_size=k + 1)
+        elif op == "pressure":
+            pool.make_room(k + 1)
+        else:
+            swapper.reclaim(pool.num_pages)
+        _invariants(pool, tree, swapper)
+    tree.clear()
+    assert pool.num_free == pool.num_pages and not swapper.host_nodes
+
+
+def test_swapped_out_kv_comes_back_intact():
+    pool, tree, swapper, _ = _setup(pages=8, host_blocks=8)
+    prompt = PROMPTS_[3]
+    assert _serve(pool, tree, "x", prompt)                   # 11 tokens: 5 full blocks cached
+    assert swapper.reclaim(pool.num_pages) == 5 and pool.num_free == pool.num_pages
+    assert swapper.swapped_out == 5 and len(swapper.host_nodes) == 5
+    assert _serve(pool, tree, "x", prompt)                   # matched from host: contents checked in _serve
+    assert swapper.swapped_in == 5 and tree.hit_tokens == 5 * BS
+    _invariants(pool, tree, swapper)
+
+
+def test_host_budget_forgets_the_least_valuable_leaves():
+    pool, tree, swapper, clock = _setup(pages=8, host_blocks=2)
+    _serve(pool, tree, "x", PROMPTS_[0])                     # 7 tokens: 3 full blocks cached
+    swapper.reclaim(pool.num_pages)
+    assert len(swapper.host_nodes) == 2 and swapper.dropped == 1
+    depth = {n: len(list(_ancestors(n))) for n in swapper.host_nodes}
+    assert sorted(depth.values()) == [1, 2]                  # the path's root side is kept, leaves went first
+
+
+def _ancestors(n):
+    while n.parent is not None and n.parent.parent is not None:
+        n = n.parent
+        yield n
+
+
+def test_cost_model_orders_by_frequency_recency_and_size():
+    pool, tree, swapper, clock = _setup(pages=32)
+    for _ in range(3):
+        _serve(pool, tree, "x", [1, 2, 3])                   # x's block: 3 visits
+    _serve(pool, tree, "y", [7, 7, 7])                       # y's block: 1 visit
+    bx = tree.root.children["x"].children[(1, 2)]
+    by = tree.root.children["y"].children[(7, 7)]
+    assert swapper.eval(bx) > swapper.eval(by)               # frequency
+    clock.t += 50.0
+    _serve(pool, tree, "y", [7, 7, 7])
+    _serve(pool, tree, "y", [7, 7, 7])
+    _serve(pool, tree, "y", [7, 7, 7])                       # y: 4 visits, recent; x: 3 visits, 50 s ago
+    assert swapper.eval(by) > swapper.eval(bx)               # recency
+    decay = 1 - 1 / (1 + math.exp(-50.0 / swapper.decay_s))
+    want = swapper.page_bytes / swapper.link * bx.visits / tree.requests * decay
+    assert swapper.eval(bx) == pytest.approx(want)           # Eq. 5
+    assert swapper._out_candidates()[0][2] is bx             # swapped out first
+
+
+def test_expected_adapters_eq3():
+    pool, tree, swapper, clock = _setup()
+    for name, times in (("x", 3), ("y", 1)):
+        for _ in range(times):
+            _serve(pool, tree, name, [1, 2, 3])
+    swapper.tick(batch_size=4)
+    bs = swapper.batch_size()
+    assert bs == 4
+    want = (1 - (1 - 3 / 4) ** 4) + (1 - (1 - 1 / 4) ** 4)
+    assert swapper.expected_adapters() == pytest.approx(want)
+
+
+def test_watermarks_swap_out_when_busy_and_in_when_idle():
+    pool, tree, swapper, clock = _setup(pages=10, host_blocks=10, high=0.75, low=0.45, interval_s=0.1)
+    _serve(pool, tree, "x", PROMPTS_[3])                     # 5 of 10 pages: between the watermarks
+    _serve(pool, tree, "y", [4] * 9)                         # 9 of 10: busy
+    clock.t += 1
+    swapper.tick(1)
+    assert swapper.usage() <= 0.75 and swapper.swapped_out >= 2
+    swapper.reclaim(pool.num_pages)                          # everything to the host: idle
+    clock.t += 1
+    swapper.tick(1)
+    assert swapper.usage() >= 0.45 and swapper.swapped_in > 0
+    _invariants(pool, tree, swapper)
+
+
+def test_bad_watermarks_and_policy_are_refused():
+    pool = UnifiedPool(4, 1, BS, 1, 4, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="watermarks"):
+        CacheSwapper(pool, PrefixTree(pool, BS), None, lambda n: None, high=0.5, low=0.7)
+    with pytest.raises(ConfigError, match="memory_policy"):
+        CacheConfig(memory_policy="fifo")
+    with pytest.raises(ValueError, match="adapter_limit"):
+        UnifiedPool(4, 1, BS, 1, 4, torch.float32, torch.device("cpu"), adapter_limit=9)
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+
+def test_engine_outputs_unchanged_through_swaps_and_fixed_pools(tmp_path):
+    """Kernel path, room for about one adapter and little KV: the swapper moves cached KV and adapters out and
+    back; the fixed-pool baseline keeps its pools apart; both give the plain engine's tokens."""
+    path, paths, _ = build(tmp_path)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    base = chats(seed=5, n=4)
+    prompts = [base[i % 4] + [9 + i] * (i % 3) for i in range(10)]
+    names = [NAMES[1 + i % 3] for i in range(10)]
+    want = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=128, block_size=4)
+            .generate(prompts, names, sp)]
+    for policy in ("unified", "lru-fixed"):
+        llm = LLM(str(path), adapters=paths, num_blocks=14, block_size=4, lora_kernel="triton", max_loras=1,
+                  max_lora_rank=16, prefix_caching=True, memory_policy=policy, adapter_pool_fraction=0.7)
+        got = [llm.generate([p], [a], sp)[0].token_ids for p, a in zip(prompts, names)]
+        assert got == want, policy
+        eng = llm.engine
+        eng.pool.check()
+        if policy == "unified":
+            assert eng.swapper.swapped_out > 0 and eng.prefix_cache.hit_tokens > 0
+        else:
+            assert eng.swapper is None and eng.pool.num_adapter_pages <= eng.pool.adapter_limit
+        eng.prefix_cache.clear()
+        for name in list(eng.adapters.store.resident):
+            eng.adapters.store.evict(name)
+        assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_adapter_larger_than_its_pool_is_refused(tmp_path):
+    from vlora.lora.adapter import AdapterError
+
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), num_blocks=14, block_size=4, lora_kernel="triton", max_loras=0, max_lora_rank=16,
+              memory_policy="lru-fixed", adapter_pool_fraction=0.2)
+    with pytest.raises(AdapterError, match="could never be loaded"):
+        llm.register_adapter("a16", paths["a16"])
+    assert "a16" not in llm.engine.adapters and "a16" not in llm.engine.adapters.store._host
+
+
+def test_thousand_adapters_registered_host_memory_reported(tmp_path, capsys):
+    """1,000 adapters in host memory on a tiny model; requests for a few of them run."""
+    from vlora.lora.adapter import ModelShape
+    from vlora.lora.random_adapter import write_random_adapter
+
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), num_blocks=64, block_size=4, lora_kernel="triton", max_loras=2, max_lora_rank=8)
+    eng = llm.engine
+    shape = ModelShape(eng.adapters.shape.name, eng.adapters.shape.num_layers, eng.adapters.shape.in_features,
+                       eng.adapters.shape.out_features)
+    src = write_random_adapter(tmp_path / "src", shape, rank=4, seed=0)
+    for i in range(1000):
+        llm.register_adapter(f"t{i}", src)
+    host = eng.adapters.store.host_bytes()
+    one = sum(t.numel() * t.element_size() for t in _tensors(eng.adapters.get("t0")))
+    assert host == 1000 * one
+    with capsys.disabled():
+        print(f"\n1000 adapters (rank 4) registered: {host / 2**20:.1f} MiB of host memory")
+    assert len(eng.adapters) == 1000 and host > 0
+    out = llm.generate([[5, 6, 7]] * 3, ["t0", "t500", "t999"], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [2, 2, 2]
+    assert len(eng.adapters.store.resident) <= 3 and eng.adapters.store.num_loads >= 3
+
+
+def _tensors(adapter):
+    for groups in adapter.layers:
+        for gw in groups.values():
+            yield gw.a
+            for sl in gw.slices:
+                yield sl.b

@@ -1,0 +1,251 @@
+"""The cache swapper (FastLibra §5): which cached KV blocks and adapters stay in the GPU pool.
+
+Every node of the dependency tree (an adapter, or a block of KV under one) is
+scored by FastLibra's cost model, the expected TTFT saved by keeping it on the
+GPU:
+
+* Eq. 3, adapters a batch is expected to need: ``Low = Σ_a 1 - (1 - prob_a)^BS``
+  over registered adapters, ``BS`` the mean batch size of the last 5 seconds;
+* Eq. 4, reward for holding fewer adapters than that:
+  ``LoRA_Eval = max(1, Low / Now)`` (``Now``: adapters resident). We apply it
+  to adapter nodes only (for a KV block it would scale every block alike and
+  change no order);
+* Eq. 5, ``Retain_Eval = cost · prob · (1 - sigmoid(t / τ))``: ``cost`` the
+  node's transfer time (bytes / host-link bandwidth), ``prob`` the share of
+  requests that used it (``visits / requests`` from the tree), ``t`` the
+  seconds since its last use and ``τ`` a decay time (the paper leaves the
+  time unit open; τ sets it);
+* Eq. 6, ``Eval = LoRA_Eval · Retain_Eval``.
+
+Every monitor interval (:meth:`CacheSwapper.tick`), pool usage above the high
+watermark swaps out GPU leaves (KV blocks none of whose children is on the GPU,
+and adapters with no KV on the GPU and no running request) in increasing
+``Eval`` until usage is back under it; usage below the low watermark swaps in
+host nodes next to the GPU part of the tree (a block whose parent is on the
+GPU under a resident adapter, or an adapter that has been used) in decreasing
+``Eval`` until it reaches the low watermark. When the pool runs out of pages
+between ticks (:meth:`reclaim`, the pool's first reclaimer), the same order
+frees them. Swapped-out KV goes to host memory (pinned on CUDA) up to a host
+budget; past it the least valuable host leaves are forgotten. Adapters always
+stay in the host store, so swapping one out only frees its pages.
+
+Copies here are synchronous: a swapped-out page is reused at once, and a
+swapped-in block is read by the iteration being scheduled.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+import torch
+
+
+class CacheSwapper:
+    def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
+                 decay_s: float = 10.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
+                 clock=time.monotonic):
+        if not 0 < low < high <= 1:
+            raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
+        self.pool, self.tree, self.store, self.lookup = pool, tree, store, lookup   # lookup: name -> adapter | None
+        self.high, self.low, self.interval_s, self.decay_s = high, low, interval_s, decay_s
+        self.host_kv_bytes, self.link = host_kv_bytes, link_bytes_per_s
+        self.clock = tree.time = clock
+        tree.swapper = self
+        self.page_bytes = pool.page_elems * pool.buf.element_size()
+        self.host_nodes: set = set()
+        self._batches: deque[tuple[float, int]] = deque()
+        self._last_tick = -math.inf
+        self.swapped_out = self.swapped_in = self.dropped = 0
+        self.adapters_out = self.adapters_in = 0
+
+    # -- the cost model -------------------------------------------------------------------------------
+    def batch_size(self) -> float:
+        now = self.clock()
+        while self._batches and self._batches[0][0] < now - 5.0:
+            self._batches.popleft()
+        return sum(b for _, b in self._batches) / len(self._batches) if self._batches else 1.0
+
+    def _prob(self, node) -> float:
+        return node.visits / max(1, self.tree.requests)
+
+    def expected_adapters(self) -> float:
+        """Eq. 3 over the adapters the tree has seen."""
+        bs = self.batch_size()
+        return sum(1 - (1 - self._prob(n)) ** bs for n in self.tree.root.children.values() if n.key is not None)
+
+    def eval(self, node, now: float | None = None, lora_eval: float | None = None) -> float:
+        """Eq. 6 for a tree node (an adapter node when ``node.parent`` is the root)."""
+        now = self.clock() if now is None else now
+        decay = 1.0 - 1.0 / (1.0 + math.exp(-max(0.0, now - node.used_at) / self.decay_s))
+        retain = self._bytes(node) / self.link * self._prob(node) * decay
+        if node.parent is self.tree.root:
+            return (self._lora_eval() if lora_eval is None else lora_eval) * retain
+        return retain
+
+    def _bytes(self, node) -> int:
+        if node.parent is not self.tree.root:
+            return self.page_bytes
+        adapter = self.lookup(node.key) if node.key is not None and self.store is not None else None
+        return 0 if adapter is None else self.store.pages_needed(adapter) * self.page_bytes
+
+    def _resident(self, name) -> bool:
+        return name is None or self.store is None or name in self.store.resident
+
+    def _lora_eval(self) -> float:
+        if self.store is None:
+            return 1.0
+        return max(1.0, self.expected_adapters() / max(1, len(self.store.resident)))
+
+    # -- candidates -----------------------------------------------------------------------------------
+    def _out_candidates(self) -> list:
+        """GPU leaves: unpinned KV blocks with no GPU child, and resident adapters no running request uses with
+        no KV on the GPU; ``(eval, kind, node-or-name)`` in increasing ``Eval``."""
+        now = self.clock()
+        lora = self._lora_eval()
+        out = [(self.eval(n, now), 0, n) for n in self.tree.gpu_leaves() if n.refs == 0]
+        for name in self.store.resident if self.store is not None else ():
+            if name in self.store.protected or name in self.store.keep:
+                continue
+            node = self.tree.root.children.get(name)
+            if node is not None and any(c.page is not None for c in self.tree._nodes(node) if c is not node):
+                continue
+            out.append((self.eval(node, now, lora) if node is not None else 0.0, 1, name))
+        out.sort(key=lambda c: c[0])
+        return out
+
+    def _in_candidates(self) -> list:
+        """Host blocks whose parent is on the GPU under a resident adapter (or the base model), and used adapters
+        not resident; in decreasing ``Eval``."""
+        now = self.clock()
+        lora = self._lora_eval()
+        out = [(self.eval(n, now), 0, n) for n in self.host_nodes if self._parent_on_gpu(n)]
+        for node in self.tree.root.children.values():
+            if not self._resident(node.key) and node.visits:
+                out.append((self.eval(node, now, lora), 1, node.key))
+        out.sort(key=lambda c: -c[0])
+        return out
+
+    def _parent_on_gpu(self, node) -> bool:
+        p = node.parent
+        return p.page is not None or (p.parent is self.tree.root and self._resident(p.key))
+
+    # -- moves ----------------------------------------------------------------------------------------
+    def _swap_out_block(self, node) -> None:
+        host = self.pool.kv[node.page].to("cpu", copy=True)
+        if self.pool.buf.is_cuda:
+            host = host.pin_memory()
+        self.pool.free([node.page])
+        self.tree.num_pages -= 1
+        node.page, node.host = None, host
+        self.host_nodes.add(node)
+        self.swapped_out += 1
+        self._fit_host()
+
+    def swap_in(self, node) -> bool:
+        """Bring a host block back into a page (its parent is on the GPU); False when no page can be had."""
+        if node.host is None or not self.pool.make_room(1):
+            return False
+        if node.host is None:             # making room forgot it (host budget): nothing to bring back
+            return False
+        page = self.pool.allocate(1)[0]
+        self.pool.kv[page].copy_(node.host)
+        node.page, node.host = page, None
+        self.host_nodes.discard(node)
+        self.tree.num_pages += 1
+        self.swapped_in += 1
+        return True
+
+    def swap_out_subtree(self, adapter_node) -> None:
+        """The adapter leaves the pool: its GPU blocks go to host memory, leaves first (kept for its return)."""
+        order = [n for n in self.tree._nodes(adapter_node) if n.page is not None]
+        for n in reversed(order):                     # children after parents in _nodes: reversed is leaves-first
+            if n.page is not None:
+                self._swap_out_block(n)
+
+    def forget(self, node) -> None:
+        if node in self.host_nodes:
+            self.host_nodes.discard(node)
+            node.host = None
+
+    def _fit_host(self) -> None:
+        """Forget the least valuable host leaves while host KV is over its budget."""
+        excess = len(self.host_nodes) * self.page_bytes - self.host_kv_bytes
+        if excess <= 0:
+            return
+        now = self.clock()
+        leaves = sorted((n for n in self.host_nodes if not n.children and n.refs == 0),
+                        key=lambda n: self.eval(n, now))
+        for n in leaves:
+            if excess <= 0:
+                break
+            del n.parent.children[n.key]
+            self.forget(n)
+            self.dropped += 1
+            excess -= self.page_bytes
+
+    def reclaim(self, pages: int) -> int:
+        """Free ``pages`` pages by swapping out the least valuable GPU leaves (the pool's first reclaimer)."""
+        start = self.pool.num_free
+        while self.pool.num_free - start < pages:
+            cands = self._out_candidates()
+            if not cands:
+                break
+            for _, kind, what in cands:
+                if self.pool.num_free - start >= pages:
+                    break
+                self._move_out(kind, what)
+        return self.pool.num_free - start
+
+    def _move_out(self, kind: int, what) -> None:
+        if kind == 0:
+            if what.page is not None and not any(c.page is not None for c in what.children.values()):
+                self._swap_out_block(what)
+        elif what in self.store.resident and what not in self.store.protected and what not in self.store.keep:
+            self.store.evict(what)                     # its (empty) GPU subtree: nothing to move
+            self.adapters_out += 1
+
+    # -- the monitor ----------------------------------------------------------------------------------
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_pages
+
+    def tick(self, batch_size: int) -> None:
+        """Called every engine step: record the batch size; every ``interval_s`` balance the pool."""
+        now = self.clock()
+        self._batches.append((now, batch_size))
+        if now - self._last_tick < self.interval_s:
+            return
+        self._last_tick = now
+        if self.usage() > self.high:
+            self.reclaim(math.ceil((self.usage() - self.high) * self.pool.num_pages))
+        elif self.usage() < self.low:
+            self._fill()
+
+    def _fill(self) -> None:
+        """Swap in by decreasing ``Eval`` while usage is under the low watermark (a block brought back makes
+        its children candidates: candidates are re-ranked until none fits)."""
+        moved = True
+        while moved and self.usage() < self.low:
+            moved = False
+            for _, kind, what in self._in_candidates():
+                if self.usage() >= self.low:
+                    return
+                if kind == 0:
+                    if what.host is not None and self._parent_on_gpu(what) and self._spare(1):
+                        moved |= self.swap_in(what)
+                else:
+                    adapter = self.lookup(what)
+                    if adapter is not None and self._spare(self.store.pages_needed(adapter)) \
+                            and self.store.load(adapter):
+                        self.adapters_in += 1
+                        moved = True
+
+    def _spare(self, pages: int) -> bool:
+        """Whether ``pages`` more pages are free and keep usage under the high watermark (idle swap-ins never
+        evict anything, nor make the pool busy)."""
+        return pages <= self.pool.num_free and self.pool.num_free - pages >= (1 - self.high) * self.pool.num_pages
+
+    def stats(self) -> dict:
+        return {"swapped_out": self.swapped_out, "swapped_in": self.swapped_in, "host_blocks": len(self.host_nodes),
+                "host_dropped": self.dropped, "adapters_out": self.adapters_out, "adapters_in": self.adapters_in}
