@@ -29,8 +29,11 @@ frees them. Swapped-out KV goes to host memory (pinned on CUDA) up to a host
 budget; past it the least valuable host leaves are forgotten. Adapters always
 stay in the host store, so swapping one out only frees its pages.
 
-Copies here are synchronous: a swapped-out page is reused at once, and a
-swapped-in block is read by the iteration being scheduled.
+Host memory for KV is one buffer of page-sized slots (pinned on CUDA),
+allocated at the first swap-out. Copies in both directions are issued on the
+current stream without waiting: the iteration that next writes a freed page,
+or reads a page brought back, is queued after the copy on the same stream, so
+the host never stalls on a swap.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ class CacheSwapper:
         tree.swapper = self
         self.page_bytes = pool.page_elems * pool.buf.element_size()
         self.host_nodes: set = set()
+        self.host_slots = host_kv_bytes // self.page_bytes
+        self._host_buf: torch.Tensor | None = None
+        self._free_slots: list[int] = list(range(self.host_slots - 1, -1, -1))
         self._batches: deque[tuple[float, int]] = deque()
         self._last_tick = -math.inf
         self.swapped_out = self.swapped_in = self.dropped = 0
@@ -132,27 +138,51 @@ class CacheSwapper:
         return p.page is not None or (p.parent is self.tree.root and self._resident(p.key))
 
     # -- moves ----------------------------------------------------------------------------------------
+    @property
+    def host_buf(self) -> torch.Tensor:
+        if self._host_buf is None:
+            self._host_buf = torch.empty(self.host_slots, self.pool.page_elems, dtype=self.pool.buf.dtype,
+                                         pin_memory=self.pool.buf.is_cuda)
+        return self._host_buf
+
+    def _slot(self, protect) -> int | None:
+        """A free host slot, forgetting the least valuable host leaf for it if there is none."""
+        if not self._free_slots:
+            now = self.clock()
+            leaves = [n for n in self.host_nodes if not n.children and n.refs == 0 and n is not protect]
+            if not leaves:
+                return None
+            victim = min(leaves, key=lambda n: self.eval(n, now))
+            del victim.parent.children[victim.key]
+            self.forget(victim)
+            self.dropped += 1
+        return self._free_slots.pop()
+
     def _swap_out_block(self, node) -> None:
-        host = self.pool.kv[node.page].to("cpu", copy=True)
-        if self.pool.buf.is_cuda:
-            host = host.pin_memory()
+        """Move a GPU leaf block to host memory (or forget it, with anything below it, when host memory is
+        full of more valuable blocks)."""
+        slot = self._slot(node) if self.host_slots else None
+        if slot is None:
+            self.tree._remove(node)
+            self.dropped += 1
+            return
+        self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
         self.pool.free([node.page])
         self.tree.num_pages -= 1
-        node.page, node.host = None, host
+        node.page, node.host = None, slot
         self.host_nodes.add(node)
         self.swapped_out += 1
-        self._fit_host()
 
     def swap_in(self, node) -> bool:
         """Bring a host block back into a page (its parent is on the GPU); False when no page can be had."""
         if node.host is None or not self.pool.make_room(1):
             return False
-        if node.host is None:             # making room forgot it (host budget): nothing to bring back
+        if node.host is None:             # making room forgot it (host memory full): nothing to bring back
             return False
         page = self.pool.allocate(1)[0]
-        self.pool.kv[page].copy_(node.host)
-        node.page, node.host = page, None
-        self.host_nodes.discard(node)
+        self.pool.kv[page].view(-1).copy_(self.host_buf[node.host], non_blocking=True)
+        node.page = page
+        self.forget(node)
         self.tree.num_pages += 1
         self.swapped_in += 1
         return True
@@ -165,25 +195,11 @@ class CacheSwapper:
                 self._swap_out_block(n)
 
     def forget(self, node) -> None:
+        """The node's host copy is no longer needed (back on the GPU, or forgotten): free its slot."""
         if node in self.host_nodes:
             self.host_nodes.discard(node)
+            self._free_slots.append(node.host)
             node.host = None
-
-    def _fit_host(self) -> None:
-        """Forget the least valuable host leaves while host KV is over its budget."""
-        excess = len(self.host_nodes) * self.page_bytes - self.host_kv_bytes
-        if excess <= 0:
-            return
-        now = self.clock()
-        leaves = sorted((n for n in self.host_nodes if not n.children and n.refs == 0),
-                        key=lambda n: self.eval(n, now))
-        for n in leaves:
-            if excess <= 0:
-                break
-            del n.parent.children[n.key]
-            self.forget(n)
-            self.dropped += 1
-            excess -= self.page_bytes
 
     def reclaim(self, pages: int) -> int:
         """Free ``pages`` pages by swapping out the least valuable GPU leaves (the pool's first reclaimer)."""

@@ -104,11 +104,10 @@ class PrefixTree:
             elif child is None:
                 child = node.children[key] = Node(key, node, pages[i], visits=1, used_at=self.time())
                 self.num_pages += 1
-            elif child.page is None:               # swapped out meanwhile: this copy is the fresher one
-                child.page, child.host = pages[i], None
+            elif child.page is None:               # swapped out meanwhile: take this copy, free the host one
+                self.swapper.forget(child)
+                child.page = pages[i]
                 self.num_pages += 1
-                if self.swapper is not None:
-                    self.swapper.forget(child)
             else:
                 drop.append(pages[i])             # computed twice (another request cached it meanwhile)
             child.last_use = now
