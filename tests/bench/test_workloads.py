@@ -100,3 +100,20 @@ def test_bad_trace_rows_are_refused(tmp_path):
     zero.write_text("timestamp,adapter,input_len,output_len\n0.5,,0,4\n")
     with pytest.raises(ValueError, match="below 1"):
         W.load_trace(zero)
+
+
+def test_dynamic_multi_turn_sessions_follow_the_shifting_hot_set():
+    specs = W.dynamic_multi_turn([(20.0, 3), (20.0, 3)], num_adapters=50, session_rate=1.0, turns=3, seed=4)
+    firsts = [s for s in specs if s.turn == 0]
+    assert firsts and all(0 <= s.arrival_s < 40 for s in firsts)
+    early = {s.adapter for s in firsts if s.arrival_s < 20}
+    late = {s.adapter for s in firsts if s.arrival_s >= 20}
+    assert len(early) <= 3 and len(late) <= 3 and early != late          # a new hot set per phase
+    by_session = {}
+    for s in specs:
+        by_session.setdefault(s.session, []).append(s)
+    for turns in by_session.values():
+        turns.sort(key=lambda s: s.turn)
+        assert [t.turn for t in turns] == [0, 1, 2] and len({t.adapter for t in turns}) == 1
+        assert all(b.input_len > a.input_len + a.output_len for a, b in zip(turns, turns[1:]))
+        assert all(t.arrival_s == float("inf") and t.after_s > 0 for t in turns[1:])

@@ -167,6 +167,33 @@ def multi_turn(sessions: int, turns: int, rate: float, num_adapters: int = 8, th
     return sorted(out, key=lambda r: (r.arrival_s, r.session or 0, r.turn))
 
 
+def dynamic_multi_turn(phases: list[tuple[float, int]], num_adapters: int, session_rate: float, turns: int,
+                       alpha: float = 1.0, think_s: tuple = (0.5, 2.0), first_range=(256, 1024),
+                       next_range=(32, 128), output_range=(16, 96), seed: int = 0) -> list[RequestSpec]:
+    """FastLibra's setting: multi-turn chat sessions whose adapters come from a hot set that shifts. ``phases`` =
+    [(duration_s, active adapters), ...]; sessions start as a Poisson process at ``session_rate``, each on an
+    adapter drawn power-law (``alpha``) from its phase's hot set; later turns as in :func:`multi_turn`."""
+    rng = random.Random(seed)
+    names = adapter_names(num_adapters)
+    out, t0, sid = [], 0.0, 0
+    for duration, active in phases:
+        hot = rng.sample(names, min(active, num_adapters))
+        weights = power_law_rates(len(hot), alpha, 1.0)
+        for t in gamma_arrivals(rng, session_rate, 1.0, duration):
+            adapter = rng.choices(hot, weights)[0]
+            history = rng.randint(*first_range)
+            for k in range(turns):
+                if k:
+                    history += rng.randint(*next_range)
+                n_out = rng.randint(*output_range)
+                out.append(RequestSpec(t0 + t if k == 0 else math.inf, adapter, history, n_out, session=sid,
+                                       turn=k, after_s=0.0 if k == 0 else rng.uniform(*think_s)))
+                history += n_out
+            sid += 1
+        t0 += duration
+    return sorted(out, key=lambda r: (r.arrival_s, r.session or 0, r.turn))
+
+
 # -- trace files ---------------------------------------------------------------------------------
 TRACE_FIELDS = [f.name for f in fields(RequestSpec)]
 

@@ -1,0 +1,211 @@
+"""Memory benchmarks of the unified pool, host adapter store, dependency tree and cache swapper.
+
+1. Throughput with 5, 100 and 1,000 adapters registered (one engine, adapters added between runs; each run's
+   requests use the first N adapters uniformly, all sent at once). Target: 1,000 adapters >= 90% of the
+   5-adapter throughput. Host memory of the adapter store reported.
+2. A dynamic-popularity multi-turn workload (FastLibra's setting: chat sessions on a shifting hot set of
+   adapters, in real time) on two engines with prefix caching: the unified pool with the dependency tree and
+   FastLibra's cost-model swapper, and LRU with fixed separate pools for adapters and KV (cached KV
+   discarded). Target: mean TTFT -50% at the same request rate. Pool occupancy (running KV, cached KV,
+   adapters) over time plotted for both.
+
+    python benchmarks/bench_memory.py --out benchmarks/results            # GPU: Llama-2-7B shapes
+    python benchmarks/bench_memory.py --tiny --out /tmp/mem                # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vlora import LLM  # noqa: E402
+from vlora.bench import workloads as W  # noqa: E402
+from vlora.bench.harness import run_workload  # noqa: E402
+from vlora.kernels.tuning import gpu_name  # noqa: E402
+from vlora.lora.adapter import ModelShape  # noqa: E402
+from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def shape_of(llm) -> ModelShape:
+    mc = llm.engine.model.cfg
+    ins, outs = mc.lora_in_out()
+    return ModelShape(llm.engine.model_name, mc.num_layers, ins, outs)
+
+
+def free(llm) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def throughput(args, tmp: Path, res: dict) -> None:
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.kv_gb,
+              max_model_len=args.input_len + args.output_len + 16, max_lora_rank=8, check_base_model=False,
+              max_num_batched_tokens=args.max_batched_tokens)
+    eng = llm.engine
+    src = write_random_adapter(tmp / "qkvo-r8", shape_of(llm), 8, seed=0, std=0.01,
+                               targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    rows, registered = [], 0
+    rng = random.Random(0)
+    for n in args.counts:
+        t0 = time.perf_counter()
+        for i in range(registered, n):
+            llm.register_adapter(f"a{i}", src)
+        reg_s, added, registered = time.perf_counter() - t0, n - registered, n
+        host = eng.adapters.store.host_bytes() if eng.adapters.store is not None else None
+        specs = [W.RequestSpec(0.0, f"a{rng.randrange(n)}", args.input_len, args.output_len)
+                 for _ in range(args.requests)]
+        if not rows:
+            log("warm-up (Triton compiles, CUDA graphs)")
+            run_workload(eng, specs[:args.batch])
+        loads0 = eng.adapters.store.num_loads if eng.adapters.store is not None else 0
+        r = run_workload(eng, specs).metrics()
+        row = {"adapters": n, "register_s": reg_s, "host_store_bytes": host, "throughput_tok_s": r["throughput_tok_s"],
+               "duration_s": r["duration_s"], "finished": r["finished"], "ttft_mean_s": r["ttft_mean_s"],
+               "adapter_loads": (eng.adapters.store.num_loads - loads0) if eng.adapters.store is not None else 0}
+        rows.append(row)
+        log(f"{n:5d} adapters: {row['throughput_tok_s']:.0f} output tok/s, {row['adapter_loads']} adapter loads, "
+            f"host store {host / 2**30 if host else 0:.2f} GiB ({added} registered in {reg_s:.1f} s)")
+    base = rows[0]["throughput_tok_s"]
+    for row in rows:
+        row["vs_first"] = row["throughput_tok_s"] / base
+    res["throughput"] = rows
+    free(llm)
+
+
+def dynamic(args, tmp: Path, res: dict) -> None:
+    specs = W.dynamic_multi_turn(args.phases, num_adapters=args.dyn_adapters, session_rate=args.session_rate,
+                                 turns=args.turns, think_s=(1.0, 3.0), first_range=args.first_range,
+                                 next_range=(64, 256), output_range=(32, 96), seed=1)
+    res["dynamic_workload"] = {"phases": args.phases, "adapters": args.dyn_adapters, "session_rate": args.session_rate,
+                               "turns": args.turns, "requests": len(specs), "first_range": args.first_range}
+    out = {}
+    dirs = None
+    for policy in ("unified", "lru-fixed"):
+        llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.dyn_kv_gb,
+                  max_model_len=args.max_model_len, max_lora_rank=max(args.ranks), check_base_model=False,
+                  max_num_batched_tokens=args.max_batched_tokens, prefix_caching=True, memory_policy=policy,
+                  adapter_pool_fraction=args.adapter_fraction, host_kv_gb=args.host_kv_gb)
+        eng = llm.engine
+        if dirs is None:
+            dirs = [write_random_adapter(tmp / f"d{r}", shape_of(llm), r, seed=r, std=0.01) for r in args.ranks]
+        for i in range(args.dyn_adapters):
+            llm.register_adapter(f"a{i}", dirs[i % len(dirs)])
+        log(f"{policy}: pool {eng.pool.num_pages} pages of {eng.pool.page_elems * eng.pool.buf.element_size() >> 20}"
+            f" MiB" + (f", adapters limited to {eng.pool.adapter_limit}" if eng.pool.adapter_limit else ""))
+        run_workload(eng, [W.RequestSpec(0.0, f"a{i}", 64, 4) for i in range(4)])      # warm-up
+        eng.prefix_cache.clear()
+        samples = []
+        t0 = time.monotonic()
+        step = eng.step
+
+        def sampled_step(step=step, eng=eng, samples=samples):
+            outs = step()
+            pool, tree = eng.pool, eng.prefix_cache
+            samples.append((time.monotonic() - t0, pool.kv_pages - tree.num_pages, tree.num_pages,
+                            pool.num_adapter_pages, pool.num_pages,
+                            len(eng.swapper.host_nodes) if eng.swapper is not None else 0))
+            return outs
+
+        eng.step = sampled_step
+        result = run_workload(eng, specs, max_wall_s=args.max_wall_s, progress=False)
+        m = result.metrics()
+        m.update(hit_tokens=eng.prefix_cache.hit_tokens, lookup_tokens=eng.prefix_cache.lookup_tokens,
+                 adapter_loads=eng.adapters.store.num_loads if eng.adapters.store is not None else None,
+                 swapper=eng.swapper.stats() if eng.swapper is not None else None, occupancy=samples[::5])
+        out[policy] = m
+        log(f"{policy}: TTFT mean {m['ttft_mean_s'] and m['ttft_mean_s'] * 1e3:.0f} ms p50 "
+            f"{m['ttft_p50_s'] and m['ttft_p50_s'] * 1e3:.0f} ms p90 {m['ttft_p90_s'] and m['ttft_p90_s'] * 1e3:.0f}"
+            f" ms, {m['finished']}/{m['requests']} finished, prefix hits {m['hit_tokens']}/{m['lookup_tokens']} "
+            f"tokens, swapper {m['swapper']}")
+        free(llm)
+    res["dynamic"] = out
+    a, b = out["unified"]["ttft_mean_s"], out["lru-fixed"]["ttft_mean_s"]
+    if a and b:
+        res["ttft_change_vs_lru_fixed"] = a / b - 1
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dyn = res.get("dynamic", {})
+    fig, axes = plt.subplots(1, max(1, len(dyn)), figsize=(12, 4), sharey=True, squeeze=False)
+    for ax, (policy, m) in zip(axes[0], dyn.items()):
+        occ = m["occupancy"]
+        if not occ:
+            continue
+        t = [s[0] for s in occ]
+        total = occ[0][4]
+        parts = [[100 * s[i] / total for s in occ] for i in (1, 2, 3)]
+        ax.stackplot(t, *parts, labels=["running KV", "cached KV", "adapters"], alpha=0.8)
+        ax.set_title(f"{policy}: TTFT mean {1e3 * (m['ttft_mean_s'] or 0):.0f} ms")
+        ax.set_xlabel("time (s)")
+        ax.set_ylim(0, 100)
+    axes[0][0].set_ylabel("pool pages (%)")
+    axes[0][0].legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke run)")
+    p.add_argument("--parts", default="throughput,dynamic")
+    args = p.parse_args()
+    if args.tiny:
+        args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:tiny-llama", "cpu", 0.05, 0.01, 0.01
+        args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 16, 8, 32, 8
+        args.phases, args.session_rate, args.turns, args.first_range = [(3.0, 2), (3.0, 6)], 1.0, 3, (32, 96)
+        args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 12, [4, 8], 30.0, 1024
+        args.max_batched_tokens = 256
+    else:
+        args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:llama-2-7b", "cuda", 20.0, 8.0, 24.0
+        args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 384, 64, 256, 64
+        args.phases, args.session_rate, args.turns, args.first_range = [(20.0, 8), (20.0, 32), (20.0, 8)], 1.5, 4, \
+            (512, 1536)
+        args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 100, [8, 16], 100.0, 4096
+        args.max_batched_tokens = 4096
+    args.adapter_fraction = 0.15
+    res = {"benchmark": "memory", "device": gpu_name() if args.device == "cuda" else platform.processor() or "cpu",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "model": args.model}
+    parts = args.parts.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        if "throughput" in parts:
+            throughput(args, Path(tmp), res)
+        if "dynamic" in parts:
+            dynamic(args, Path(tmp), res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = res["device"] if args.device == "cuda" else "cpu"
+    (args.out / f"memory-{name}.json").write_text(json.dumps(res, indent=1))
+    if "dynamic" in res:
+        plot(res, args.out / f"memory-{name}.png")
+    for row in res.get("throughput", []):
+        print(f"adapters {row['adapters']:5d}: {row['throughput_tok_s']:.0f} tok/s ({row['vs_first']:.1%} of 5)")
+    if "ttft_change_vs_lru_fixed" in res:
+        print(f"dynamic multi-turn: mean TTFT {res['ttft_change_vs_lru_fixed']:+.1%} vs LRU fixed pools "
+              "(target -50%)")
+
+
+if __name__ == "__main__":
+    main()
