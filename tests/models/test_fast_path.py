@@ -73,3 +73,33 @@ def test_cuda_graph_decode_equals_eager_decode(tmp_path):
     """fp32, so that the comparison is about the graph machinery, not bf16 rounding."""
     path, paths, pm = build(tmp_path)
     check_graph_decode(path, paths, pm, device="cuda", dtype="float32")
+
+
+def check_graph_columns(path, paths, columns, **kw):
+    """Adapter columns of the graphs' offset tables: reused for adapters that left the pool, grown (with a
+    recapture of the LoRA graphs, even when no other graph holds their memory) when all are in use."""
+    names = {f"x{i}": paths[n] for i, n in enumerate(["a4", "a8", "a16", "a4", "a8", "a16"])}
+    prompts = [PROMPTS[i % 4] for i in range(6)]
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    eager = LLM(str(path), adapters=names, num_blocks=64, block_size=4, max_num_seqs=4, cuda_graphs=False, **kw)
+    want = [eager.generate([p], [n], sp)[0].token_ids for p, n in zip(prompts, names)]
+    llm = LLM(str(path), adapters=names, num_blocks=8, block_size=4, max_num_seqs=4, max_lora_rank=16, **kw)
+    llm.engine.runner.enable_graphs(4, llm.engine.max_model_len, columns=columns)
+    got = [llm.generate([p], [n], sp)[0].token_ids for p, n in zip(prompts, names)]
+    assert got == want
+    g = llm.engine.runner.graphs
+    assert g.num_replays > 0 and {lora for _, lora in g.graphs} == {True}
+    return g, llm.engine.adapters.store
+
+
+def test_graph_columns_are_recycled_on_cpu(tmp_path):
+    path, paths, _ = build(tmp_path)
+    g, store = check_graph_columns(path, paths, 2, kernels="triton", lora_kernel="triton", max_loras=1)
+    assert store.num_evictions > 0
+    assert next(iter(g.col_tables.values()))[0].shape[1] <= 4     # bounded by adapters resident at once
+
+
+@pytest.mark.gpu
+def test_cuda_graph_columns_grow_and_recycle(tmp_path):
+    path, paths, _ = build(tmp_path)
+    check_graph_columns(path, paths, 1, device="cuda", dtype="float32")

@@ -82,14 +82,26 @@ class DecodeGraphs:
 
     def _column(self, adapter: PackedAdapter) -> int:
         """The offset-table column of ``adapter``, written on first sight and again whenever the adapter has
-        moved in the pool since (a reload, or a re-registered name)."""
+        moved in the pool since (a reload, or a re-registered name). A full table reuses the column of an
+        adapter that left the pool (columns are bounded by the adapters resident at once) and only grows, with
+        a recapture of the LoRA graphs, when every column's adapter is still resident."""
         known = self._columns.get(adapter.name)
         if known is not None and known[0] is adapter and known[2] == adapter.placement.epoch:
             return known[1]
-        col = known[1] if known is not None else len(self._columns)
-        if col >= next(iter(self.col_tables.values()))[0].shape[1]:      # full: double, recapture LoRA graphs
-            self._alloc_columns(2 * col)
-            self._drop_lora_graphs()
+        width = next(iter(self.col_tables.values()))[0].shape[1]
+        if known is not None:
+            col = known[1]
+        elif len(self._columns) < width:
+            col = len(self._columns)
+        else:
+            gone = next((n for n, (a, _, epoch) in self._columns.items()
+                         if a.placement.offsets is None or a.placement.epoch != epoch), None)
+            if gone is not None:
+                col = self._columns.pop(gone)[1]
+            else:                                   # every column in use: double, recapture LoRA graphs
+                col = len(self._columns)
+                self._alloc_columns(2 * width)
+                self._drop_lora_graphs()
         for g, tabs in self.col_tables.items():
             o = adapter.offsets[g]
             for tab, src in zip(tabs, (o.a_off, o.rtot, o.b_off, o.vcol)):
@@ -99,6 +111,8 @@ class DecodeGraphs:
 
     def _drop_lora_graphs(self) -> None:
         self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}
+        if not self.graphs:              # no graph holds the shared memory pool any more: start a new one
+            self.pool = None
 
     # -- capture -------------------------------------------------------------------------------
     def _forward_batch(self, b: int, with_lora: bool) -> tuple[ForwardBatch, int]:
