@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None
-    """Local HF model directory (config.json + safetensors), a .gguf file, or random:<preset> (seeded random weights of a known shape, e.g. random:llama-2-7b; prompts as token ids). Default: the embedded SmolLM2-135M-Instruct."""
+    """Local HF model directory (config.json + safetensors), a .gguf file, or random:<preset> (seeded random weights of a known shape, e.g. random:llama-2-7b, or the LMM random:llava-1.5-7b; prompts as token ids). Default: the embedded SmolLM2-135M-Instruct."""
     dtype: str = "auto"
     """Weight/activation dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"

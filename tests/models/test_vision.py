@@ -69,17 +69,22 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llava")
-    path, hf = make_tiny_llava(root)
+def with_adapters(root, hf):
+    """Adapters a4 (rank 4) and a8 (rank 8) on the language model of ``hf``, saved under ``root``; returns
+    (their paths, the PEFT model holding both)."""
     paths = {"a4": root / "a4", "a8": root / "a8"}
     make_lmm_adapter(hf, paths["a4"], 4, seed=10)
     make_lmm_adapter(hf, paths["a8"], 8, seed=11)
     pm = peft.PeftModel.from_pretrained(hf, str(paths["a4"]), adapter_name="a4")
     pm.load_adapter(str(paths["a8"]), adapter_name="a8")
-    pm.eval()
-    return path, paths, pm
+    return paths, pm.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava")
+    path, hf = make_tiny_llava(root)
+    return (path, *with_adapters(root, hf))
 
 
 def hf_inputs(prompt, images):

@@ -26,7 +26,7 @@ from vlora.memory.kv_cache import blocks_for_memory
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.swapper import CacheSwapper
 from vlora.memory.tree import PrefixTree
-from vlora.models.lmm import ImageInputError, build_lmm, is_lmm_dir
+from vlora.models.lmm import ImageInputError, build_lmm, build_random_lmm, is_lmm_dir, is_random_lmm
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
 from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
@@ -57,7 +57,12 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
         self.vision = None                   # LMMs: the vision tower + projector (VisionModel)
-        if is_random_spec(mc.model):     # benchmark shapes with seeded random weights; prompts are token ids
+        if is_random_lmm(mc.model):      # LLaVA shapes with seeded random weights (benchmarks)
+            self.model, self.max_model_len, self.vision = build_random_lmm(
+                mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
+                mc.max_pixels_per_image, mc.seed)
+            self.tokenizer = None
+        elif is_random_spec(mc.model):   # benchmark shapes with seeded random weights; prompts are token ids
             self.model, self.max_model_len = build_random_decoder(mc.model, self.dtype, self.device,
                                                                   mc.max_model_len, mc.seed)
             self.tokenizer = None
@@ -190,9 +195,9 @@ class Engine:
                 raise RequestError(f"model {self.model_name!r} is text-only: it does not accept images")
             return ids, ()
         if not images:
-            if self.vision.image_token_id in ids:
-                raise RequestError(f"prompt holds image placeholder tokens (id {self.vision.image_token_id}) "
-                                   f"but no images were given")
+            marks = [t for t in self.vision.placeholder_ids if t in ids]
+            if marks:
+                raise RequestError(f"prompt holds image placeholder tokens (id {marks[0]}) but no images were given")
             return ids, ()
         try:
             return self.vision.prepare(ids, images)

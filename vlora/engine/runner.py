@@ -83,12 +83,16 @@ class ModelRunner:
         chunks: list[tuple[int, int, int, list[int]]] = []     # (row, new tokens, context, blocks)
         embed_rows: list[range] = []
         embed_values: list[torch.Tensor] = []
+        # M-RoPE positions [3, T] only when a chunk covers a prompt with images (else flat: text positions)
+        mrope = [] if any(s.seq.mrope is not None and s.start < len(s.seq.prompt_token_ids) for s in ordered) else None
         for s in ordered:
             seq, start, n = s.seq, s.start, s.num_tokens
             row = len(ids)
             ids.extend(seq.tokens(start, start + n))
             pos = range(start, start + n)
-            positions.extend(pos)
+            positions.extend(p + seq.rope_delta for p in pos)
+            if mrope is not None:
+                mrope.append(seq.rope_positions(start, start + n))
             slots.extend(seq.blocks[p // bs] * bs + p % bs for p in pos)
             runs.append((row, row + n, seq.adapter))
             for k, lo, hi in _image_overlaps(seq, start, n):
@@ -126,7 +130,7 @@ class ModelRunner:
                                        i32([c[2] for c in chunks]), max(c[1] for c in chunks))
         return ForwardBatch(
             input_ids=torch.tensor(ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
+            positions=torch.cat(mrope, dim=1).to(dev) if mrope is not None else torch.tensor(positions, device=dev),
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=nd, decode_block_tables=table, decode_lens=lens, decode_max_len=max(decode_lens, default=0),
             decode_mask=mask,
@@ -172,11 +176,10 @@ class ModelRunner:
                 if k not in s.seq.image_embeds]
         if not need:
             return
-        pixels = torch.cat([seq.images[k].pixels for seq, k in need])
-        out = self.vision.encode(pixels)
-        self.num_images_encoded += pixels.shape[0]
-        for (seq, k), emb in zip(need, out.split([seq.images[k].pixels.shape[0] for seq, k in need])):
-            seq.image_embeds[k] = emb.reshape(-1, emb.shape[-1])
+        spans = [seq.images[k] for seq, k in need]
+        for (seq, k), emb in zip(need, self.vision.encode_spans(spans)):
+            seq.image_embeds[k] = emb
+        self.num_images_encoded += sum(span.frames for span in spans)
 
     @staticmethod
     def _drop_images(ordered: list[ScheduledSeq]) -> None:
@@ -230,7 +233,7 @@ class ModelRunner:
         for s in ordered:
             seq, p = s.seq, s.start
             ids.append(seq.tokens(p, p + 1)[0])
-            positions.append(p)
+            positions.append(p + seq.rope_delta)
             slots.append(seq.blocks[p // bs] * bs + p % bs)
             tables.append(seq.blocks[:p // bs + 1])
             lens.append(p + 1)

@@ -56,6 +56,14 @@ class Sequence:
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)  # span index -> [length, hidden], while
     #                                          its tokens still wait for KV (the runner drops them after)
     task: "TaskResult | None" = None         # the adapter's task head answer (task_head requests)
+    mrope: torch.Tensor | None = None        # M-RoPE (Qwen2-VL) prompt with images: [3, prompt len] t/h/w positions
+    rope_delta: int = 0                      # M-RoPE: a token after the prompt sits at its index + rope_delta
+
+    def __post_init__(self):
+        if any(span.grid is not None for span in self.images):
+            from vlora.models.qwen2_vl import mrope_positions
+
+            self.mrope, self.rope_delta = mrope_positions(len(self.prompt_token_ids), self.images)
 
     @property
     def adapter_name(self) -> str | None:
@@ -71,6 +79,15 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's t/h/w positions, then (like
+        every text token) the same position thrice."""
+        pos = (torch.arange(start, end) + self.rope_delta).expand(3, -1)
+        n = len(self.prompt_token_ids)
+        if self.mrope is None or start >= n:
+            return pos
+        return torch.cat([self.mrope[:, start:min(end, n)], pos[:, max(0, n - start):]], dim=1)
 
     def cache_keys(self, start: int, end: int) -> list:
         """Prefix-cache keys of positions [start, end): the token id, or (image digest, index in the image)

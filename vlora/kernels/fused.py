@@ -103,7 +103,11 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     positions, slots [T] long (slot = block * page + offset); caches [num_blocks, page, Hkv, D], blocks at any
     stride.
     """
+    if positions.dim() != 1:
+        raise ValueError(f"rope_and_cache takes one position per token ([T]), got {list(positions.shape)}; for "
+                         f"M-RoPE pass the tokens' gathered cos/sin rows with positions arange(T)")
     assert qkv.stride(1) == 1 and head_dim % 2 == 0 and k_cache.stride() == v_cache.stride()
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
     assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim and k_cache.stride(1) == num_kv_heads * head_dim
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

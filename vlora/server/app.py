@@ -155,7 +155,9 @@ class OpenAIServer:
     def image_tokens(self, images: list) -> int:
         """Prompt tokens the images add once their placeholders are expanded (one placeholder per image)."""
         vision = self.engine.engine.vision
-        return 0 if vision is None else len(images) * (vision.tokens_per_image - 1)
+        if vision is None or vision.tokens_per_image is None:   # Qwen2-VL: per image size, checked on admission
+            return 0
+        return len(images) * (vision.tokens_per_image - 1)
 
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
              request_id: str, images: list | None = None) -> list[Job]:
@@ -252,7 +254,7 @@ class OpenAIServer:
             raise APIError(400, f"model {self.base_name!r} does not accept images (it is a text-only model)",
                            param="messages", code="images_not_supported")
         placeholder = (None if vision is None or self.tokenizer is None
-                       else self.tokenizer.convert_ids_to_tokens(vision.image_token_id))
+                       else "".join(self.tokenizer.convert_ids_to_tokens(list(vision.image_prompt_ids))))
         conv = [{"role": "system" if m.role == "developer" else m.role,
                  "content": m.content if isinstance(m.content, str) else
                  "\n".join(p.text if isinstance(p, P.TextPart) else placeholder for p in m.content)}
