@@ -64,6 +64,7 @@ class CacheSwapper:
         self._batches: deque[tuple[float, int]] = deque()
         self._last_tick = -math.inf
         self.swapped_out = self.swapped_in = self.dropped = 0
+        self.batch = max(1, pool.num_pages // 64)      # pages reclaimed at least per ranking
         self.adapters_out = self.adapters_in = 0
 
     # -- the cost model -------------------------------------------------------------------------------
@@ -173,9 +174,10 @@ class CacheSwapper:
         self.host_nodes.add(node)
         self.swapped_out += 1
 
-    def swap_in(self, node) -> bool:
-        """Bring a host block back into a page (its parent is on the GPU); False when no page can be had."""
-        if node.host is None or not self.pool.make_room(1):
+    def swap_in(self, node, room_made: bool = False) -> bool:
+        """Bring a host block back into a page (its parent is on the GPU); False when no page can be had.
+        ``room_made``: the caller already asked the pool for room; take a free page or give up."""
+        if node.host is None or (self.pool.num_free < 1 if room_made else not self.pool.make_room(1)):
             return False
         if node.host is None:             # making room forgot it (host memory full): nothing to bring back
             return False
@@ -202,8 +204,10 @@ class CacheSwapper:
             node.host = None
 
     def reclaim(self, pages: int) -> int:
-        """Free ``pages`` pages by swapping out the least valuable GPU leaves (the pool's first reclaimer)."""
+        """Free ``pages`` pages by swapping out the least valuable GPU leaves (the pool's first reclaimer). At
+        least ``batch`` pages go at once: ranking the tree costs more than moving a few more blocks."""
         start = self.pool.num_free
+        pages = max(pages, self.batch)
         while self.pool.num_free - start < pages:
             cands = self._out_candidates()
             if not cands:

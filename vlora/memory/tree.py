@@ -70,21 +70,30 @@ class PrefixTree:
         if node is not None:
             node.visits += 1
             node.used_at = wall
-        pages: list[int] = []
-        now = next(self._clock)
+        path = []
         for i in range((len(tokens) - 1) // bs):
             if node is None:
                 break
             node = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
             if node is None:
                 break
-            if node.page is None and not self.swapper.swap_in(node):     # on the host, and no page for it
+            path.append(node)
+        now = next(self._clock)
+        for n in path:                    # pinned first: room made for the host part cannot take them
+            n.refs += 1
+        on_host = sum(n.page is None for n in path)
+        if on_host:                       # one request for room; as many as fit come back, the rest is recomputed
+            self.pool.make_room(on_host)
+        pages: list[int] = []
+        for k, n in enumerate(path):
+            if n.page is None and not self.swapper.swap_in(n, room_made=True):   # no page for it: stop here
+                for rest in path[k:]:
+                    rest.refs -= 1
                 break
-            node.refs += 1
-            node.last_use = now
-            node.visits += 1
-            node.used_at = wall
-            pages.append(node.page)
+            n.last_use = now
+            n.visits += 1
+            n.used_at = wall
+            pages.append(n.page)
         self.hit_tokens += len(pages) * bs
         return pages
 
