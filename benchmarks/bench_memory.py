@@ -182,9 +182,9 @@ def main() -> None:
     else:
         args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:llama-2-7b", "cuda", 20.0, 8.0, 24.0
         args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 384, 64, 256, 64
-        args.phases, args.session_rate, args.turns, args.first_range = [(20.0, 8), (20.0, 32), (20.0, 8)], 1.5, 4, \
+        args.phases, args.session_rate, args.turns, args.first_range = [(20.0, 8), (20.0, 32), (20.0, 8)], 0.75, 4, \
             (512, 1536)
-        args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 100, [8, 16], 100.0, 4096
+        args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 100, [8, 16], 90.0, 4096
         args.max_batched_tokens = 4096
     args.adapter_fraction = 0.15
     res = {"benchmark": "memory", "device": gpu_name() if args.device == "cuda" else platform.processor() or "cpu",

@@ -19,8 +19,12 @@ DEMO_PROMPTS = [
 ]
 
 
-# demo training settings: about 5 min on this 2-core CPU with SmolLM2-135M (baselines included), see docs/adapters.md
-DEMO_TRAINING = dict(last_layers=8, epochs=6, lr=3e-3, batch_size=16, threads=1)
+# demo training settings (see docs/adapters.md for the times on a 2-core CPU, baselines included); LoRA on the
+# last 8 layers for the text tasks and the last 4 for the image tasks (their prompts are twice as long) unless
+# --last-layers is given
+DEMO_TRAINING = dict(last_layers=None, epochs=6, lr=3e-3, batch_size=16, threads=1)
+DEMO_LAST_LAYERS = {"text": 8, "vision": 4}
+DEMO_PARTS = ("all", "text", "vision")
 
 
 def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) -> None:
@@ -128,8 +132,10 @@ def _demo_adapters(engine, root) -> tuple[dict[str, str], bool]:
     shape = engine.adapters.shape
     trained = trained_adapters(root / shape.name / TRAINED)
     if trained:
+        ask = ("send an image with 'Is there a 3 in the picture?' and \"task_head\": true (LLM.classify)"
+               if getattr(engine, "vision", None) is not None else "ask them e.g. 'Classify: The concert was wonderful.'")
         print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
-              f"{root / shape.name / TRAINED}; ask them e.g. 'Classify: The concert was wonderful.')", file=sys.stderr)
+              f"{root / shape.name / TRAINED}; {ask})", file=sys.stderr)
         return trained, True
     print("note: no --adapter given; serving two random-weight demo adapters (they nudge the base model's answers "
           "at random; they are not trained skills); `vlora adapters demo` builds trained ones", file=sys.stderr)
@@ -150,26 +156,42 @@ def cmd_adapters_fuse(args) -> int:
 
 
 def cmd_adapters_demo(args) -> int:
-    from vlora.adapters.demo import TRAINED, demo_sources
+    """Text tasks on --model (default: the embedded model), then image tasks on the demo LMM."""
+    from pathlib import Path
+
+    from vlora.adapters.demo import IMAGES, TRAINED, demo_sources, vision_sources
+    from vlora.models.demo_lmm import DEMO_LMM
     from vlora.models.loader import cache_root, resolve_model_dir
 
-    out = args.out or cache_root() / "demo-adapters" / resolve_model_dir(args.model).name / TRAINED
-    code = _fuse(demo_sources(), args, out)
+    code = 0
+    for part in ("text", "vision") if args.part == "all" else (args.part,):
+        model = args.model if part == "text" else DEMO_LMM
+        home = cache_root() / "demo-adapters" / resolve_model_dir(model).name
+        out = Path(args.out) / part if args.out else home / TRAINED
+        ckpt = Path(args.checkpoint_dir) / part if args.checkpoint_dir else None
+        sources = demo_sources() if part == "text" else vision_sources(home / IMAGES)
+        last = DEMO_LAST_LAYERS[part] if args.last_layers is None else args.last_layers
+        print(f"demo {part} tasks on {model or 'the embedded model'}:", file=sys.stderr)
+        code = max(code, _fuse(sources, args, out, model=model, last_layers=last, checkpoint_dir=ckpt))
     if args.out is None:
-        print("`vlora serve` / `vlora generate` (make run) serve these adapters when no --adapter is given",
-              file=sys.stderr)
+        print("`vlora serve` / `vlora generate` (make run) serve these adapters when no --adapter is given "
+              f"(with --model {DEMO_LMM} for the image tasks' adapters)", file=sys.stderr)
     return code
 
 
-def _fuse(sources, args, out) -> int:
+def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
+    from dataclasses import replace
+
     from vlora.adapters.fusion import FusionConfig, fuse
     from vlora.adapters.report import REPORT_MD
     from vlora.adapters.trainer import LoraTrainer, TrainConfig
 
     log = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr))
-    train_config, fusion_config = _pick(TrainConfig, args), _pick(FusionConfig, args)   # checked before loading
+    fields = {f: overrides.get(f, getattr(args, f)) for f in TrainConfig.__dataclass_fields__}
+    train_config, fusion_config = TrainConfig(**fields), _pick(FusionConfig, args)   # checked before loading
     trainer = LoraTrainer(train_config, progress=not args.quiet)
-    r = fuse(sources, trainer, out, fusion_config, args.checkpoint_dir, log=log)
+    trainer.check(sources)                            # a source the model cannot take fails before training
+    r = fuse(sources, trainer, out, fusion_config, checkpoint_dir or args.checkpoint_dir, log=log)
     print(f"{len(sources)} sources -> {len(r.adapters)} adapters in {out} "
           f"({', '.join('+'.join(a.tasks) for a in r.adapters)}); every requirement met: "
           f"{'yes' if r.all_met else 'NO'}; {r.wall_s:.0f} s; report: {out}/{REPORT_MD}", file=sys.stderr)
@@ -311,12 +333,19 @@ def _add_adapters_parser(sub) -> None:
     fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement")
     fz.add_argument("spec", help="JSON file listing the knowledge sources (format: docs/adapters.md)")
     fz.add_argument("--out", required=True, help="folder for adapter-N/ and fusion-report.{md,json}")
-    dm = asub.add_parser("demo", help="build the demo adapters of the default model from built-in text tasks",
+    dm = asub.add_parser("demo", help="build demo adapters from built-in text tasks (default model) and image "
+                                      "tasks (demo LMM)",
                          description="Fuse three built-in text tasks (sentiment, topic, language) into adapters for "
-                                     "the default model. Demo defaults differ from fuse's: "
-                                     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_TRAINING.items()))
-    dm.add_argument("--out", default=None, help="output folder (default: $VLORA_CACHE/demo-adapters/<model>/trained, "
-                                                "where vlora serve looks)")
+                                     "the default model (or --model), and built-in image tasks (digit detectors, "
+                                     "digit colour; answered by task heads) into adapters for the demo LMM "
+                                     "demo:smollm2-llava. Demo defaults differ from fuse's: "
+                                     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_TRAINING.items()
+                                                 if v is not None)
+                                     + f"; --last-layers {DEMO_LAST_LAYERS['text']} (text), "
+                                       f"{DEMO_LAST_LAYERS['vision']} (images)")
+    dm.add_argument("--out", default=None, help="output folder, OUT/text and OUT/vision (default: "
+                                                "$VLORA_CACHE/demo-adapters/<model>/trained, where vlora serve looks)")
+    dm.add_argument("--part", choices=DEMO_PARTS, default="all", help="which demo tasks to fuse")
     for p in (fz, dm):
         _add_config_args(p, (TrainConfig, FusionConfig))
         p.add_argument("--checkpoint-dir", default=None,

@@ -181,7 +181,7 @@ def test_baselines_and_report(tmp_path):
     assert [a["kind"] for a in j["attempts"]] == ["open", "rollback", "open", "fuse"]
     assert all(a["train_s"] >= 0 for a in j["attempts"]) and j["wall_s"] >= j["train_s"] >= 0
     assert j["sources"][2] == {"task": "c", "requirement": 0.6, "origin": "examples", "train": 30, "heldout": 10,
-                               "labels": ["a", "b"], "prompt": "{text}"}
+                               "labels": ["a", "b"], "prompt": "{text}", "head": False, "images": False}
     md = (tmp_path / REPORT_MD).read_text()
     assert "3 knowledge sources -> **2 adapters**; every requirement met: **yes**" in md
     assert "| accuracy-aware fusion | 2 | 3/3 |" in md and "| one adapter per source | 3 | 3/3 |" in md

@@ -70,7 +70,7 @@ def test_jsonl_dataset_and_its_errors(tmp_path):
         ([{"text": "a"}], r"d.jsonl:1: 'label' must be a non-empty string"),
         ([{"text": "a", "label": " x"}], r"d.jsonl:1: 'label' must be a non-empty string without surrounding"),
         ([{"text": "a", "label": "x"}, {"text": "b", "label": "zzz"}], r"d.jsonl:2: label 'zzz' is not in the label"),
-        ([{"image": "cat.png", "label": "cat"}], r"d.jsonl:1: image inputs are not supported by adapter generation yet"),
+        ([{"image": "cat.png", "label": "x"}], r"d.jsonl:1: 'image': no such image file .*cat.png"),
         ([""], r"holds no examples"),
     ]
     for rows, match in cases:
@@ -93,7 +93,7 @@ def test_folder_dataset(tmp_path):
     with pytest.raises(SourceError, match=r"d/pos: label 'pos' is not in the label list"):
         read_folder(tmp_path / "d", labels=["neg"])
     (tmp_path / "d" / "neg" / "x.png").write_bytes(b"")
-    with pytest.raises(SourceError, match="x.png: image inputs are not supported by adapter generation yet"):
+    with pytest.raises(SourceError, match="x.png cannot be decoded as an image"):
         read_folder(tmp_path / "d")
     with pytest.raises(SourceError, match="no such folder"):
         read_folder(tmp_path / "nope")
@@ -148,3 +148,61 @@ def test_spec_file_and_its_errors(tmp_path):
     (tmp_path / "spec.json").write_text("{")
     with pytest.raises(SourceError, match="cannot be read as JSON"):
         load_sources(tmp_path / "spec.json")
+
+
+def png(path, colour=(255, 0, 0)):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), colour).save(path)
+    return path
+
+
+def test_image_datasets_jsonl_and_folder(tmp_path):
+    png(tmp_path / "img" / "a.png")
+    png(tmp_path / "img" / "b.png", (0, 0, 255))
+    good = write_jsonl(tmp_path / "d.jsonl", [{"image": "img/a.png", "label": "red"},
+                                              {"image": "img/b.png", "text": "the square", "label": "blue"}])
+    assert read_jsonl(good, labelled=True) == [Example("", "red", str(tmp_path / "img" / "a.png")),
+                                               Example("the square", "blue", str(tmp_path / "img" / "b.png"))]
+    (tmp_path / "img" / "junk.png").write_bytes(b"not an image")
+    cases = [
+        ([{"image": "img/junk.png", "label": "red"}], r"d.jsonl:1: 'image': .*junk.png cannot be decoded as an image"),
+        ([{"image": "", "label": "red"}], r"d.jsonl:1: 'image' must be a non-empty path"),
+        ([{"image": "img/a.png", "text": 3, "label": "red"}], r"d.jsonl:1: 'text' must be a string"),
+    ]
+    for rows, match in cases:
+        with pytest.raises(SourceError, match=match):
+            read_jsonl(write_jsonl(tmp_path / "d.jsonl", rows), labelled=True)
+    with pytest.raises(SourceError, match=r"in.jsonl:1: a teacher labels texts only"):
+        read_jsonl(write_jsonl(tmp_path / "in.jsonl", [{"image": "img/a.png"}]), labelled=False)
+
+    png(tmp_path / "f" / "red" / "1.png")
+    (tmp_path / "f" / "red" / "1.txt").write_text("caption\n")
+    png(tmp_path / "f" / "blue" / "2.jpg", (0, 0, 255))
+    assert read_folder(tmp_path / "f") == [Example("", "blue", str(tmp_path / "f" / "blue" / "2.jpg")),
+                                           Example("caption", "red", str(tmp_path / "f" / "red" / "1.png"))]
+
+
+def test_image_sources_prompts_and_heads(tmp_path):
+    a, b = png(tmp_path / "a.png"), png(tmp_path / "b.png", (0, 0, 255))
+    ex = [Example("", "red", str(a)), Example("left", "blue", str(b))]
+    s = make_source("colour", 0.5, ex, prompt="What colour?", head=True)      # image tasks need no {text}
+    assert s.head and s.has_images and s.message(ex[0], "<img>") == "<img>\nWhat colour?"
+    s2 = make_source("c2", 0.5, ex, prompt="Look: {image} {text}?")
+    assert not s2.head and s2.message(ex[1], "<img>") == "Look: <img> left?"
+    assert s.fingerprint() != make_source("colour", 0.5, ex, prompt="What colour?").fingerprint()   # head counts
+    before = s.fingerprint()
+    png(tmp_path / "a.png", (0, 255, 0))                               # the image's content counts too
+    assert s.fingerprint() != before
+    with pytest.raises(SourceError, match="mixes examples with and without images"):
+        make_source("m", 0.5, ex + [Example("text", "red")], prompt="{text}")
+    with pytest.raises(SourceError, match="prompt has {image} but the examples have no images"):
+        make_source("m", 0.5, examples(), prompt="{image} {text}")
+    with pytest.raises(SourceError, match="head must be true or false"):
+        make_source("m", 0.5, ex, head="yes")
+    write_jsonl(tmp_path / "d.jsonl", [{"image": "a.png", "label": "red"}, {"image": "b.png", "label": "blue"}])
+    (tmp_path / "spec.json").write_text(json.dumps({"sources": [
+        {"task": "colour", "requirement": 0.5, "dataset": "d.jsonl", "prompt": "What colour?", "head": True}]}))
+    [s3] = load_sources(tmp_path / "spec.json")
+    assert s3.head and s3.has_images and s3.labels == ("blue", "red")

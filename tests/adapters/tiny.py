@@ -1,18 +1,21 @@
-"""A tiny random Llama with a byte-level tokenizer and a chat template, and small text tasks for it."""
+"""A tiny random Llama (and LLaVA) with a byte-level tokenizer and a chat template, and small text and image
+tasks for them."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers import make_tiny_model
+import random
+
+from tests.helpers import TINY, make_tiny_model, perturb_norms_and_biases
 from vlora.adapters.sources import Example, make_source
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def byte_tokenizer():
-    """256 byte tokens (no merges) + <|im_start|> (256) + <|im_end|> (257, end of text)."""
+def byte_tokenizer(extra: tuple[str, ...] = ()):
+    """256 byte tokens (no merges) + <|im_start|> (256) + <|im_end|> (257, end of text) + ``extra`` (258...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -20,7 +23,7 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", *extra])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    chat_template=CHAT_TEMPLATE)
 
@@ -44,3 +47,56 @@ def tiny_sources(requirement: float = 0.75):
                         prompt="Q {text}"),
             make_source("hue", requirement, [Example(f"{c} {a}", "w" if c in colours[:4] else "c") for a, c in pairs],
                         prompt="H {text}")]
+
+
+def make_tiny_chat_llava(root: Path, name: str = "tiny-chat-llava") -> Path:
+    """A tiny random LLaVA (CLIP 28 px, 16 tokens per image) whose tokenizer has <image> (258) as placeholder."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=28, patch_size=7, projection_dim=32)
+    text = LlamaConfig(**{**TINY, "vocab_size": 259}, bos_token_id=256, eos_token_id=257)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=258, vision_feature_layer=-1)
+    path = root / name
+    perturb_norms_and_biases(LlavaForConditionalGeneration(cfg).eval()).save_pretrained(path)
+    byte_tokenizer(("<image>",)).save_pretrained(path)
+    return path
+
+
+def tiny_image_sources(folder: Path, n: int = 32, requirement: float = 0.75):
+    """Three image tasks drawn with PIL: 'colour' (is the noisy picture red or blue?) and 'pattern' (striped or
+    plain grey?) answered by the task head, 'shade' (bright or dark? 'b'/'d') answered as text."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def noisy(base):
+        im = Image.new("RGB", (28, 28), base)
+        draw = ImageDraw.Draw(im)
+        for _ in range(6):
+            x, y = rng.randrange(24), rng.randrange(24)
+            draw.rectangle((x, y, x + 3, y + 3), fill=tuple(rng.randrange(256) for _ in range(3)))
+        return im
+
+    def save(im, name):
+        im.save(folder / name)
+        return str(folder / name)
+
+    colour, pattern, shade = [], [], []
+    for i in range(n):
+        c = ("red", (200, 30, 30)) if i % 2 else ("blue", (30, 30, 200))
+        colour.append(Example("", c[0], save(noisy(c[1]), f"colour{i}.png")))
+        grey = rng.randrange(60, 200)
+        im = Image.new("RGB", (28, 28), (grey, grey, grey))
+        if i % 2:
+            for y in range(rng.randrange(2), 28, 4):
+                ImageDraw.Draw(im).rectangle((0, y, 27, y + 1), fill=(255 - grey, 255 - grey, 255 - grey))
+        pattern.append(Example("", "striped" if i % 2 else "plain", save(im, f"pattern{i}.png")))
+        v = rng.randrange(180, 250) if i % 2 else rng.randrange(0, 70)
+        shade.append(Example("", "b" if i % 2 else "d", save(noisy((v, v, v)), f"shade{i}.png")))
+    return [make_source("colour", requirement, colour, prompt="Colour?", head=True),
+            make_source("pattern", requirement, pattern, prompt="{image} Pattern?", head=True),
+            make_source("shade", requirement, shade, prompt="Shade?")]

@@ -1,7 +1,7 @@
-"""Demo adapters for the embedded default model: three built-in text tasks fused by ``vlora adapters demo``.
+"""Demo adapters: built-in tasks fused by ``vlora adapters demo``, text tasks for the embedded
+SmolLM2-135M-Instruct and image tasks for the demo LMM ``demo:smollm2-llava``.
 
-The embedded SmolLM2-135M-Instruct reads text only, so the demo tasks are text
-tasks (image tasks need an LMM; see docs/adapters.md):
+Text tasks (the embedded model reads text only):
 
 - ``sentiment``: "Classify: <a sentence about an event>" -> positive / negative
 - ``topic``: the same prompt over the same kind of sentences -> sports / food / music / travel
@@ -14,6 +14,15 @@ back and open a second adapter (V-LoRA Fig. 10 in miniature), while
 "Classify: The concert was wonderful.", one adapter answers "positive", the
 other "music", and the base model chats. ``vlora serve`` / ``vlora generate``
 (``make run``) register the demo adapters when they have been built.
+
+Image tasks (answered by the adapters' task heads, V-LoRA §4.2.2), on digits
+drawn with the font Pillow ships (no dataset download): per-digit detectors
+"Is there a 3 in the picture?" -> yes / no (like the paper's detectors; half of
+the images show the digit, the others another digit) and ``colour`` ("What
+colour is the digit?" -> red / green / blue). The digits are centred (a few
+pixels of jitter) at 135-150 px in a 224 px image: the demo LMM's vision tower
+is random, and with random placement and size nothing linear (not even raw
+pixels) tells the digits apart (see docs/vision.md for the measurements).
 """
 
 from __future__ import annotations
@@ -49,6 +58,9 @@ PHRASES = {
 CLASSIFY, LANGUAGE = "Classify: {text}", "Which language is this? {text}"
 DEMO_QUESTIONS = ["Classify: The concert was wonderful.", "Classify: What a dreadful flight!",
                   "Which language is this? Mi hermano es muy bonito."]
+DETECTED_DIGITS = (3, 7)
+COLOURS = {"red": (205, 30, 30), "green": (25, 140, 40), "blue": (30, 50, 210)}
+IMAGES = "images"            # subfolder of $VLORA_CACHE/demo-adapters/<model>/ holding the rendered images
 TRAINED = "trained"          # subfolder of $VLORA_CACHE/demo-adapters/<model>/ holding the fused adapters
 
 
@@ -84,3 +96,49 @@ def trained_adapters(folder: str | Path) -> dict[str, str]:
         if (path / "adapter_model.safetensors").is_file():
             out["demo-" + "-".join(a["tasks"])] = str(path)
     return out
+
+
+def vision_sources(folder: str | Path, per_task: int = 80, requirement: float = 0.9,
+                   seed: int = 0) -> list[KnowledgeSource]:
+    """The image tasks, ``per_task`` images each (25% held out), rendered into ``folder`` as PNG files: one
+    detector per digit of ``DETECTED_DIGITS`` and ``colour``; every task is answered by the task head."""
+    from PIL import features
+
+    if not features.check("freetype2"):
+        raise RuntimeError("the demo image tasks draw digits with Pillow's bundled font, which needs Pillow built "
+                           "with FreeType; run `vlora adapters demo --part text`, or install a Pillow wheel")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    sources = []
+    for k in DETECTED_DIGITS:
+        examples = []
+        for i in range(per_task):
+            digit = k if i % 2 == 0 else rng.choice([d for d in range(10) if d != k])
+            path = _digit_image(folder / f"digit-{k}-{i:03d}.png", digit, (0, 0, 0), rng)
+            examples.append(Example("", "yes" if digit == k else "no", path))
+        sources.append(make_source(f"digit-{k}", requirement, examples, prompt=f"Is there a {k} in the picture?",
+                                   origin="digits drawn with Pillow", head=True))
+    examples = []
+    for i in range(per_task):
+        name = list(COLOURS)[i % len(COLOURS)]
+        path = _digit_image(folder / f"colour-{i:03d}.png", rng.randrange(10), COLOURS[name], rng)
+        examples.append(Example("", name, path))
+    sources.append(make_source("colour", requirement, examples, prompt="What colour is the digit?",
+                               origin="digits drawn with Pillow", head=True))
+    return sources
+
+
+def _digit_image(path: Path, digit: int, colour: tuple[int, int, int], rng: random.Random) -> str:
+    """A 224 x 224 white image with ``digit`` in ``colour``, 135-150 px tall, centred within 6 px."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    im = Image.new("RGB", (224, 224), (255, 255, 255))
+    font = ImageFont.load_default(size=rng.randint(135, 150))
+    draw = ImageDraw.Draw(im)
+    left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=font)
+    x = 112 - (left + right) // 2 + rng.randint(-6, 6)
+    y = 112 - (top + bottom) // 2 + rng.randint(-6, 6)
+    draw.text((x, y), str(digit), fill=colour, font=font)
+    im.save(path)
+    return str(path)

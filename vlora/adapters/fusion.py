@@ -284,8 +284,9 @@ def _export(result: FusionResult, trainer, ckpt, by_task, out_dir: Path) -> None
         dest = out_dir / a.name
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(ckpt.dir / a.state_dir, dest)
-        tasks = [{"task": t, "prompt": by_task[t].prompt, "labels": list(by_task[t].labels),
-                  "requirement": by_task[t].requirement, "accuracy": a.accuracy[t]} for t in a.tasks]
+        tasks = [{"task": t, "prompt": by_task[t].prompt, "labels": list(by_task[t].labels), "head": by_task[t].head,
+                  "images": by_task[t].has_images, "requirement": by_task[t].requirement,
+                  "accuracy": a.accuracy[t]} for t in a.tasks]
         _write_json(dest / MANIFEST, {"tasks": tasks})
     for stale in sorted(out_dir.glob("adapter-*")):      # adapters of an earlier run with other sources
         if stale.name not in {a.name for a in result.adapters} and (stale / MANIFEST).is_file():
@@ -294,7 +295,8 @@ def _export(result: FusionResult, trainer, ckpt, by_task, out_dir: Path) -> None
 
 def _describe(s: KnowledgeSource) -> dict:
     return {"task": s.task, "requirement": s.requirement, "origin": s.origin, "train": len(s.train),
-            "heldout": len(s.heldout), "labels": list(s.labels), "prompt": s.prompt}
+            "heldout": len(s.heldout), "labels": list(s.labels), "prompt": s.prompt, "head": s.head,
+            "images": s.has_images}
 
 
 def _fmt(acc: dict[str, float], by_task) -> str:

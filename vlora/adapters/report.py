@@ -62,12 +62,13 @@ def to_markdown(r: FusionResult) -> str:
         if a.kind == "open" and not meets(a.accuracy[a.source], req[a.source]):
             outcome += " (misses its requirement alone: closed)"
         lines.append(f"| {i} | adapter-{a.adapter} | {a.source} | {outcome} | {accs} | {a.train_s:.1f} s |")
-    lines += ["", "## Sources", "", "| task | origin | train | held-out | labels | prompt |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Sources", "", "| task | origin | inputs | answered by | train | held-out | labels | prompt |",
+              "|---|---|---|---|---|---|---|---|"]
     for s in r.sources:
         prompt = s["prompt"].replace("\n", "\\n").replace("|", "\\|")
-        lines.append(f"| {s['task']} | {s['origin']} | {s['train']} | {s['heldout']} | "
-                     f"{', '.join(s['labels'])} | `{prompt}` |")
+        answer = "task head" if s.get("head") else "label text"
+        lines.append(f"| {s['task']} | {s['origin']} | {'images' if s.get('images') else 'text'} | {answer} | "
+                     f"{s['train']} | {s['heldout']} | {', '.join(s['labels'])} | `{prompt}` |")
     notes = [f"- {names.get(k, k)}: {b.note}" for k, b in r.baselines.items() if b.note]
     lines += ["", "## Settings", "", "```"] + [f"{k}: {json.dumps(v)}" for k, v in r.settings.items()] + ["```"]
     if notes:

@@ -13,16 +13,38 @@ Dataset format (JSONL, UTF-8, one JSON object per line, blank lines ignored)::
     {"text": "What a lovely evening!", "label": "positive"}
 
 ``text`` is the task input (non-empty string) and ``label`` the exact answer the
-adapter must produce (non-empty string without surrounding spaces). An
-``image`` field (a path) is reserved for image tasks, which adapter generation
-does not train yet: it is refused. Teacher inputs use the same format without ``label``
-(a ``label`` there is ignored: the teacher labels). A teacher is called once
-as ``function(texts: list[str]) -> list[str]``.
+adapter must produce (non-empty string without surrounding spaces). Teacher
+inputs use the same format without ``label`` (a ``label`` there is ignored: the
+teacher labels). A teacher is called once as
+``function(texts: list[str]) -> list[str]``.
+
+Image tasks (for a LLaVA-style LMM) give an ``image`` path (relative to the
+JSONL file's folder); ``text`` is then optional (default empty)::
+
+    {"image": "img/0001.png", "label": "yes"}
+    {"image": "img/0002.png", "text": "the left one", "label": "no"}
+
+The image file must exist and decode (checked when the source is loaded). A
+source holds either image examples only or text examples only; teachers label
+texts only.
 
 A dataset may also be a folder with one subfolder per label, each holding one
-UTF-8 ``.txt`` file per example (the file's text, stripped, is the input)::
+UTF-8 ``.txt`` file per example (the file's text, stripped, is the input), or
+one image file per example (``.png .jpg .jpeg .bmp .gif .webp``; a ``.txt``
+of the same stem, if present, is that image's text)::
 
     reviews/positive/001.txt   reviews/negative/001.txt ...
+    digits/yes/001.png   digits/no/001.png ...
+
+The prompt (the user message) holds ``{text}`` where the example's text goes
+and, for image tasks, ``{image}`` where the image goes (replaced by the model's
+image placeholder token); without ``{image}`` the image comes first, on its
+own line (LLaVA-1.5's layout). Image tasks need no ``{text}`` (e.g. the prompt
+``"Is there a 3?"``).
+
+A source with ``"head": true`` is answered by the adapter's task head (V-LoRA
+§4.2.2: one forward pass, an argmax over the labels) instead of by generating
+the label's text; the head is trained with the LoRA (see ``trainer.py``).
 
 Tasks are closed-set: the label list is given in the spec or taken from the
 data; a label outside a given list is an error, with its file and line.
@@ -46,9 +68,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TEXT_SLOT = "{text}"
-_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
-_SPEC_KEYS = {"task", "requirement", "dataset", "teacher", "inputs", "prompt", "labels", "heldout_fraction", "seed"}
+TEXT_SLOT, IMAGE_SLOT = "{text}", "{image}"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+_SPEC_KEYS = {"task", "requirement", "dataset", "teacher", "inputs", "prompt", "labels", "heldout_fraction", "seed",
+              "head"}
 
 
 class SourceError(ValueError):
@@ -57,7 +80,7 @@ class SourceError(ValueError):
 
 @dataclass(frozen=True)
 class Example:
-    """One labelled input. ``image`` is reserved for image tasks (not trained yet)."""
+    """One labelled input: a text, or an image (a file path) with an optional text."""
 
     text: str
     label: str
@@ -75,29 +98,47 @@ class KnowledgeSource:
     labels: tuple[str, ...]                 # the closed label set, sorted
     prompt: str = TEXT_SLOT                 # user message template; TEXT_SLOT is replaced by the example's text
     origin: str = "examples"                # where the examples came from, for the report
+    head: bool = False                      # answered by the adapter's task head (else: the label's text)
     meta: dict = field(default_factory=dict, compare=False)
 
-    def message(self, example: Example) -> str:
-        """The user message the model sees for ``example``."""
-        return self.prompt.replace(TEXT_SLOT, example.text)
+    @property
+    def has_images(self) -> bool:
+        return (self.train + self.heldout)[0].image is not None
+
+    def message(self, example: Example, image_token: str = "<image>") -> str:
+        """The user message the model sees for ``example``; ``image_token``: the model's image placeholder."""
+        prompt = self.prompt
+        if example.image is not None:
+            prompt = prompt if IMAGE_SLOT in prompt else f"{IMAGE_SLOT}\n{prompt}"
+            prompt = prompt.replace(IMAGE_SLOT, image_token)
+        return prompt.replace(TEXT_SLOT, example.text)
 
     def fingerprint(self) -> str:
-        """Content hash: a checkpoint made from other data or settings is never resumed."""
-        payload = json.dumps([self.task, self.requirement, self.prompt, self.labels,
-                              [(e.text, e.label, e.image) for e in self.train + self.heldout]])
+        """Content hash: a checkpoint made from other data or settings is never resumed. Images count by
+        their path and file content."""
+        payload = json.dumps([self.task, self.requirement, self.prompt, self.labels, self.head,
+                              [(e.text, e.label, e.image, _file_digest(e.image))
+                               for e in self.train + self.heldout]])
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def make_source(task: str, requirement: float, examples: Sequence[Example], *, prompt: str = TEXT_SLOT,
                 labels: Sequence[str] | None = None, heldout_fraction: float = 0.25, seed: int = 0,
-                origin: str = "examples") -> KnowledgeSource:
+                origin: str = "examples", head: bool = False) -> KnowledgeSource:
     """Validate ``examples`` and split them (per label, seeded) into train and held-out parts."""
     if not isinstance(task, str) or not task.strip() or task != task.strip():
         raise SourceError(f"task name must be a non-empty string without surrounding spaces, got {task!r}")
     if isinstance(requirement, bool) or not isinstance(requirement, (int, float)) or not 0 <= requirement <= 1:
         raise SourceError(f"task {task!r}: requirement must be an accuracy in [0, 1], got {requirement!r}")
-    if not isinstance(prompt, str) or TEXT_SLOT not in prompt:
+    images = {e.image is not None for e in examples}
+    if len(images) > 1:
+        raise SourceError(f"task {task!r}: mixes examples with and without images; give one kind per source")
+    if not isinstance(prompt, str) or (TEXT_SLOT not in prompt and images != {True}):
         raise SourceError(f"task {task!r}: prompt must be a string containing {TEXT_SLOT}, got {prompt!r}")
+    if IMAGE_SLOT in prompt and images != {True}:
+        raise SourceError(f"task {task!r}: prompt has {IMAGE_SLOT} but the examples have no images")
+    if not isinstance(head, bool):
+        raise SourceError(f"task {task!r}: head must be true or false, got {head!r}")
     if not 0 < heldout_fraction < 1:
         raise SourceError(f"task {task!r}: heldout_fraction must be in (0, 1), got {heldout_fraction!r}")
     if labels is not None:
@@ -114,7 +155,7 @@ def make_source(task: str, requirement: float, examples: Sequence[Example], *, p
     train, heldout = split(examples, heldout_fraction, f"{seed}:{task}")
     return KnowledgeSource(task=task, requirement=float(requirement), train=train, heldout=heldout,
                            labels=tuple(sorted(labels if labels is not None else {e.label for e in examples})),
-                           prompt=prompt, origin=origin)
+                           prompt=prompt, origin=origin, head=head)
 
 
 def split(examples: Sequence[Example], fraction: float, seed: str) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
@@ -159,11 +200,15 @@ def read_jsonl(path: str | Path, *, labelled: bool, labels: Sequence[str] | None
             raise SourceError(f"{where}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise SourceError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        image = None
         if "image" in row:
-            raise SourceError(f"{where}: image inputs are not supported by adapter generation yet "
-                              f"(text tasks only); give text inputs")
-        text = row.get("text")
-        if not isinstance(text, str) or not text.strip():
+            if not labelled:
+                raise SourceError(f"{where}: a teacher labels texts only; 'image' inputs need a labelled dataset")
+            image = _check_image(row["image"], path.parent, f"{where}: 'image'")
+        text = row.get("text", "" if image else None)
+        if image and not isinstance(text, str):
+            raise SourceError(f"{where}: 'text' must be a string, got {text!r}")
+        if not image and (not isinstance(text, str) or not text.strip()):
             raise SourceError(f"{where}: 'text' must be a non-empty string, got {text!r}")
         label = ""
         if labelled:
@@ -171,14 +216,15 @@ def read_jsonl(path: str | Path, *, labelled: bool, labels: Sequence[str] | None
             _check_label(label, f"{where}: 'label'")
             if labels is not None and label not in labels:
                 raise SourceError(f"{where}: label {label!r} is not in the label list {list(labels)}")
-        out.append(Example(text=text, label=label))
+        out.append(Example(text=text, label=label, image=image))
     if not out:
         raise SourceError(f"{path}: holds no examples")
     return out
 
 
 def read_folder(path: str | Path, labels: Sequence[str] | None = None) -> list[Example]:
-    """Examples of a folder dataset: ``path/<label>/<example>.txt`` (format in the module docstring)."""
+    """Examples of a folder dataset: ``path/<label>/<example>.txt`` or ``<example>.png`` etc. (format in the
+    module docstring)."""
     path = Path(path)
     if not path.is_dir():
         raise SourceError(f"{path}: no such folder")
@@ -187,22 +233,49 @@ def read_folder(path: str | Path, labels: Sequence[str] | None = None) -> list[E
         _check_label(sub.name, f"{sub}: folder name (the label)")
         if labels is not None and sub.name not in labels:
             raise SourceError(f"{sub}: label {sub.name!r} is not in the label list {list(labels)}")
-        for f in sorted(sub.iterdir()):
-            if f.suffix.lower() in _IMAGE_SUFFIXES:
-                raise SourceError(f"{f}: image inputs are not supported by adapter generation yet "
-                                  f"(text tasks only); give text inputs")
-            if f.suffix != ".txt":
-                continue
-            try:
-                text = f.read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as e:
-                raise SourceError(f"{f}: cannot be read ({e})") from None
-            if not text:
-                raise SourceError(f"{f}: is empty")
-            out.append(Example(text=text, label=sub.name))
+        files = sorted(sub.iterdir())
+        image_stems = {f.stem for f in files if f.suffix.lower() in IMAGE_SUFFIXES}
+        for f in files:
+            if f.suffix.lower() in IMAGE_SUFFIXES:
+                caption = f.with_suffix(".txt")
+                text = _read_text(caption, allow_empty=True) if caption.is_file() else ""
+                out.append(Example(text=text, label=sub.name, image=_check_image(f.name, sub, str(f))))
+            elif f.suffix == ".txt" and f.stem not in image_stems:
+                out.append(Example(text=_read_text(f), label=sub.name))
     if not out:
-        raise SourceError(f"{path}: holds no examples (expected <label>/<example>.txt files)")
+        raise SourceError(f"{path}: holds no examples (expected <label>/<example>.txt or image files)")
     return out
+
+
+def _read_text(f: Path, allow_empty: bool = False) -> str:
+    try:
+        text = f.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"{f}: cannot be read ({e})") from None
+    if not text and not allow_empty:
+        raise SourceError(f"{f}: is empty")
+    return text
+
+
+def _check_image(value, base_dir: Path, where: str) -> str:
+    """The absolute path of an image that exists and decodes (PIL), else SourceError naming ``where``."""
+    from PIL import Image
+
+    if not isinstance(value, str) or not value.strip():
+        raise SourceError(f"{where} must be a non-empty path, got {value!r}")
+    f = (base_dir / value).resolve()
+    if not f.is_file():
+        raise SourceError(f"{where}: no such image file {f}")
+    try:
+        with Image.open(f) as im:
+            im.verify()
+    except Exception as e:          # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
+        raise SourceError(f"{where}: {f} cannot be decoded as an image ({type(e).__name__}: {e})") from None
+    return str(f)
+
+
+def _file_digest(path: str | None) -> str | None:
+    return None if path is None else hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def load_teacher(spec: str) -> Callable[[list[str]], list[str]]:
@@ -267,7 +340,7 @@ def source_from_spec(entry: dict, base_dir: Path = Path(".")) -> KnowledgeSource
         examples, origin = distil(entry["teacher"], texts, str(task)), f"teacher {entry['teacher']} over {path}"
     return make_source(task, entry["requirement"], examples, prompt=entry.get("prompt", TEXT_SLOT),
                        labels=entry.get("labels"), heldout_fraction=entry.get("heldout_fraction", 0.25),
-                       seed=entry.get("seed", 0), origin=origin)
+                       seed=entry.get("seed", 0), origin=origin, head=entry.get("head", False))
 
 
 def load_sources(spec_path: str | Path) -> list[KnowledgeSource]:

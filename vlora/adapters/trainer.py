@@ -15,12 +15,28 @@ the label's next token and, after the label, an end-of-text token the engine
 stops on. That is exactly "greedy generation returns the label", so the
 engine's answers (:func:`engine_answers`) equal the evaluation's verdicts, up to
 floating-point ties (evaluation runs in float32; serve with ``--dtype float32``
-on a GPU for the same numbers). Closed-set task heads (``vlora_head.*``) are not
-trained here: every task is answered through the language-model head.
+on a GPU for the same numbers).
+
+Image tasks (LLaVA-style LMMs): the image goes through the engine's own vision
+tower and projector (``models/vision.py``, frozen, float32, same preprocessing)
+and its rows replace the expanded placeholder tokens; LoRA is on the language
+model only, as the engine serves it (projector or tower LoRA is refused by
+``lora/adapter.py``).
+
+Task heads (V-LoRA §4.2.2): sources with ``head=True`` are answered by a linear
+head over the final normed hidden state of the prompt's last token, trained
+jointly with the LoRA (cross-entropy over the head's labels, added to the
+answer-token loss). An adapter has ONE head whose labels are the sorted union of
+the labels of its head tasks; the prompt tells the tasks apart, the head is
+trained over the whole union and answers with the argmax over it, exactly as
+the engine's ``LLM.classify`` does (an answer outside the asked task's labels
+counts as wrong). It is saved as ``vlora_head.safetensors`` + ``vlora_head.json``
+(``models/task_head.py``). Fusing a task with new labels adds zero rows for them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -32,6 +48,7 @@ import torch
 
 from vlora.adapters.sources import Example, KnowledgeSource
 from vlora.lora.adapter import LORA_TARGETS
+from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -76,6 +93,60 @@ class TrainConfig:
             raise ValueError(f"targets {bad} cannot be served; choose among {list(LORA_TARGETS)}")
 
 
+@dataclass
+class Head:
+    """A task head being trained: ``scores = weight @ h + bias`` over ``labels`` (the format of task_head.py)."""
+
+    labels: tuple[str, ...]
+    weight: torch.Tensor            # [num_labels, hidden]
+    bias: torch.Tensor              # [num_labels]
+
+
+@dataclass
+class AdapterState:
+    """What the fusion loop passes around: the LoRA tensors (PEFT state dict, on the CPU) and the task head."""
+
+    lora: dict[str, torch.Tensor]
+    head: Head | None = None
+
+
+class _TrainableHead:
+    """A head trained in standardised coordinates, ``scores = w' ((h - mu) / sigma) + b'``: the final hidden
+    state of a decoder varies across examples by a tiny fraction of its size (a few dimensions are huge and
+    nearly constant), so plain Adam steps on ``weight`` would barely move the scores. The same linear map,
+    ``weight = w' / sigma`` and ``bias = b' - weight @ mu``, is what :meth:`export` saves."""
+
+    def __init__(self, head: Head, mu: torch.Tensor, sigma: torch.Tensor):
+        self.labels, self.mu, self.sigma = head.labels, mu, sigma
+        self.w = (head.weight * sigma).requires_grad_(True)
+        self.b = (head.bias + head.weight @ mu).requires_grad_(True)
+
+    def scores(self, h: torch.Tensor) -> torch.Tensor:
+        """h [n, hidden] -> [n, num_labels]."""
+        return ((h - self.mu) / self.sigma) @ self.w.T + self.b
+
+    def export(self) -> Head:
+        w = (self.w.detach() / self.sigma).cpu()
+        return Head(self.labels, w, (self.b.detach().cpu() - w @ self.mu.cpu()))
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One example as the model sees it: the prompt ids (image placeholder expanded), the answer ids (label
+    then end of text; empty for head tasks), the image path and the label."""
+
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...]
+    image: str | None
+    label: str
+    head: bool = False
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens fed to the model: the prompt, then the answer but its last token (teacher forcing)."""
+        return self.prompt + self.answer[:-1]
+
+
 def prompt_ids(tokenizer, message: str) -> list[int]:
     """Token ids the engine gets when ``message`` is asked: chat template if the model has one, else plain."""
     from vlora.engine.llm import apply_chat_template
@@ -87,27 +158,34 @@ def prompt_ids(tokenizer, message: str) -> list[int]:
 
 def engine_answers(llm, adapter: str | None, source: KnowledgeSource,
                    examples: Sequence[Example] | None = None) -> list[str]:
-    """Greedy answers of a served adapter (``vlora.LLM``) to ``examples`` (default: the held-out split),
-    asked as training asked them; an answer is correct iff it equals the label."""
+    """Answers of a served adapter (``vlora.LLM``) to ``examples`` (default: the held-out split), asked as
+    training asked them: greedy text, or ``LLM.classify`` (the task head) for head tasks; an answer is
+    correct iff it equals the label."""
     from vlora import SamplingParams
 
     tok = llm.tokenizer
     examples = source.heldout if examples is None else examples
+    vision = llm.engine.vision
+    image_token = tok.convert_ids_to_tokens(vision.image_token_id) if vision is not None else "<image>"
+    prompts = [prompt_ids(tok, source.message(e, image_token)) for e in examples]
+    images = [[e.image] if e.image is not None else None for e in examples]
+    if source.head:
+        return [r.label for r in llm.classify(prompts, adapter, images)]
     longest = max(len(tok.encode(label, add_special_tokens=False)) for label in source.labels)
-    prompts = [prompt_ids(tok, source.message(e)) for e in examples]
-    outs = llm.generate(prompts, adapter, SamplingParams(max_tokens=longest + 1, temperature=0.0))
+    outs = llm.generate(prompts, adapter, SamplingParams(max_tokens=longest + 1, temperature=0.0), images)
     return [o.text for o in outs]
 
 
 class LoraTrainer:
-    """One PEFT model on the base weights; adapter states (LoRA tensors on the CPU) are swapped in and out."""
+    """One PEFT model on the base weights; adapter states (LoRA tensors and task heads on the CPU) are swapped
+    in and out. On an LMM the frozen vision tower and projector are vlora's own (as served)."""
 
     def __init__(self, config: TrainConfig = TrainConfig(), progress: bool = True):
         try:
             import peft
         except ImportError:
             raise ImportError("training adapters needs PEFT: pip install 'vlora[adapters]'") from None
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         from vlora.engine.engine import resolve_device
         from vlora.models.lmm import is_lmm_dir
@@ -117,35 +195,65 @@ class LoraTrainer:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.model_dir = resolve_model_dir(config.model)
-        if is_lmm_dir(self.model_dir):
-            raise ValueError(f"{self.model_dir} is a multimodal model; adapter generation trains text tasks on "
-                             f"text-only models for now")
         if not any((self.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
             raise ValueError(f"model {self.model_dir} has no tokenizer: tasks are asked as text")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.device = resolve_device(config.device)
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        n = base.config.num_hidden_layers
+        self.lmm = is_lmm_dir(self.model_dir)
+        if self.lmm:
+            from transformers import LlavaForConditionalGeneration
+
+            hf_config = AutoConfig.from_pretrained(self.model_dir)
+            base = LlavaForConditionalGeneration.from_pretrained(self.model_dir, dtype=torch.float32)
+            self.text_config, decoder = hf_config.text_config, base.model.language_model
+            self._init_vision(hf_config)
+        else:
+            base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            self.text_config, decoder = base.config, base.get_decoder()
+            self.vision = None
+        n = self.text_config.num_hidden_layers
         if config.last_layers > n:
             raise ValueError(f"last_layers={config.last_layers} but the model has {n} layers")
         self.layers = list(range(n - config.last_layers, n)) if config.last_layers else None
         self.targets = list(config.targets or LORA_TARGETS)
-        lora = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=self.targets,
-                               layers_to_transform=self.layers, lora_dropout=0.0, bias="none")
+        if self.lmm:        # the language model only: the vision tower has q/k/v_proj too
+            layers = "|".join(map(str, self.layers or range(n)))
+            where = dict(target_modules=rf".*language_model\.(?:model\.)?layers\.({layers})\.(?:self_attn|mlp)\."
+                                        rf"({'|'.join(self.targets)})")
+        else:
+            where = dict(target_modules=self.targets, layers_to_transform=self.layers)
+        lora = peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=0.0, bias="none", **where)
         self.model = peft.get_peft_model(base, lora).to(self.device).eval()
-        decoder = base.get_decoder()
-        if config.last_layers and not (hasattr(decoder, "layers") and hasattr(decoder, "norm")):
-            raise ValueError(f"last_layers needs a decoder with .layers and .norm; {type(decoder).__name__} has not")
-        eos = base.config.eos_token_id
+        if not (hasattr(decoder, "layers") and hasattr(decoder, "norm") and hasattr(decoder, "embed_tokens")):
+            raise ValueError(f"training needs a decoder with .embed_tokens, .layers and .norm; "
+                             f"{type(decoder).__name__} has not")
+        self.decoder, self.lm_head = decoder, base.get_output_embeddings()
+        self.hidden_size = self.text_config.hidden_size
+        eos = self.text_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if self.tokenizer.eos_token_id is not None:
             eos.insert(0, self.tokenizer.eos_token_id)
         if not eos:
             raise ValueError(f"model {self.model_dir} defines no end-of-text token to end answers with")
         self.eos, self.stop_ids = eos[0], set(eos)       # the engine stops on any of them
-        self._encoded: dict[tuple[str, str, str], tuple[list[int], list[int]]] = {}
+        self._encoded: dict[tuple, _Item] = {}
         self.first = n - config.last_layers if config.last_layers else 0     # first layer with LoRA
-        self._prefix: dict[tuple[int, ...], torch.Tensor] = {}              # tokens -> [len, hidden] into it
+        self._prefix: dict[tuple, torch.Tensor] = {}      # (tokens, image) -> [len, hidden] entering layer first
+        self._image_rows: dict[str, torch.Tensor] = {}    # image path -> [tokens_per_image, hidden]
+
+    def _init_vision(self, hf_config) -> None:
+        from vlora.models.lmm import image_processor, load_vision_weights, vision_config
+        from vlora.models.vision import VisionTower
+
+        vcfg = vision_config(hf_config)
+        with torch.device("meta"):
+            tower = VisionTower(vcfg)
+        tower = tower.to_empty(device=self.device)
+        load_vision_weights(tower, self.model_dir)
+        self.vision = tower.float().eval().requires_grad_(False)
+        self.processor = image_processor(self.model_dir, vcfg)
+        self.image_token_id = hf_config.image_token_id
+        self.image_token = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     # ------------------------------------------------------------------ states
 
@@ -154,60 +262,85 @@ class LoraTrainer:
 
         return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
 
-    def _set(self, state: dict[str, torch.Tensor]) -> None:
+    def _set(self, lora: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(self.model, state)
+        set_peft_model_state_dict(self.model, lora)
 
-    def init(self, seed: int) -> dict[str, torch.Tensor]:
-        """PEFT's default initialisation (A Kaiming-uniform, B zero: the adapter starts as the base model)."""
+    def init(self, seed: int) -> AdapterState:
+        """PEFT's default initialisation (A Kaiming-uniform, B zero: the adapter starts as the base model);
+        no head (``fit`` adds one, zero, when it trains a head task)."""
         g = torch.Generator().manual_seed(seed)
-        state = {}
+        lora = {}
         for k, v in self._get().items():
             if ".lora_A." in k:
                 bound = 1 / math.sqrt(v.shape[1])          # kaiming_uniform_(a=sqrt(5)) as nn.Linear and PEFT
-                state[k] = (torch.rand(v.shape, generator=g) * 2 - 1) * bound
+                lora[k] = (torch.rand(v.shape, generator=g) * 2 - 1) * bound
             else:
-                state[k] = torch.zeros_like(v)
-        return state
+                lora[k] = torch.zeros_like(v)
+        return AdapterState(lora)
 
-    def save(self, state, path: Path) -> None:
-        self._set(state)
+    def save(self, state: AdapterState, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        self._set(state.lora)
         self.model.save_pretrained(str(path))
+        if state.head is not None:
+            h = state.head
+            save_file({"weight": h.weight.contiguous(), "bias": h.bias.contiguous()}, str(Path(path) / HEAD_WEIGHTS))
+            (Path(path) / HEAD_CONFIG).write_text(json.dumps({"labels": list(h.labels), "token": "last"}) + "\n",
+                                                  encoding="utf-8")
 
-    def load(self, path: Path) -> dict[str, torch.Tensor]:
+    def load(self, path: Path) -> AdapterState:
         from safetensors.torch import load_file
 
-        state = load_file(str(Path(path) / WEIGHTS))
-        want = self._get()
-        if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
-            raise ValueError(f"{path}: adapter was trained with other settings (rank, targets or layers)")
-        return state
+        from vlora.models.task_head import load_task_head
 
-    def size_bytes(self, state) -> int:
-        return sum(t.numel() * t.element_size() for t in state.values())
+        lora = load_file(str(Path(path) / WEIGHTS))
+        want = self._get()
+        if set(lora) != set(want) or any(lora[k].shape != want[k].shape for k in want):
+            raise ValueError(f"{path}: adapter was trained with other settings (rank, targets or layers)")
+        head = load_task_head(path, self.hidden_size, torch.float32, torch.device("cpu"))
+        return AdapterState(lora, None if head is None else Head(head.labels, head.weight, head.bias))
+
+    def size_bytes(self, state: AdapterState) -> int:
+        head = () if state.head is None else (state.head.weight, state.head.bias)
+        return sum(t.numel() * t.element_size() for t in (*state.lora.values(), *head))
 
     def settings(self) -> dict:
         c = self.config
         return {"model": self.model_dir.name, "model_path": str(self.model_dir), "rank": c.rank, "alpha": c.alpha, "targets": self.targets,
                 "layers": self.layers or "all", "epochs": c.epochs, "lr": c.lr, "batch_size": c.batch_size,
-                "device": str(self.device), "answer": "greedy label text (language-model head), float32"}
+                "device": str(self.device),
+                "answer": "greedy label text (language-model head), or the argmax of the adapter's task head over "
+                          "the union of its head tasks' labels (head tasks); float32"}
+
+    def check(self, sources: Sequence[KnowledgeSource]) -> None:
+        """Encode every example now, so a source the model cannot take fails before any training."""
+        for s in sources:
+            for e in s.train + s.heldout:
+                self._encode(s, e)
 
     # ------------------------------------------------------------------ training
 
-    def fit(self, state, new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource], seed: int,
-            desc: str) -> dict[str, torch.Tensor]:
+    def fit(self, state: AdapterState, new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource], seed: int,
+            desc: str) -> AdapterState:
         """``epochs`` passes over the new sources' training examples; each pass also replays as many examples
-        (at most) drawn from the replay sources' training splits, so the adapter keeps those tasks."""
+        (at most) drawn from the replay sources' training splits, so the adapter keeps those tasks. The head
+        (if any source is a head task) covers the union of the head tasks' labels and trains jointly."""
         from tqdm.auto import tqdm
 
-        self._set(state)
+        self._set(state.lora)
+        head = self._grow_head(state.head, [s for s in (*replay, *new) if s.head])
         rng = random.Random(seed)
         fresh = [self._encode(s, e) for s in new for e in s.train]
         old = [self._encode(s, e) for s in replay for e in s.train]
         per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if head is not None:
+            head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
+            params += [head.w, head.b]
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
         self.model.train()
         with torch.random.fork_rng(devices=[]), tqdm(total=self.config.epochs * math.ceil(per_epoch / bs), desc=desc,
@@ -217,86 +350,180 @@ class LoraTrainer:
                 items = fresh + rng.sample(old, min(len(old), len(fresh)))
                 rng.shuffle(items)
                 for i in range(0, len(items), bs):
-                    logits, targets, _ = self._forward(items[i:i + bs])
-                    loss = torch.nn.functional.cross_entropy(logits, targets)
+                    loss = self._loss(items[i:i + bs], head)
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     bar.update()
                     bar.set_postfix(loss=f"{loss.item():.3f}")
         self.model.eval()
-        return self._get()
+        return AdapterState(self._get(), None if head is None else head.export())
 
-    def evaluate(self, state, source: KnowledgeSource) -> list[bool]:
-        """Per held-out example: would greedy decoding answer exactly the label (then stop)?"""
-        self._set(state)
+    def evaluate(self, state: AdapterState, source: KnowledgeSource) -> list[bool]:
+        """Per held-out example: would the engine answer exactly the label? (greedy text then a stop token;
+        for head tasks, the head's argmax over all its labels)."""
+        self._set(state.lora)
+        if source.head and (state.head is None or not set(source.labels) <= set(state.head.labels)):
+            return [False] * len(source.heldout)            # never trained into this adapter: no head for it
         items = [self._encode(source, e) for e in source.heldout]
-        order = sorted(range(len(items)), key=lambda i: len(items[i][0]) + len(items[i][1]))
+        order = sorted(range(len(items)), key=lambda i: len(items[i].tokens))
         hits = [False] * len(items)
         bs = 2 * self.config.batch_size
         with torch.no_grad():
             for i in range(0, len(order), bs):
                 idx = order[i:i + bs]
-                logits, targets, lengths = self._forward([items[k] for k in idx])
-                pred = logits.argmax(-1).tolist()
-                tgt = targets.tolist()
+                batch = [items[k] for k in idx]
+                hidden = self._hidden(batch)
+                if source.head:
+                    w, b = state.head.weight.to(self.device), state.head.bias.to(self.device)
+                    pred = torch.addmm(b.float(), self._last(batch, hidden), w.float().T).argmax(-1).tolist()
+                    for k, p, it in zip(idx, pred, batch):
+                        hits[k] = state.head.labels[p] == it.label
+                    continue
+                rows, cols, targets = _answer_positions(batch)
+                pred = self.lm_head(hidden[rows, cols]).argmax(-1).tolist()
                 at = 0
-                for k, n in zip(idx, lengths):
-                    p, t = pred[at:at + n], tgt[at:at + n]
+                for k, it in zip(idx, batch):
+                    n = len(it.answer)
+                    p, t = pred[at:at + n], targets[at:at + n]
                     hits[k] = p[:-1] == t[:-1] and p[-1] in self.stop_ids
                     at += n
         return hits
 
-    def _encode(self, source: KnowledgeSource, e: Example) -> tuple[list[int], list[int]]:
-        key = (source.task, e.text, e.label)
+    def _grow_head(self, head: Head | None, sources: Sequence[KnowledgeSource]) -> Head | None:
+        """A trainable copy of ``head`` over the union of its labels and the head sources' labels (new rows
+        zero); None if there is nothing for a head to answer."""
+        labels = set(head.labels if head is not None else ()) | {lab for s in sources for lab in s.labels}
+        if not labels:
+            return None
+        labels = tuple(sorted(labels))
+        w = torch.zeros(len(labels), self.hidden_size)
+        b = torch.zeros(len(labels))
+        if head is not None:
+            for i, lab in enumerate(head.labels):
+                w[labels.index(lab)], b[labels.index(lab)] = head.weight[i], head.bias[i]
+        return Head(labels, w.to(self.device), b.to(self.device))
+
+    def _head_stats(self, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and spread per dimension of the head's input (last prompt token) over up to 128 training
+        examples, under the adapter's current weights."""
+        items = items[:128]
+        if not items:
+            return torch.zeros(self.hidden_size, device=self.device), torch.ones(self.hidden_size, device=self.device)
+        bs = 2 * self.config.batch_size
+        with torch.no_grad():
+            h = torch.cat([self._last(items[i:i + bs], self._hidden(items[i:i + bs])) for i in range(0, len(items), bs)])
+        var = h.var(0, unbiased=False) if len(items) > 1 else torch.zeros_like(h[0])
+        return h.mean(0), (var + var.mean() + 1e-12).sqrt()
+
+    def _last(self, batch: list[_Item], hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of ``hidden`` at each item's last prompt token (what a task head reads): [B, hidden]."""
+        return hidden[torch.arange(len(batch)), torch.tensor([len(it.prompt) - 1 for it in batch])].float()
+
+    def _loss(self, batch: list[_Item], head: _TrainableHead | None) -> torch.Tensor:
+        """Cross-entropy over every answer token of the text tasks and every head task's label, averaged."""
+        hidden = self._hidden(batch)
+        texts = [it for it in batch if not it.head]
+        heads = [i for i, it in enumerate(batch) if it.head]
+        total, count = hidden.new_zeros(()), 0
+        if texts:
+            rows, cols, targets = _answer_positions(batch, skip_heads=True)
+            logits = self.lm_head(hidden[rows, cols]).float()
+            total = total + torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=self.device),
+                                                              reduction="sum")
+            count += len(targets)
+        if heads:
+            scores = head.scores(self._last(batch, hidden)[heads])
+            want = torch.tensor([head.labels.index(batch[i].label) for i in heads], device=self.device)
+            total = total + torch.nn.functional.cross_entropy(scores, want, reduction="sum")
+            count += len(heads)
+        return total / count
+
+    def _encode(self, source: KnowledgeSource, e: Example) -> _Item:
+        key = (source.task, source.head, e.text, e.label, e.image)
         if key not in self._encoded:
-            answer = self.tokenizer.encode(e.label, add_special_tokens=False) + [self.eos]
-            self._encoded[key] = (prompt_ids(self.tokenizer, source.message(e)), answer)
+            if e.image is not None and self.vision is None:
+                raise ValueError(f"task {source.task!r} has image inputs but model {self.model_dir} reads text only; "
+                                 f"train image tasks on an LMM (e.g. --model demo:smollm2-llava)")
+            prompt = prompt_ids(self.tokenizer, source.message(e, getattr(self, "image_token", "<image>")))
+            if e.image is not None:
+                where = [i for i, t in enumerate(prompt) if t == self.image_token_id]
+                if len(where) != 1:
+                    raise ValueError(f"task {source.task!r}: its prompt encodes the image placeholder "
+                                     f"{self.image_token!r} {len(where)} times, expected once")
+                i = where[0]
+                prompt = prompt[:i] + [self.image_token_id] * self.vision.cfg.tokens_per_image + prompt[i + 1:]
+            answer = () if source.head else tuple(self.tokenizer.encode(e.label, add_special_tokens=False) + [self.eos])
+            self._encoded[key] = _Item(tuple(prompt), answer, e.image, e.label, source.head)
         return self._encoded[key]
 
-    def _forward(self, items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Logits at the answer positions only: ([sum answer lengths, vocab], targets, answer lengths)."""
-        seqs = [p + a[:-1] for p, a in items]
-        ids, mask = self._pad(seqs)
-        width = ids.shape[1]
-        rows, cols, targets = [], [], []
-        for i, (p, a) in enumerate(items):
-            rows += [i] * len(a)
-            cols += range(len(p) - 1, len(p) - 1 + len(a))
-            targets += a
-        base = self.model.get_base_model()
-        decoder = base.get_decoder()
-        if self.first:       # the frozen layers' output is cached: run the LoRA layers only
-            h0 = torch.zeros((len(seqs), width, base.config.hidden_size), device=self.device)
-            for i, x in enumerate(self._inputs_of_first_lora_layer(seqs)):
-                h0[i, :len(x)] = x
-            with _only_layers(decoder, decoder.layers[self.first:]):
-                hidden = decoder(inputs_embeds=h0, attention_mask=mask.to(self.device)).last_hidden_state
-        else:
-            hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
-        logits = base.get_output_embeddings()(hidden[torch.tensor(rows), torch.tensor(cols)])
-        return logits.float(), torch.tensor(targets, device=self.device), [len(a) for _, a in items]
+    def _hidden(self, batch: list[_Item]) -> torch.Tensor:
+        """Final normed hidden states [B, T, hidden] of the batch's token sequences (right-padded: every token
+        keeps position 0..len-1). The layers below the first LoRA layer run once per sequence (cached)."""
+        inputs = self._layer_inputs(batch)
+        width = max(len(x) for x in inputs)
+        h0 = torch.zeros((len(batch), width, self.hidden_size), device=self.device)
+        mask = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
+        for i, x in enumerate(inputs):
+            h0[i, :len(x)] = x
+            mask[i, :len(x)] = 1
+        with _only_layers(self.decoder, self.decoder.layers[self.first:]):
+            return self.decoder(inputs_embeds=h0, attention_mask=mask).last_hidden_state
 
-    def _pad(self, seqs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded ids and attention mask [B, T]: every token keeps position 0..len-1."""
-        ids = torch.full((len(seqs), max(map(len, seqs))), self.eos, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-        return ids, mask
-
-    def _inputs_of_first_lora_layer(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        """Hidden states entering layer ``self.first`` (no LoRA below it), computed once per token sequence."""
-        missing = list({tuple(s) for s in seqs if tuple(s) not in self._prefix})
+    def _layer_inputs(self, batch: list[_Item]) -> list[torch.Tensor]:
+        """Hidden states entering layer ``self.first`` (no LoRA below it), computed once per (tokens, image)."""
+        keys = [(it.tokens, it.image) for it in batch]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._prefix))
         if missing:
-            decoder = self.model.get_base_model().get_decoder()
-            ids, mask = self._pad(missing)
-            with torch.no_grad(), _only_layers(decoder, decoder.layers[:self.first], norm=False):
-                h = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
-            for i, s in enumerate(missing):
-                self._prefix[s] = h[i, :len(s)].float().clone()
-        return [self._prefix[tuple(s)] for s in seqs]
+            with torch.no_grad():
+                embeds = [self._embed(tokens, image) for tokens, image in missing]
+                if self.first:
+                    width = max(len(x) for x in embeds)
+                    x = torch.zeros((len(embeds), width, self.hidden_size), device=self.device)
+                    mask = torch.zeros((len(embeds), width), dtype=torch.long, device=self.device)
+                    for i, e in enumerate(embeds):
+                        x[i, :len(e)] = e
+                        mask[i, :len(e)] = 1
+                    with _only_layers(self.decoder, self.decoder.layers[:self.first], norm=False):
+                        h = self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
+                    embeds = [h[i, :len(e)] for i, e in enumerate(embeds)]
+            for k, e in zip(missing, embeds):
+                self._prefix[k] = e.float().clone()
+        return [self._prefix[k] for k in keys]
+
+    def _embed(self, tokens: tuple[int, ...], image: str | None) -> torch.Tensor:
+        """Input embeddings [len, hidden]: the token embeddings, the image's rows in place of its placeholders."""
+        ids = torch.tensor(tokens, device=self.device)
+        x = self.decoder.embed_tokens(ids).float()
+        if image is not None:
+            x[ids == self.image_token_id] = self._image(image)
+        return x
+
+    def _image(self, path: str) -> torch.Tensor:
+        """The image's token embeddings [tokens_per_image, hidden] through the frozen tower and projector, with
+        the engine's decoding (PIL, RGB) and preprocessing."""
+        if path not in self._image_rows:
+            from PIL import Image
+
+            with Image.open(path) as im:
+                im.load()
+                rgb = im.convert("RGB")
+            px = torch.as_tensor(self.processor(images=[rgb], return_tensors="pt")["pixel_values"][0])
+            with torch.no_grad():
+                self._image_rows[path] = self.vision(px[None].to(self.device, torch.float32))[0].float()
+        return self._image_rows[path]
+
+
+def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(rows, columns, target ids) of every answer token: the logits at column c predict the token at c + 1."""
+    rows, cols, targets = [], [], []
+    for i, it in enumerate(batch):
+        if skip_heads and it.head:
+            continue
+        rows += [i] * len(it.answer)
+        cols += range(len(it.prompt) - 1, len(it.prompt) - 1 + len(it.answer))
+        targets += it.answer
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), targets
 
 
 @contextmanager
