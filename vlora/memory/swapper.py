@@ -29,8 +29,8 @@ frees them. Swapped-out KV goes to host memory (pinned on CUDA) up to a host
 budget; past it the least valuable host leaves are forgotten. Adapters always
 stay in the host store, so swapping one out only frees its pages.
 
-Host memory for KV is one buffer of page-sized slots (pinned on CUDA),
-allocated at the first swap-out. Copies in both directions are issued on the
+Host memory for KV is one buffer of page-sized slots (pinned on CUDA, and
+then allocated at start-up: pinning gigabytes stalls for seconds). Copies in both directions are issued on the
 current stream without waiting: the iteration that next writes a freed page,
 or reads a page brought back, is queued after the copy on the same stream, so
 the host never stalls on a swap.
@@ -60,11 +60,13 @@ class CacheSwapper:
         self.host_nodes: set = set()
         self.host_slots = host_kv_bytes // self.page_bytes
         self._host_buf: torch.Tensor | None = None
+        if pool.buf.is_cuda:              # pinning gigabytes takes seconds: at start-up, not mid-serving
+            _ = self.host_buf
         self._free_slots: list[int] = list(range(self.host_slots - 1, -1, -1))
         self._batches: deque[tuple[float, int]] = deque()
         self._last_tick = -math.inf
         self.swapped_out = self.swapped_in = self.dropped = 0
-        self.batch = max(1, pool.num_pages // 64)      # pages reclaimed at least per ranking
+        self.batch = max(1, pool.num_pages // 256)     # pages reclaimed at least per ranking
         self.adapters_out = self.adapters_in = 0
 
     # -- the cost model -------------------------------------------------------------------------------
