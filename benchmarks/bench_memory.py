@@ -4,9 +4,9 @@
    requests use the first N adapters uniformly, all sent at once). Target: 1,000 adapters >= 90% of the
    5-adapter throughput. Host memory of the adapter store reported.
 2. A dynamic-popularity multi-turn workload (FastLibra's setting: chat sessions on a shifting hot set of
-   adapters, in real time) on two engines with prefix caching: the unified pool with the dependency tree and
-   FastLibra's cost-model swapper, and LRU with fixed separate pools for adapters and KV (cached KV
-   discarded). Target: mean TTFT -50% at the same request rate. Pool occupancy (running KV, cached KV,
+   adapters, in real time) on engines with prefix caching: the unified pool with the dependency tree and
+   FastLibra's cost-model swapper (fastlibra), the unified pool with LRU eviction (unified), and LRU with
+   fixed separate pools for adapters and KV (lru-fixed, cached KV discarded). Target: mean TTFT -50% at the same request rate. Pool occupancy (running KV, cached KV,
    adapters) over time plotted for both.
 
     python benchmarks/bench_memory.py --out benchmarks/results            # GPU: Llama-2-7B shapes
@@ -98,7 +98,7 @@ def dynamic(args, tmp: Path, res: dict) -> None:
                                "turns": args.turns, "requests": len(specs), "first_range": args.first_range}
     out = {}
     dirs = None
-    for policy in ("unified", "lru-fixed"):
+    for policy in args.policies:
         llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.dyn_kv_gb,
                   max_model_len=args.max_model_len, max_lora_rank=max(args.ranks), check_base_model=False,
                   max_num_batched_tokens=args.max_batched_tokens, prefix_caching=True, memory_policy=policy,
@@ -137,9 +137,10 @@ def dynamic(args, tmp: Path, res: dict) -> None:
             f"tokens, swapper {m['swapper']}")
         free(llm)
     res["dynamic"] = out
-    a, b = out["unified"]["ttft_mean_s"], out["lru-fixed"]["ttft_mean_s"]
-    if a and b:
-        res["ttft_change_vs_lru_fixed"] = a / b - 1
+    base = out.get("lru-fixed", {}).get("ttft_mean_s")
+    for policy, m in out.items():
+        if base and m["ttft_mean_s"] and policy != "lru-fixed":
+            res[f"ttft_change_{policy}_vs_lru_fixed"] = m["ttft_mean_s"] / base - 1
 
 
 def plot(res: dict, path: Path) -> None:
@@ -172,6 +173,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke run)")
     p.add_argument("--parts", default="throughput,dynamic")
+    p.add_argument("--policies", default="fastlibra,unified,lru-fixed", type=lambda t: t.split(","),
+                   help="memory policies of the dynamic part")
     args = p.parse_args()
     if args.tiny:
         args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:tiny-llama", "cpu", 0.05, 0.01, 0.01
@@ -202,9 +205,8 @@ def main() -> None:
         plot(res, args.out / f"memory-{name}.png")
     for row in res.get("throughput", []):
         print(f"adapters {row['adapters']:5d}: {row['throughput_tok_s']:.0f} tok/s ({row['vs_first']:.1%} of 5)")
-    if "ttft_change_vs_lru_fixed" in res:
-        print(f"dynamic multi-turn: mean TTFT {res['ttft_change_vs_lru_fixed']:+.1%} vs LRU fixed pools "
-              "(target -50%)")
+    for key in (k for k in res if k.startswith("ttft_change_")):
+        print(f"dynamic multi-turn, {key[len('ttft_change_'):-len('_vs_lru_fixed')]}: mean TTFT {res[key]:+.1%} vs LRU fixed pools (target -50%)")
 
 
 if __name__ == "__main__":

@@ -59,9 +59,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB)."""
     memory_policy: str = "unified"
-    """unified: KV and adapters share the pool; with prefix caching, FastLibra's cost model swaps cached KV and adapters between GPU and host memory. lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
+    """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra (experimental): unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (slower than unified LRU in our H100 measurement, docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
     host_kv_gb: float = 4.0
-    """Host memory for cached KV blocks swapped out of the pool (unified policy with prefix caching), GiB."""
+    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB."""
     adapter_pool_fraction: float = 0.1
     """lru-fixed: share of the pool's pages reserved for adapters."""
 
@@ -72,8 +72,8 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
-        if self.memory_policy not in ("unified", "lru-fixed"):
-            raise ConfigError(f"memory_policy must be unified or lru-fixed, got {self.memory_policy!r}")
+        if self.memory_policy not in ("unified", "fastlibra", "lru-fixed"):
+            raise ConfigError(f"memory_policy must be unified, fastlibra or lru-fixed, got {self.memory_policy!r}")
         if self.host_kv_gb < 0:
             raise ConfigError(f"host_kv_gb must be >= 0, got {self.host_kv_gb}")
         if not 0 < self.adapter_pool_fraction < 1:

@@ -102,7 +102,7 @@ def test_cached_kv_only_below_resident_adapters(tmp_path):
     want = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=128, block_size=4)
             .generate(prompts + prompts, names + names, sp)]
     llm = LLM(str(path), adapters=paths, num_blocks=12, block_size=4, lora_kernel="triton", max_loras=1,
-              max_lora_rank=16, prefix_caching=True)
+              max_lora_rank=16, prefix_caching=True, memory_policy="fastlibra")
     store, tree = llm.engine.adapters.store, llm.engine.prefix_cache
     got, seen_gone = [], 0
     for p, a in zip(prompts + prompts, names + names):

@@ -106,7 +106,7 @@ class Engine:
             self.pool.reclaimers.remove(store.reclaim)
         if cc.prefix_caching:
             self.prefix_cache = PrefixTree(self.pool, cc.block_size)
-            if fixed:                             # LRU within the KV pool, cached KV discarded
+            if cc.memory_policy != "fastlibra":   # LRU: cached KV gives way first, and is discarded
                 self.pool.reclaimers.insert(0, self.prefix_cache.evict)
             else:                                 # FastLibra's cost model over KV blocks and adapters
                 self.swapper = CacheSwapper(self.pool, self.prefix_cache, store, self.adapters.find,
