@@ -180,8 +180,6 @@ def cmd_adapters_demo(args) -> int:
 
 
 def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
-    from dataclasses import replace
-
     from vlora.adapters.fusion import FusionConfig, fuse
     from vlora.adapters.report import REPORT_MD
     from vlora.adapters.trainer import LoraTrainer, TrainConfig

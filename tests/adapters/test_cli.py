@@ -7,18 +7,10 @@ import re
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tests.adapters.tiny import make_tiny_chat_model, tiny_sources
 from vlora.adapters.demo import TRAINED, demo_sources, trained_adapters
 from vlora.cli import _demo_adapters, main
-
-
-@pytest.fixture
-def one_thread():
-    old = torch.get_num_threads()
-    yield
-    torch.set_num_threads(old)
 
 
 def test_fuse_command_trains_from_a_spec_file(tmp_path, capsys, one_thread):
@@ -88,3 +80,31 @@ def test_demo_sources_conflict_by_design():
     assert language.labels == ("English", "French", "German", "Spanish")
     assert all(len(s.train) + len(s.heldout) == 80 and 18 <= len(s.heldout) <= 22 for s in (sentiment, topic, language))
     assert demo_sources()[0].fingerprint() == sentiment.fingerprint()          # deterministic
+
+
+def test_vision_demo_sources_are_drawn_deterministically(tmp_path):
+    from vlora.adapters.demo import DETECTED_DIGITS, vision_sources
+
+    sources = vision_sources(tmp_path / "a", per_task=12)
+    assert [s.task for s in sources] == [f"digit-{k}" for k in DETECTED_DIGITS] + ["colour"]
+    assert all(s.head and s.has_images and len(s.train) + len(s.heldout) == 12 for s in sources)
+    assert sources[0].labels == ("no", "yes") and sources[-1].labels == ("blue", "green", "red")
+    assert sources[0].prompt == f"Is there a {DETECTED_DIGITS[0]} in the picture?"
+    again = vision_sources(tmp_path / "b", per_task=12)                 # same pixels, other folder
+    assert [(e.label, open(e.image, "rb").read()) for e in sources[0].train] == \
+        [(e.label, open(e.image, "rb").read()) for e in again[0].train]
+
+
+def test_fuse_command_refuses_image_tasks_on_a_text_model_before_training(tmp_path, capsys):
+    from PIL import Image
+
+    model = make_tiny_chat_model(tmp_path)
+    for i, colour in enumerate(("red", "blue")):
+        Image.new("RGB", (8, 8), colour).save(tmp_path / f"{i}.png")
+    (tmp_path / "d.jsonl").write_text('{"image": "0.png", "label": "red"}\n{"image": "1.png", "label": "blue"}\n')
+    (tmp_path / "spec.json").write_text(json.dumps({"sources": [{"task": "colour", "requirement": 0.5,
+                                                                 "dataset": "d.jsonl", "head": True}]}))
+    code = main(["adapters", "fuse", str(tmp_path / "spec.json"), "--out", str(tmp_path / "o"), "--model", str(model),
+                 "--quiet"])
+    assert code == 2 and "has image inputs but model" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -8,29 +8,20 @@ import json
 import pytest
 import torch
 
-from tests.adapters.tiny import make_tiny_chat_model, tiny_sources
+from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, make_tiny_chat_model, tiny_sources,
+                                train_and_fuse)
 from vlora import LLM
-from vlora.adapters.fusion import FusionConfig, fuse
 from vlora.adapters.trainer import LoraTrainer, TrainConfig, engine_answers, prompt_ids
 
 CONFIG = dict(epochs=20, lr=3e-3, batch_size=8, rank=8, threads=1)
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    old = torch.get_num_threads()          # a tiny model gains nothing from 2 threads on a shared CPU
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
 def fused(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("fusion")
-    model = make_tiny_chat_model(root)
-    sources = tiny_sources()
-    trainer = LoraTrainer(TrainConfig(model=str(model), last_layers=1, **CONFIG), progress=False)
-    result = fuse(sources, trainer, root / "out", FusionConfig())
-    return model, sources, trainer, result, root / "out"
+    model, sources = make_tiny_chat_model(root), tiny_sources()
+    trainer, result, out = train_and_fuse(root, model, sources, last_layers=1, **CONFIG)
+    return model, sources, trainer, result, out
 
 
 def test_fusion_packs_the_tasks_and_meets_every_requirement(fused):
@@ -52,14 +43,7 @@ def test_engine_answers_equal_the_training_time_evaluation(fused):
     by_task = {s.task: s for s in sources}
     llm = LLM(str(model), adapters={a.name: out / a.name for a in r.adapters}, num_blocks=256, block_size=8,
               max_model_len=128, dtype="float32")            # evaluation is float32 (a GPU engine defaults to bf16)
-    for a in r.adapters:
-        state = trainer.load(out / a.name)
-        for task in a.tasks:
-            src = by_task[task]
-            answers = engine_answers(llm, a.name, src)
-            correct = [ans == e.label for ans, e in zip(answers, src.heldout)]
-            assert correct == trainer.evaluate(state, src), (a.name, task, answers)
-            assert sum(correct) / len(correct) == a.accuracy[task]
+    assert_engine_answers_equal_evaluation(llm, trainer, r, by_task, out)
     # the base model does not answer the tasks; the adapters do
     base = engine_answers(llm, None, by_task["farm"])
     assert sum(b == e.label for b, e in zip(base, by_task["farm"].heldout)) < len(base) * 0.75

@@ -100,3 +100,28 @@ def tiny_image_sources(folder: Path, n: int = 32, requirement: float = 0.75):
     return [make_source("colour", requirement, colour, prompt="Colour?", head=True),
             make_source("pattern", requirement, pattern, prompt="{image} Pattern?", head=True),
             make_source("shade", requirement, shade, prompt="Shade?")]
+
+
+def train_and_fuse(root: Path, model: Path, sources, **config):
+    """A LoraTrainer on ``model`` (``config``: TrainConfig fields) and the fusion of ``sources`` into root/out
+    (baselines included): (trainer, result, out folder)."""
+    from vlora.adapters.fusion import FusionConfig, fuse
+    from vlora.adapters.trainer import LoraTrainer, TrainConfig
+
+    trainer = LoraTrainer(TrainConfig(model=str(model), **config), progress=False)
+    return trainer, fuse(sources, trainer, root / "out", FusionConfig()), root / "out"
+
+
+def assert_engine_answers_equal_evaluation(llm, trainer, result, by_task, out: Path) -> None:
+    """Every fused adapter, served by ``llm``: the engine's answer to each held-out example is right exactly
+    when the training-time evaluation says so, and the accuracies are the fusion's."""
+    from vlora.adapters.trainer import engine_answers
+
+    for a in result.adapters:
+        state = trainer.load(out / a.name)
+        for task in a.tasks:
+            src = by_task[task]
+            answers = engine_answers(llm, a.name, src)
+            correct = [ans == e.label for ans, e in zip(answers, src.heldout)]
+            assert correct == trainer.evaluate(state, src), (a.name, task, answers)
+            assert sum(correct) / len(correct) == a.accuracy[task]

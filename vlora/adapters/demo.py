@@ -20,9 +20,10 @@ drawn with the font Pillow ships (no dataset download): per-digit detectors
 "Is there a 3 in the picture?" -> yes / no (like the paper's detectors; half of
 the images show the digit, the others another digit) and ``colour`` ("What
 colour is the digit?" -> red / green / blue). The digits are centred (a few
-pixels of jitter) at 135-150 px in a 224 px image: the demo LMM's vision tower
+pixels of jitter) at 145-150 px in a 224 px image: the demo LMM's vision tower
 is random, and with random placement and size nothing linear (not even raw
 pixels) tells the digits apart (see docs/vision.md for the measurements).
+Their requirement is 0.85 (the text tasks': 0.9).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ DEMO_QUESTIONS = ["Classify: The concert was wonderful.", "Classify: What a drea
                   "Which language is this? Mi hermano es muy bonito."]
 DETECTED_DIGITS = (3, 7)
 COLOURS = {"red": (205, 30, 30), "green": (25, 140, 40), "blue": (30, 50, 210)}
+DIGIT_SIZES, JITTER = (145, 150), 3       # digit height range and placement jitter (px) in a 224 px image
 IMAGES = "images"            # subfolder of $VLORA_CACHE/demo-adapters/<model>/ holding the rendered images
 TRAINED = "trained"          # subfolder of $VLORA_CACHE/demo-adapters/<model>/ holding the fused adapters
 
@@ -98,7 +100,7 @@ def trained_adapters(folder: str | Path) -> dict[str, str]:
     return out
 
 
-def vision_sources(folder: str | Path, per_task: int = 80, requirement: float = 0.9,
+def vision_sources(folder: str | Path, per_task: int = 80, requirement: float = 0.85,
                    seed: int = 0) -> list[KnowledgeSource]:
     """The image tasks, ``per_task`` images each (25% held out), rendered into ``folder`` as PNG files: one
     detector per digit of ``DETECTED_DIGITS`` and ``colour``; every task is answered by the task head."""
@@ -130,15 +132,15 @@ def vision_sources(folder: str | Path, per_task: int = 80, requirement: float = 
 
 
 def _digit_image(path: Path, digit: int, colour: tuple[int, int, int], rng: random.Random) -> str:
-    """A 224 x 224 white image with ``digit`` in ``colour``, 135-150 px tall, centred within 6 px."""
+    """A 224 x 224 white image with ``digit`` in ``colour``, DIGIT_SIZES px tall, centred within JITTER px."""
     from PIL import Image, ImageDraw, ImageFont
 
     im = Image.new("RGB", (224, 224), (255, 255, 255))
-    font = ImageFont.load_default(size=rng.randint(135, 150))
+    font = ImageFont.load_default(size=rng.randint(*DIGIT_SIZES))
     draw = ImageDraw.Draw(im)
     left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=font)
-    x = 112 - (left + right) // 2 + rng.randint(-6, 6)
-    y = 112 - (top + bottom) // 2 + rng.randint(-6, 6)
+    x = 112 - (left + right) // 2 + rng.randint(-JITTER, JITTER)
+    y = 112 - (top + bottom) // 2 + rng.randint(-JITTER, JITTER)
     draw.text((x, y), str(digit), fill=colour, font=font)
     im.save(path)
     return str(path)

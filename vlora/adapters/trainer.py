@@ -69,6 +69,8 @@ class TrainConfig:
     """Passes over a source's training split each time it is trained into an adapter."""
     lr: float = 2e-3
     """AdamW learning rate (constant; a fresh optimizer for each training run)."""
+    head_lr: float = 0.0
+    """AdamW learning rate of the task heads (in standardised coordinates). 0: the same as --lr."""
     batch_size: int = 16
     """Examples per optimizer step."""
     device: str = "auto"
@@ -86,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"threads must be an integer >= 0, got {self.threads!r}")
         if not isinstance(self.last_layers, int) or self.last_layers < 0:
             raise ValueError(f"last_layers must be an integer >= 0, got {self.last_layers!r}")
+        if not (self.head_lr >= 0 and math.isfinite(self.head_lr)):
+            raise ValueError(f"head_lr must be finite and >= 0, got {self.head_lr!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)) or not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise ValueError(f"lr and alpha must be finite and > 0, got lr={self.lr!r} alpha={self.alpha!r}")
         bad = sorted(set(self.targets) - set(LORA_TARGETS))
@@ -204,6 +208,9 @@ class LoraTrainer:
             from transformers import LlavaForConditionalGeneration
 
             hf_config = AutoConfig.from_pretrained(self.model_dir)
+            if hf_config.model_type != "llava":
+                raise ValueError(f"{self.model_dir}: adapter generation trains on LLaVA-style LMMs only, not "
+                                 f"{hf_config.model_type!r}")
             base = LlavaForConditionalGeneration.from_pretrained(self.model_dir, dtype=torch.float32)
             self.text_config, decoder = hf_config.text_config, base.model.language_model
             self._init_vision(hf_config)
@@ -310,7 +317,8 @@ class LoraTrainer:
     def settings(self) -> dict:
         c = self.config
         return {"model": self.model_dir.name, "model_path": str(self.model_dir), "rank": c.rank, "alpha": c.alpha, "targets": self.targets,
-                "layers": self.layers or "all", "epochs": c.epochs, "lr": c.lr, "batch_size": c.batch_size,
+                "layers": self.layers or "all", "epochs": c.epochs, "lr": c.lr, "head_lr": c.head_lr or c.lr,
+                "batch_size": c.batch_size,
                 "device": str(self.device),
                 "answer": "greedy label text (language-model head), or the argmax of the adapter's task head over "
                           "the union of its head tasks' labels (head tasks); float32"}
@@ -337,11 +345,11 @@ class LoraTrainer:
         old = [self._encode(s, e) for s in replay for e in s.train]
         per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if head is not None:
             head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
-            params += [head.w, head.b]
-        opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+            groups.append({"params": [head.w, head.b], "lr": self.config.head_lr or self.config.lr})
+        opt = torch.optim.AdamW(groups, lr=self.config.lr, weight_decay=0.0)
         self.model.train()
         with torch.random.fork_rng(devices=[]), tqdm(total=self.config.epochs * math.ceil(per_epoch / bs), desc=desc,
                                                      unit="step", disable=not self.progress, leave=False) as bar:
@@ -458,17 +466,9 @@ class LoraTrainer:
         return self._encoded[key]
 
     def _hidden(self, batch: list[_Item]) -> torch.Tensor:
-        """Final normed hidden states [B, T, hidden] of the batch's token sequences (right-padded: every token
-        keeps position 0..len-1). The layers below the first LoRA layer run once per sequence (cached)."""
-        inputs = self._layer_inputs(batch)
-        width = max(len(x) for x in inputs)
-        h0 = torch.zeros((len(batch), width, self.hidden_size), device=self.device)
-        mask = torch.zeros((len(batch), width), dtype=torch.long, device=self.device)
-        for i, x in enumerate(inputs):
-            h0[i, :len(x)] = x
-            mask[i, :len(x)] = 1
-        with _only_layers(self.decoder, self.decoder.layers[self.first:]):
-            return self.decoder(inputs_embeds=h0, attention_mask=mask).last_hidden_state
+        """Final normed hidden states [B, T, hidden] of the batch's token sequences. The layers below the first
+        LoRA layer run once per sequence (cached)."""
+        return self._run(self._layer_inputs(batch), self.decoder.layers[self.first:])
 
     def _layer_inputs(self, batch: list[_Item]) -> list[torch.Tensor]:
         """Hidden states entering layer ``self.first`` (no LoRA below it), computed once per (tokens, image)."""
@@ -478,18 +478,23 @@ class LoraTrainer:
             with torch.no_grad():
                 embeds = [self._embed(tokens, image) for tokens, image in missing]
                 if self.first:
-                    width = max(len(x) for x in embeds)
-                    x = torch.zeros((len(embeds), width, self.hidden_size), device=self.device)
-                    mask = torch.zeros((len(embeds), width), dtype=torch.long, device=self.device)
-                    for i, e in enumerate(embeds):
-                        x[i, :len(e)] = e
-                        mask[i, :len(e)] = 1
-                    with _only_layers(self.decoder, self.decoder.layers[:self.first], norm=False):
-                        h = self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
+                    h = self._run(embeds, self.decoder.layers[:self.first], norm=False)
                     embeds = [h[i, :len(e)] for i, e in enumerate(embeds)]
             for k, e in zip(missing, embeds):
                 self._prefix[k] = e.float().clone()
         return [self._prefix[k] for k in keys]
+
+    def _run(self, rows: list[torch.Tensor], layers, norm: bool = True) -> torch.Tensor:
+        """``rows`` (each [len, hidden]: a sequence's states entering ``layers[0]``) right-padded into one batch
+        (every token keeps position 0..len-1) through ``layers``, then the final norm if ``norm``."""
+        width = max(len(x) for x in rows)
+        x = torch.zeros((len(rows), width, self.hidden_size), device=self.device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
+        for i, r in enumerate(rows):
+            x[i, :len(r)] = r
+            mask[i, :len(r)] = 1
+        with _only_layers(self.decoder, layers, norm):
+            return self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
 
     def _embed(self, tokens: tuple[int, ...], image: str | None) -> torch.Tensor:
         """Input embeddings [len, hidden]: the token embeddings, the image's rows in place of its placeholders."""
