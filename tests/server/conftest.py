@@ -69,6 +69,14 @@ class LiveServer:
             assert time.monotonic() < deadline, "engine did not become idle"
             time.sleep(0.05)
 
+    def wait_metric(self, name: str, value: float, timeout: float = 30, **labels) -> float:
+        """The metric once it reaches ``value`` (the handler records it after the engine lets the request go),
+        or its last reading after ``timeout``: a bounded wait, not a timing check."""
+        deadline = time.monotonic() + timeout
+        while (got := self.metric(name, **labels)) < value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
+
     def metric(self, name: str, **labels) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
         total = 0.0

@@ -205,7 +205,7 @@ def test_client_disconnect_aborts_and_frees_blocks(live):
         next(lines)
         next(lines)
     live.wait_idle()
-    assert live.metric("vlora_requests_total", finish_reason="abort") == before + 1
+    assert live.wait_metric("vlora_requests_total", before + 1, finish_reason="abort") == before + 1
     assert live.engine.allocator.num_free == live.engine.allocator.num_blocks
 
 

@@ -88,7 +88,8 @@ def test_many_concurrent_clients(live, ref):
     assert sorted(answers) == completed                                  # none lost
     wrong = [(jobs[i], answers[i], expected[jobs[i][:2]]) for i in completed if answers[i] != expected[jobs[i][:2]]]
     assert not wrong
-    assert live.metric("vlora_requests_total", finish_reason="abort") - aborted_before == drops
-    assert live.metric("vlora_requests_total") - finished_before == REQUESTS
+    assert live.wait_metric("vlora_requests_total", aborted_before + drops, finish_reason="abort") \
+        - aborted_before == drops
+    assert live.wait_metric("vlora_requests_total", finished_before + REQUESTS) - finished_before == REQUESTS
     assert live.engine.allocator.num_free == live.engine.allocator.num_blocks
     assert not live.engine.has_unfinished()
