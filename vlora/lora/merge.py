@@ -195,7 +195,7 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 6)
                 codes, count, idx, bits = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
                 n = int(count.item())
-                idx, bits = idx[:min(n, cap)], bits[:min(n, cap)]
+                idx, bits = idx[:min(n, cap)].clone(), bits[:min(n, cap)].clone()   # not the whole list
                 if n > cap:                                      # the list filled up: finish the rest here
                     more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, codes)
                     idx, bits = torch.cat([idx, more_idx]), torch.cat([bits, more_bits])
