@@ -9,8 +9,10 @@ against the swept value per policy, and the mode timeline of one V-LoRA run.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ class SweepConfig:
     trace: str | None = None
     ttft_slo_s: float | None = None  # applied to every request: early abort + SLO attainment in the report
     seed: int = 0
+    warmup_requests: int = 16        # served once per policy before anything is timed (compiles, graphs, merges)
 
 
 def make_workload(cfg: SweepConfig, point: float) -> list[W.RequestSpec]:
@@ -87,6 +90,13 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> lis
     with tempfile.TemporaryDirectory() as tmp:
         register_random_adapters(engine, cfg, Path(tmp))
         slo = SLO(ttft_s=cfg.ttft_slo_s) if cfg.ttft_slo_s else None
+        if cfg.warmup_requests:         # the first timed run must not pay for Triton compiles and graph captures
+            warm = [dataclasses.replace(s, arrival_s=0.0) for s in make_workload(cfg, cfg.points[0])
+                    if math.isfinite(s.arrival_s)][:cfg.warmup_requests]
+            for policy in cfg.policies:
+                engine.unmerge_adapter()
+                engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
+                run_workload(engine, warm, seed=cfg.seed)
         for point in cfg.points:
             specs = make_workload(cfg, point)
             for policy in cfg.policies:
