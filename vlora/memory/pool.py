@@ -12,8 +12,9 @@ between the two uses: a page is free, a KV block, or part of an adapter.
 The last page is a scratch block no one owns (CUDA-graph padding rows write
 their KV there). ``adapter_limit`` turns the pool into the baseline of the
 memory benchmark: two fixed pools, at most that many pages for adapters and
-the rest for KV, neither giving way to the other. The pool keeps the KV allocator interface the scheduler uses
-(``allocate``, ``free``, ``num_free``, ``num_blocks``).
+the rest for KV, neither giving way to the other. The pool keeps the KV
+allocator interface the scheduler uses (``allocate``, ``free``, ``num_free``,
+``num_blocks``).
 """
 
 from __future__ import annotations

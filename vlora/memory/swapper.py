@@ -179,9 +179,9 @@ class CacheSwapper:
     def swap_in(self, node, room_made: bool = False) -> bool:
         """Bring a host block back into a page (its parent is on the GPU); False when no page can be had.
         ``room_made``: the caller already asked the pool for room; take a free page or give up."""
-        if node.host is None or (self.pool.num_free < 1 if room_made else not self.pool.make_room(1)):
+        if node.host is None or not (self.pool.num_free >= 1 if room_made else self.pool.make_room(1)):
             return False
-        if node.host is None:             # making room forgot it (host memory full): nothing to bring back
+        if node.host is None:             # making room swapped out a block and forgot this one for its slot
             return False
         page = self.pool.allocate(1)[0]
         self.pool.kv[page].view(-1).copy_(self.host_buf[node.host], non_blocking=True)

@@ -153,12 +153,8 @@ class PrefixTree:
         assert all(n.refs == 0 for n in self._nodes(node)), "cached KV of an adapter in use"
         if self.swapper is not None:
             self.swapper.swap_out_subtree(node)
-            return
-        del self.root.children[adapter]
-        pages = [n.page for n in self._nodes(node) if n.page is not None]
-        self.num_pages -= len(pages)
-        if pages:
-            self.pool.free(pages)
+        else:
+            self.forget_adapter(adapter)
 
     def clear(self) -> None:
         """Forget every cached block, on the GPU and in host memory."""
