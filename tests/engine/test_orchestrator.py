@@ -69,3 +69,31 @@ def test_starvation_in_merged_mode_counts_the_switch():
     assert calm.mode is Mode.MERGED and "r5" not in calm.batch
     tipped = schedule(queue("AAAAAB", waits={5: 0.488}), Mode.MERGED, "A", 8, THETA, COSTS)  # 0.503 > θ
     assert tipped.mode is Mode.MIXED and tipped.batch[0] == "r5"
+
+
+def test_an_adapter_with_most_of_a_light_load_is_merged():
+    """Fewer requests than a batch: the shares are of what can run now, so 2 of 3 on A merges A."""
+    d = schedule(queue("AAB"), Mode.UNMERGED, None, max_bs=64, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MERGED and d.merged == "A" and d.batch == ("r0", "r1")
+    assert schedule(queue("AB"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.UNMERGED   # no majority
+
+
+def test_a_switch_must_pay_for_itself():
+    """Merging saves 10 ms an iteration here and a switch costs 50 ms: 3 iterations left do not pay for merging
+    and unmerging (100 ms), 20 do; a switch between adapters (unmerge, merge, unmerge later) needs more."""
+    costs = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.050)
+
+    def reqs(spec, remaining):
+        return [Pending(f"r{i}", c, 0.0, remaining) for i, c in enumerate(spec)]
+
+    assert schedule(reqs("AAB", 3), Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.UNMERGED
+    assert schedule(reqs("AAB", 20), Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.MERGED
+    assert schedule(reqs("AAB", 12), Mode.MERGED, "B", 8, THETA, costs).mode is Mode.UNMERGED    # 120 < 150 ms
+    assert schedule(reqs("AAB", 20), Mode.MERGED, "B", 8, THETA, costs).merged == "A"              # 200 > 150 ms
+    assert schedule(reqs("AAB", 1), Mode.MERGED, "A", 8, THETA, costs).merged == "A"   # staying costs nothing
+
+
+def test_unmeasured_costs_let_the_first_merge_happen():
+    cold = Costs(step_s={m: 0.0 for m in Mode}, switch_s=0.0)
+    d = schedule([Pending("r0", "A", 0.0, 1), Pending("r1", "A", 0.0, 1)], Mode.UNMERGED, None, 8, THETA, cold)
+    assert d.mode is Mode.MERGED

@@ -5,11 +5,22 @@ an iteration in the mode it would run in, plus the mode-switch time if getting
 there needs a switch. Requests whose credit passes the threshold θ starve.
 
     starving = [r for r in R if credit(r) > θ];  room = max_bs - |starving|
-    R_merge  = requests of the most requested adapter
-    if |starving| <= max_bs/2 and |R_merge| > max_bs/2:
+    R_merge  = requests of the most requested adapter;  cap = min(max_bs, |R|)
+    if |starving| <= cap/2 and |R_merge| > cap/2 and the switch pays for itself:
         no one starves -> MERGED with R_merge's adapter, batch R_merge[:max_bs]
         else           -> MIXED  with R_merge's adapter, batch starving + (R_merge - starving)[:room]
     else               -> UNMERGED, batch starving + (R - starving)[:room]
+
+Two readings of the paper's MaxBS, both the same as Alg. 1 when the queue fills
+a batch: the shares are taken of ``cap``, the batch this iteration can run, so
+an adapter that has most of a light load is merged too (with ``max_bs`` as the
+denominator nothing merges until more than half a full batch waits on one
+adapter, and under light load — where merging saves the most per token — the
+policy never left unmerged mode on an H100). And a switch to a different
+adapter must pay for itself: the iterations its requests still need times the
+measured per-iteration saving of merged over unmerged must exceed a round trip
+of measured switches; otherwise the light-load rule would flap between
+adapters whenever a request or two arrive.
 
 Costs are not constants: the engine measures iteration times per mode and the
 switch time on the running hardware and feeds them in as :class:`Costs`.
@@ -32,6 +43,7 @@ class Pending:
     request_id: str
     adapter: str | None          # None = base model (never merged)
     waiting_s: float             # time since it last made progress
+    remaining: int | None = None  # output tokens it may still produce (None: unknown, counted as many)
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,20 @@ def credit(req: Pending, mode: Mode, merged_now: str | None, costs: Costs) -> fl
     return req.waiting_s + costs.step_s[mode] + (costs.switch_s if needs_switch else 0.0)
 
 
+def switch_pays(r_merge: list[Pending], merged_now: str | None, costs: Costs) -> bool:
+    """Whether merging ``r_merge``'s adapter saves more than the switches it costs: the iterations its requests
+    still need × (unmerged − merged iteration time) against this switch (two when another adapter must come
+    out first) and the unmerge back. Unmeasured costs (a cold start) count as worth it, so they get measured."""
+    merged_s, unmerged_s = costs.step_s.get(Mode.MERGED, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
+    if min(costs.switch_s, merged_s, unmerged_s) <= 0.0:
+        return True
+    gain = unmerged_s - merged_s
+    if any(r.remaining is None for r in r_merge):
+        return gain > 0.0
+    iterations = max(r.remaining for r in r_merge)
+    return iterations * gain > costs.switch_s * (3 if merged_now is not None else 2)
+
+
 def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: int, theta: float, costs: Costs,
              merge_share: float = 0.5) -> Decision:
     """Alg. 1 over the pending requests (in arrival order), from the current ``mode``."""
@@ -65,7 +91,9 @@ def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: in
     starving = [r for r in reqs if credit(r, mode, merged_now, costs) > theta]
     starving_ids = {r.request_id for r in starving}
     room = max(0, max_bs - len(starving))
-    if len(starving) <= merge_share * max_bs and len(r_merge) > merge_share * max_bs:
+    cap = min(max_bs, len(reqs))
+    if len(starving) <= merge_share * cap and len(r_merge) > merge_share * cap \
+            and (top == merged_now or switch_pays(r_merge, merged_now, costs)):
         if not starving:
             return Decision(Mode.MERGED, top, tuple(r.request_id for r in r_merge[:max_bs]))
         rest = [r for r in r_merge if r.request_id not in starving_ids][:room]
@@ -91,7 +119,8 @@ class Orchestrator:
         if self.policy == "unmerged" or not seqs:
             return None
         now = time.monotonic()
-        reqs = [Pending(s.request_id, s.adapter_name, now - s.last_progress) for s in seqs]
+        reqs = [Pending(s.request_id, s.adapter_name, now - s.last_progress,
+                        s.params.max_tokens - len(s.output_token_ids)) for s in seqs]
         merged_now = None if modes.merged is None else modes.merged.name
         costs = Costs(dict(self.step_s), modes.last_switch_s)
         if self.policy == "vlora":
