@@ -201,10 +201,10 @@ def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_r
                                    f"(rank r={rank}, base model {shape.name!r})")
             if not t.is_floating_point():
                 raise AdapterError(f"{_WEIGHTS}: {key!r} has non-float dtype {t.dtype}")
-            if not torch.isfinite(t).all():
-                raise AdapterError(f"{_WEIGHTS}: {key!r} contains NaN or Inf")
             converted = t.t().to(dtype).contiguous()
-            if not torch.isfinite(converted).all():
+            if not torch.isfinite(converted).all():       # one check on the common path; which fault, only on failure
+                if not torch.isfinite(t).all():
+                    raise AdapterError(f"{_WEIGHTS}: {key!r} contains NaN or Inf")
                 raise AdapterError(f"{_WEIGHTS}: {key!r} overflows when converted to {dtype}")
             out.append(converted)
         weights[layer][module] = (out[0], out[1])

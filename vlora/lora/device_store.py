@@ -13,6 +13,7 @@ weights.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from contextlib import nullcontext
 
 import torch
@@ -22,6 +23,18 @@ from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, 
 from vlora.memory.kv_cache import OutOfBlocks
 
 ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """An adapter's matrices in host memory, in pool order and pool layout."""
+
+    flat: torch.Tensor            # every matrix back to back, each starting on an ALIGN boundary
+    sizes: list[int]              # elements per matrix
 
 
 def _matrices(adapter: PackedAdapter) -> list[torch.Tensor]:
@@ -41,7 +54,7 @@ class AdapterStore:
         self.pool = pool
         self.device = device
         self.resident: OrderedDict[str, PackedAdapter] = OrderedDict()     # least recently used first
-        self._host: dict[str, list[torch.Tensor]] = {}
+        self._host: dict[str, HostAdapter] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._protected: set[str] = set()
         self.keep: set[str] = set()               # adapters an ensure() in progress wants: not to be evicted
@@ -56,11 +69,18 @@ class AdapterStore:
         return self.pool.buf
 
     def add(self, adapter: PackedAdapter) -> None:
-        """Keep the adapter's matrices ready for copies (pinned host memory on CUDA)."""
+        """Keep the adapter's matrices ready for copies: one flat host buffer (pinned on CUDA) laid out exactly as
+        the pool lays them out (back to back, each ALIGN-aligned), so a load is one copy and one pinned
+        allocation per adapter rather than one per matrix."""
         mats = _matrices(adapter)
-        if self.device.type == "cuda":
-            mats = [m.pin_memory() for m in mats]
-        self._host[adapter.name] = mats
+        sizes = [m.numel() for m in mats]
+        flat = torch.zeros(sum(_aligned(n) for n in sizes), dtype=mats[0].dtype,
+                           pin_memory=self.device.type == "cuda")
+        pos = 0
+        for m, n in zip(mats, sizes):
+            flat[pos:pos + n].copy_(m)
+            pos += _aligned(n)
+        self._host[adapter.name] = HostAdapter(flat, sizes)
 
     def remove(self, name: str) -> None:
         if name in self.resident:
@@ -69,7 +89,7 @@ class AdapterStore:
 
     def host_bytes(self) -> int:
         """Host memory the registered adapters' matrices take."""
-        return sum(m.numel() * m.element_size() for mats in self._host.values() for m in mats)
+        return sum(h.flat.numel() * h.flat.element_size() for h in self._host.values())
 
     @property
     def capacity(self) -> int:
@@ -77,13 +97,13 @@ class AdapterStore:
         return self.pool.num_pages if self.pool.adapter_limit is None else self.pool.adapter_limit
 
     def pages_needed(self, adapter: PackedAdapter) -> int:
-        return self.pool.pages_for([m.numel() for m in self._host[adapter.name]])
+        return self.pool.pages_for(self._host[adapter.name].sizes, ALIGN)
 
     def load(self, adapter: PackedAdapter) -> bool:
         """Copy the adapter into free pages; False when there are not enough."""
-        mats = self._host[adapter.name]
+        host = self._host[adapter.name]
         try:
-            offs = self.pool.place_adapter(adapter.name, [m.numel() for m in mats])
+            offs = self.pool.place_adapter(adapter.name, host.sizes, ALIGN)
         except OutOfBlocks:
             return False
         buf = self.pool.buf
@@ -91,8 +111,7 @@ class AdapterStore:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with ctx:
-            for m, off in zip(mats, offs):
-                buf[off:off + m.numel()].copy_(m, non_blocking=True)
+            buf[offs[0]:offs[0] + host.flat.numel()].copy_(host.flat, non_blocking=True)
             if self.stream is not None:
                 adapter.placement.ready = torch.cuda.Event()
                 adapter.placement.ready.record(self.stream)
@@ -100,7 +119,7 @@ class AdapterStore:
         adapter.placement.epoch += 1
         self.resident[adapter.name] = adapter
         self.num_loads += 1
-        self.bytes_loaded += sum(m.numel() * m.element_size() for m in mats)
+        self.bytes_loaded += sum(host.sizes) * host.flat.element_size()
         return True
 
     def evict(self, name: str) -> None:
