@@ -48,8 +48,10 @@ def _value(adapter, tokens) -> float:
 def _serve(pool, tree, adapter, tokens) -> bool:
     """One request: match, check the matched KV is this adapter's for these tokens, compute the rest (write
     its blocks' values), give it back. False when the pool had no room."""
+    unpinned, pinned, host = tree.peek(adapter, tokens)
     pages = tree.match(adapter, tokens)
-    for i, p in enumerate(pages):
+    assert unpinned + pinned <= len(pages) <= unpinned + pinned + host    # GPU blocks lead the path; host ones
+    for i, p in enumerate(pages):                                          # come back as far as pages allow
         assert torch.all(pool.kv[p] == _value(adapter, tokens[:(i + 1) * BS])), "wrong KV served"
     need = -(-len(tokens) // BS) - len(pages)
     if not pool.make_room(need):
@@ -253,3 +255,33 @@ def _tensors(adapter):
             yield gw.a
             for sl in gw.slices:
                 yield sl.b
+
+
+def test_a_request_that_cannot_be_admitted_leaves_its_host_prefix_in_host_memory(tmp_path):
+    """A follow-up turn whose history is in host memory waits while a long request holds the pool: its blocks
+    are not copied back (and given straight back) every iteration it waits, only once it fits; tokens as
+    without caching."""
+    path, _, _ = build(tmp_path)
+    first = list(range(3, 23))                                   # 20 tokens: 5 blocks of 4
+    turn2, long = first + [40, 41, 42], list(range(100, 140))
+    sp_short, sp_long = SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True)
+    want = LLM(str(path), num_blocks=128, block_size=4).generate([turn2, long], None, sp_short)[0].token_ids
+    llm = LLM(str(path), num_blocks=16, block_size=4, prefix_caching=True, memory_policy="fastlibra")
+    eng = llm.engine
+    llm.generate([first], None, sp_short)                        # its KV cached ...
+    eng.swapper.reclaim(eng.pool.num_pages)                      # ... and moved to host memory
+    assert len(eng.swapper.host_nodes) == 5 and eng.prefix_cache.num_pages == 0
+    eng.add_request(long, None, sp_long, request_id="long")      # 40 + 12 tokens: 13 of 16 pages
+    eng.step()
+    eng.add_request(turn2, None, sp_short, request_id="turn2")   # needs 5 host blocks + 1 new page: does not fit
+    outs = {}
+    while eng.has_unfinished():
+        waiting = any(s.request_id == "turn2" for s in eng.scheduler.waiting)
+        before = eng.swapper.swapped_in
+        for o in eng.step():
+            outs[o.request_id] = o
+        if waiting and "long" not in outs:
+            assert eng.swapper.swapped_in == before, "host blocks copied in for a request that could not run"
+    assert outs["turn2"].token_ids == want
+    assert eng.swapper.swapped_in == 5 and eng.prefix_cache.hit_tokens >= 20
+    eng.pool.check()

@@ -104,8 +104,10 @@ class Engine:
         store = self.adapters.store
         if fixed and store is not None:           # fixed pools: adapters never give their pages to KV
             self.pool.reclaimers.remove(store.reclaim)
+            self.pool.reclaimable.remove(store.reclaimable)
         if cc.prefix_caching:
             self.prefix_cache = PrefixTree(self.pool, cc.block_size)
+            self.pool.reclaimable.insert(0, self.prefix_cache.reclaimable)
             if cc.memory_policy != "fastlibra":   # LRU: cached KV gives way first, and is discarded
                 self.pool.reclaimers.insert(0, self.prefix_cache.evict)
             else:                                 # FastLibra's cost model over KV blocks and adapters

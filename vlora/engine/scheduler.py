@@ -91,6 +91,22 @@ class Scheduler:
         seq.blocks, seq.num_cached = pages, len(pages)
         seq.num_computed = len(pages) * self.block_size
 
+    def _admissible(self, seq: Sequence, budget: int) -> bool:
+        """Whether a fresh sequence whose cached prefix is partly in host memory could get the pages of those
+        blocks and of its first chunk, checked before :meth:`_match` copies them back. A sequence that cannot
+        grow after its match gives its blocks straight back, and a swapper then moves them out again for the
+        running sequences: every iteration it waited, its prefix crossed the host link twice (the swap thrash
+        of the H100 multi-turn run). Without host blocks the match moves nothing and is simply tried."""
+        if self.cache is None or seq.blocks or seq.num_computed:
+            return True
+        unpinned, pinned, host = self.cache.peek(seq.adapter_name, seq.cache_keys(0, seq.num_tokens))
+        if not host:
+            return True
+        matched = unpinned + pinned + host
+        n = min(seq.num_tokens - matched * self.block_size, budget)
+        need = host + -(-(matched * self.block_size + n) // self.block_size) - matched
+        return self.allocator.available() - unpinned >= need
+
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.num_computed = 0
@@ -131,6 +147,8 @@ class Scheduler:
         # admit waiting sequences only when nothing was preempted (they would thrash)
         for seq in [s for s in self.waiting if ok(s)]:
             if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+                break
+            if not self._admissible(seq, budget):
                 break
             self._match(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)

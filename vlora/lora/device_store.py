@@ -59,6 +59,7 @@ class AdapterStore:
         self._protected: set[str] = set()
         self.keep: set[str] = set()               # adapters an ensure() in progress wants: not to be evicted
         pool.reclaimers.append(self.reclaim)
+        pool.reclaimable.append(self.reclaimable)
         self.on_evict: list = []                  # callables(name): e.g. drop the KV cached under it
         self.num_loads = 0
         self.num_evictions = 0
@@ -152,6 +153,10 @@ class AdapterStore:
                 return
             freed += len(self.pool.adapter_pages[name])
             self.evict(name)
+
+    def reclaimable(self) -> int:
+        """Pages of resident adapters that :meth:`reclaim` could evict now."""
+        return sum(len(self.pool.adapter_pages[n]) for n in self.resident if n not in self.protected)
 
     def ensure(self, wanted: list[PackedAdapter], protect: set[str]) -> set[str]:
         """Make ``wanted`` resident in priority order, evicting least recently used adapters that are neither

@@ -40,6 +40,7 @@ class UnifiedPool:
             raise ValueError(f"adapter_limit must be in [0, {num_pages}], got {adapter_limit}")
         self.adapter_limit = adapter_limit               # None: one unified pool
         self.reclaimers: list = []   # callables(pages) freeing idle pages, tried in order (cached KV, idle adapters)
+        self.reclaimable: list = []  # callables() -> pages the reclaimers could free now (without freeing them)
 
     # -- the KV allocator interface -------------------------------------------------------------
     @property
@@ -68,6 +69,10 @@ class UnifiedPool:
                 break
             reclaim(n - self.num_free)
         return n <= self.num_free
+
+    def available(self) -> int:
+        """Pages KV could have now, counting what the reclaimers could free (an estimate; nothing moves)."""
+        return self.num_free + sum(f() for f in self.reclaimable)
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:

@@ -97,6 +97,28 @@ class PrefixTree:
         self.hit_tokens += len(pages) * bs
         return pages
 
+    def peek(self, adapter: str | None, tokens: list[int]) -> tuple[int, int, int]:
+        """What :meth:`match` would find, with no side effect: blocks of the path on the GPU and unpinned, on the
+        GPU and pinned, and in host memory."""
+        bs = self.block_size
+        node = self.root.children.get(adapter)
+        free = pinned = host = 0
+        for i in range((len(tokens) - 1) // bs):
+            node = None if node is None else node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
+            if node is None:
+                break
+            if node.page is None:
+                host += 1
+            elif node.refs:
+                pinned += 1
+            else:
+                free += 1
+        return free, pinned, host
+
+    def reclaimable(self) -> int:
+        """GPU pages of unpinned blocks: what eviction (or a swapper) could free, leaves first."""
+        return sum(1 for n in self._nodes() if n.page is not None and n.refs == 0)
+
     def release(self, adapter: str | None, tokens: list[int], pages: list[int], num_matched: int) -> None:
         """A request is done with ``pages`` (its block table; the KV of ``tokens`` is in them): unpin its first
         ``num_matched`` (they came from :meth:`match`), give its other full blocks to the tree, free the rest."""
