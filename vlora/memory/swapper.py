@@ -38,6 +38,8 @@ the host never stalls on a swap.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -115,14 +117,21 @@ class CacheSwapper:
         lora = self._lora_eval()
         out = [(self.eval(n, now), 0, n) for n in self.tree.gpu_leaves() if n.refs == 0]
         for name in self.store.resident if self.store is not None else ():
-            if name in self.store.protected or name in self.store.keep:
-                continue
-            node = self.tree.root.children.get(name)
-            if node is not None and any(c.page is not None for c in self.tree._nodes(node) if c is not node):
-                continue
-            out.append((self.eval(node, now, lora) if node is not None else 0.0, 1, name))
+            cand = self._adapter_candidate(name, now, lora)
+            if cand is not None:
+                out.append(cand)
         out.sort(key=lambda c: c[0])
         return out
+
+    def _adapter_candidate(self, name, now: float, lora: float):
+        """``(eval, 1, name)`` when resident adapter ``name`` may leave: no running request uses it and none of
+        its KV is on the GPU (GPU blocks hang from the adapter node, so its children tell)."""
+        if name not in self.store.resident or name in self.store.protected or name in self.store.keep:
+            return None
+        node = self.tree.root.children.get(name)
+        if node is not None and self.tree.has_gpu_child(node):
+            return None
+        return (self.eval(node, now, lora) if node is not None else 0.0, 1, name)
 
     def _in_candidates(self) -> list:
         """Host blocks whose parent is on the GPU under a resident adapter (or the base model), and used adapters
@@ -150,15 +159,15 @@ class CacheSwapper:
 
     def _slot(self, protect) -> int | None:
         """A free host slot, forgetting the least valuable host leaf for it if there is none."""
-        if not self._free_slots:
+        if not self._free_slots:        # forget a batch at once: ranking every host block per slot cost O(n²)
             now = self.clock()
             leaves = [n for n in self.host_nodes if not n.children and n.refs == 0 and n is not protect]
-            if not leaves:
+            for victim in heapq.nsmallest(max(1, self.host_slots // 64), leaves, key=lambda n: self.eval(n, now)):
+                del victim.parent.children[victim.key]
+                self.forget(victim)
+                self.dropped += 1
+            if not self._free_slots:
                 return None
-            victim = min(leaves, key=lambda n: self.eval(n, now))
-            del victim.parent.children[victim.key]
-            self.forget(victim)
-            self.dropped += 1
         return self._free_slots.pop()
 
     def _swap_out_block(self, node) -> None:
@@ -207,17 +216,28 @@ class CacheSwapper:
 
     def reclaim(self, pages: int) -> int:
         """Free ``pages`` pages by swapping out the least valuable GPU leaves (the pool's first reclaimer). At
-        least ``batch`` pages go at once: ranking the tree costs more than moving a few more blocks."""
+        least ``batch`` pages go at once. One ranking serves the whole call (ranking walked the tree once per
+        level of every chain, most of the CPU time of a busy engine): a block whose last GPU child leaves joins
+        the candidates then, and so does an adapter whose last GPU block leaves."""
         start = self.pool.num_free
         pages = max(pages, self.batch)
-        while self.pool.num_free - start < pages:
-            cands = self._out_candidates()
-            if not cands:
-                break
-            for _, kind, what in cands:
-                if self.pool.num_free - start >= pages:
-                    break
-                self._move_out(kind, what)
+        now, lora = self.clock(), self._lora_eval()
+        order = itertools.count()
+        heap = [(e, next(order), kind, what) for e, kind, what in self._out_candidates()]
+        heapq.heapify(heap)
+        while heap and self.pool.num_free - start < pages:
+            _, _, kind, what = heapq.heappop(heap)
+            parent = what.parent if kind == 0 else None
+            free = self.pool.num_free
+            self._move_out(kind, what)
+            if parent is None or self.pool.num_free == free:      # an adapter, or a block that could not go
+                continue
+            if parent.parent is self.tree.root:            # the adapter's last GPU block went: it may go too
+                cand = self._adapter_candidate(parent.key, now, lora) if self.store is not None else None
+                if cand is not None:
+                    heapq.heappush(heap, (cand[0], next(order), 1, parent.key))
+            elif parent.page is not None and parent.refs == 0 and not self.tree.has_gpu_child(parent):
+                heapq.heappush(heap, (self.eval(parent, now), next(order), 0, parent))   # a new leaf
         return self.pool.num_free - start
 
     def _move_out(self, kind: int, what) -> None:

@@ -22,6 +22,7 @@ back from the root side; :meth:`match` brings host blocks on its path back.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class PrefixTree:
         self.block_size = block_size
         self.root = Node("root", None)
         self._clock = itertools.count(1)
+        self._order = itertools.count()   # heap tie-breaks
         self.num_pages = 0
         self.hit_tokens = 0
         self.lookup_tokens = 0
@@ -117,7 +119,7 @@ class PrefixTree:
 
     def reclaimable(self) -> int:
         """GPU pages of unpinned blocks: what eviction (or a swapper) could free, leaves first."""
-        return sum(1 for n in self._nodes() if n.page is not None and n.refs == 0)
+        return sum(1 for n in self.gpu_nodes() if n.refs == 0)
 
     def release(self, adapter: str | None, tokens: list[int], pages: list[int], num_matched: int) -> None:
         """A request is done with ``pages`` (its block table; the KV of ``tokens`` is in them): unpin its first
@@ -149,22 +151,36 @@ class PrefixTree:
 
     def evict(self, pages: int) -> int:
         """Free up to ``pages`` pages from unpinned leaves, least recently used first; returns pages freed."""
+        heap = [(n.last_use, next(self._order), n) for n in self.gpu_leaves() if n.refs == 0]
+        heapq.heapify(heap)
         freed = 0
-        while freed < pages:
-            leaves = [n for n in self.gpu_leaves() if n.refs == 0]
-            if not leaves:
-                break
-            for leaf in sorted(leaves, key=lambda n: n.last_use):
-                if freed >= pages:
-                    break
-                self._remove(leaf)
-                freed += 1
+        while heap and freed < pages:       # one ranking: a parent joins the heap when its last GPU child goes
+            leaf = heapq.heappop(heap)[2]
+            parent = leaf.parent
+            self._remove(leaf)
+            freed += 1
+            if parent.page is not None and parent.refs == 0 and not self.has_gpu_child(parent):
+                heapq.heappush(heap, (parent.last_use, next(self._order), parent))
         return freed
+
+    @staticmethod
+    def has_gpu_child(node: Node) -> bool:
+        return any(c.page is not None for c in node.children.values())
+
+    def gpu_nodes(self, start: Node | None = None):
+        """KV nodes on the GPU under ``start`` (default: everywhere). The walk stops at host blocks: everything
+        below one is in host memory too, and a large tree is mostly host blocks."""
+        stack = [start or self.root]
+        while stack:
+            n = stack.pop()
+            if n.page is not None:
+                yield n
+            if n.page is not None or n.parent is None or n.parent is self.root:
+                stack.extend(n.children.values())
 
     def gpu_leaves(self):
         """KV nodes on the GPU none of whose children is (they may leave the GPU without breaking a path)."""
-        return [n for n in self._nodes() if n.page is not None
-                and not any(c.page is not None for c in n.children.values())]
+        return [n for n in self.gpu_nodes() if not self.has_gpu_child(n)]
 
     def drop_adapter(self, adapter: str | None) -> None:
         """``adapter`` left the pool: its cached KV goes to host memory (with a swapper) or is forgotten; none
