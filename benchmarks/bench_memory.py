@@ -11,6 +11,8 @@
 
     python benchmarks/bench_memory.py --out benchmarks/results            # GPU: Llama-2-7B shapes
     python benchmarks/bench_memory.py --tiny --out /tmp/mem                # CPU smoke run
+    python benchmarks/bench_memory.py --cpu-pressure --parts dynamic --out /tmp/mem   # CPU: a pool too small for
+                                                                           # the sessions (swapper overheads)
 """
 
 from __future__ import annotations
@@ -92,14 +94,15 @@ def throughput(args, tmp: Path, res: dict) -> None:
 
 def dynamic(args, tmp: Path, res: dict) -> None:
     specs = W.dynamic_multi_turn(args.phases, num_adapters=args.dyn_adapters, session_rate=args.session_rate,
-                                 turns=args.turns, think_s=(1.0, 3.0), first_range=args.first_range,
-                                 next_range=(64, 256), output_range=(32, 96), seed=1)
+                                 turns=args.turns, think_s=args.think_s, first_range=args.first_range,
+                                 next_range=args.next_range, output_range=args.output_range, seed=1)
     res["dynamic_workload"] = {"phases": args.phases, "adapters": args.dyn_adapters, "session_rate": args.session_rate,
                                "turns": args.turns, "requests": len(specs), "first_range": args.first_range}
     out = {}
     dirs = None
     for policy in args.policies:
         llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.dyn_kv_gb,
+                  num_blocks=args.num_blocks, block_size=args.block_size,
                   max_model_len=args.max_model_len, max_lora_rank=max(args.ranks), check_base_model=False,
                   max_num_batched_tokens=args.max_batched_tokens, prefix_caching=True, memory_policy=policy,
                   adapter_pool_fraction=args.adapter_fraction, host_kv_gb=args.host_kv_gb)
@@ -172,16 +175,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke run)")
+    p.add_argument("--cpu-pressure", action="store_true",
+                   help="tiny random model on the CPU, dynamic part with a 90-block pool the sessions overflow")
     p.add_argument("--parts", default="throughput,dynamic")
     p.add_argument("--policies", default="fastlibra,unified,lru-fixed", type=lambda t: t.split(","),
                    help="memory policies of the dynamic part")
     args = p.parse_args()
+    args.num_blocks, args.block_size = None, 16
+    args.think_s, args.next_range, args.output_range = (1.0, 3.0), (64, 256), (32, 96)
+    if args.cpu_pressure:
+        args.tiny = True
     if args.tiny:
         args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:tiny-llama", "cpu", 0.05, 0.01, 0.01
         args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 16, 8, 32, 8
         args.phases, args.session_rate, args.turns, args.first_range = [(3.0, 2), (3.0, 6)], 1.0, 3, (32, 96)
         args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 12, [4, 8], 30.0, 1024
         args.max_batched_tokens = 256
+        if args.cpu_pressure:
+            args.num_blocks, args.block_size, args.batch, args.max_wall_s = 90, 8, 16, 40.0
+            args.phases, args.session_rate, args.turns, args.first_range = [(6.0, 3), (6.0, 8)], 8.0, 4, (96, 192)
+            args.think_s, args.next_range, args.output_range, args.ranks = (0.3, 1.0), (16, 48), (8, 24), [8]
     else:
         args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:llama-2-7b", "cuda", 20.0, 8.0, 24.0
         args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 384, 64, 256, 64
