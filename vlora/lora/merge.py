@@ -47,6 +47,7 @@ class MergeRecord:
     exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
     kernel: bool = False              # made by the fused Triton path (4-bit codes, 2 a byte)
     tile: tuple[int, int, int] | None = None  # the fused path's tile: unmerge recomputes ΔW with the same one
+    slots: int = 0                    # the fused path's exception layout (kernels.merge.EXC_SLOTS)
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
@@ -128,17 +129,18 @@ def _use_kernel(weights: dict[str, torch.Tensor], kernel: bool | None) -> bool:
 @torch.no_grad()
 def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], adapter: PackedAdapter,
            scale: float | None = None, chunk_elems: int = 1 << 26, kernel: bool | None = None,
-           capacity: int | None = None, staged: dict | None = None) -> MergeRecord:
+           capacity: int | None = None, staged: dict | None = None, slots: int | None = None) -> MergeRecord:
     """W += s·(A·B)^T for every targeted slice of every layer, in place; returns the restore record.
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
     kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
-    (default 1/64 of the slice's elements; overflow is finished on the host, still exact); staged: this
+    (default 1/64 of the slice's elements; overflow is finished on the host, still exact); slots: its
+    exception layout instead (S slots per tile; default ``kernels.merge.EXC_SLOTS``); staged: this
     adapter's :func:`stage_factors`, if kept from before.
     """
     rec = MergeRecord(adapter, adapter.scaling if scale is None else scale, kernel=_use_kernel(weights, kernel))
     if rec.kernel:
-        _merge_fused(rec, weights, widths, capacity, staged)
+        _merge_fused(rec, weights, widths, capacity, staged, slots)
         return rec
     for group, j, w in _slices(weights, widths):
         f = _factors(adapter, group, j, w.shape[0], w.shape[2], w.shape[1], w.device)
@@ -180,10 +182,11 @@ def stage_factors(adapter: PackedAdapter, weights: dict[str, torch.Tensor],
     return staged
 
 
-def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None) -> None:
+def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None, slots=None) -> None:
     from vlora.kernels import merge as kernels
 
     rec.tile = kernels.TILE
+    rec.slots = kernels.EXC_SLOTS if slots is None else slots
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
     for group, w in weights.items():
@@ -193,10 +196,9 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 6)
-                codes, count, idx, bits = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
-                n = int(count.item())
-                idx, bits = idx[:min(n, cap)].clone(), bits[:min(n, cap)].clone()   # not the whole list
-                if n > cap:                                      # the list filled up: finish the rest here
+                codes, idx, bits, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile,
+                                                                 rec.slots)
+                if pending:                                      # no room for some: finish the rest here
                     more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, codes)
                     idx, bits = torch.cat([idx, more_idx]), torch.cat([bits, more_bits])
                 rec.codes[(group, j)], rec.exc_index[(group, j)], rec.exc_bits[(group, j)] = codes, idx, bits
