@@ -50,13 +50,17 @@ def check_graph_decode(path, paths, pm, **kw):
     got = [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
     g = llm.engine.runner.graphs
     assert g.num_replays > 0
-    assert {lora for _, lora in g.graphs} == {False, True}          # base-only and LoRA iterations replayed
+    assert {kind for _, kind in g.graphs} == {0, 1}                 # base-only and LoRA iterations replayed
     assert got == want
     for p, a, sp, toks in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS, got):
         assert toks == peft_greedy(pm, p, a, sp.max_tokens)
     llm.engine.merge_adapter("a8")      # merged mode replays graphs too (no second pass); same tokens
     merged = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[0::4], "a8", GRAPH_SPS[0::4])]
     assert merged == want[0::4]
+    replays = g.num_replays             # mixed mode (a8 merged, the others add theirs and subtract it): its graphs
+    assert [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)] == want
+    assert g.num_replays > replays and 2 in {kind for _, kind in g.graphs}
+    assert llm.engine.runner.modes.merged is not None
     llm.engine.pool.check()
     assert llm.engine.pool.kv_pages == 0                   # every KV block came back
 

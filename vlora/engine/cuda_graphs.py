@@ -11,16 +11,17 @@ assembles per-layer offsets.
 Rows ``n..B`` are padding: context length 0 (attention writes zeros), their
 KV goes to a scratch slot no sequence owns, and no LoRA segment covers them.
 
-Two graphs per bucket: one with the LoRA kernels (some row has an adapter) and
-one without (base model only, no empty launches). LoRA graphs read the adapter
+Up to three graphs per bucket, by kind: ``0`` without LoRA kernels (base model
+only, no empty launches), ``1`` with them (some row has an adapter), ``2`` with
+a second LoRA pass (mixed mode: rows not of the merged adapter subtract it),
+whose segments live in a second set of static buffers. LoRA graphs read the adapter
 buffer and the offset tables at the addresses they had at capture; when the
 buffer grows (an adapter registered) or the tables fill up, they are dropped
 and captured again on next use. The LoRA graph's kernel grid
 is fixed at capture: one program row per segment, so segments are split into
 pieces of at most ``seg_cap`` rows (the tile height), which gives the same
-result; unused segment slots have length 0 and exit at once. An iteration that
-needs a second LoRA pass (mixed mode) or more rows than the largest bucket runs
-eagerly instead.
+result; unused segment slots have length 0 and exit at once. An iteration with
+more rows than the largest bucket runs eagerly instead.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from vlora.lora.batch import GROUPS, KernelGroupMeta, LoRABatch, LoRASegment, Pa
 from vlora.models.forward_batch import ForwardBatch
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL = range(8)
+BASE, LORA, MIXED = 0, 1, 2          # graph kinds (0 and 1 also read as False / True: "with LoRA")
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -52,13 +54,15 @@ class DecodeGraphs:
         self.meta = torch.zeros(8, b, dtype=torch.long, device=dev)
         self.meta[_SLOTS] = scratch_slot
         self.scales = torch.zeros(b, dtype=torch.float32, device=dev)
+        self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)    # mixed mode's pass: start/len/rank/column
+        self.scales2 = torch.zeros(b, dtype=torch.float32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.lora_setup = lora_setup
         self._columns: dict[str, tuple[PackedAdapter, int, int]] = {}     # name -> (adapter, column, epoch)
         if lora_setup is not None:
             self._alloc_columns(columns)
-        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, int]] = {}
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, int]] = {}     # (bucket, kind) ->
         self.pool = None
         self.num_replays = 0
         self._buf_ptr = None if lora_setup is None else lora_setup[0].buf.data_ptr()
@@ -115,99 +119,120 @@ class DecodeGraphs:
             self.pool = None
 
     # -- capture -------------------------------------------------------------------------------
-    def _forward_batch(self, b: int, with_lora: bool) -> tuple[ForwardBatch, int]:
+    def _forward_batch(self, b: int, kind: int) -> tuple[ForwardBatch, int]:
         """The forward's inputs as views of (and, for int32 and offsets, ops on) the static buffers: called
         inside the capture, so the graph recomputes the derived tensors on every replay."""
         meta = self.meta[:, :b]
         lora, cap = None, b
-        if with_lora:
+        if kind:
             buffer, widths, group_in, table, max_rank = self.lora_setup
-            cols = meta[_SEG_COL]
-            kernel = {}
+            configs = {}
             for g, modules in GROUPS.items():
                 r_max = len(modules) * max_rank
                 shrink = table.get("shrink", b, b, group_in[g], r_max)
                 expand = table.get("expand", b, b, sum(widths[g]), max_rank)
                 cap = min(cap, shrink.block_m, expand.block_m * expand.m_loop)
-                a_off, rtot, b_off, vcol = (t.index_select(1, cols) for t in self.col_tables[g])
-                kernel[g] = KernelGroupMeta(a_off, rtot, b_off, vcol, r_max, widths[g], shrink, expand)
-            seg = meta[_SEG_START:_SEG_COL].to(torch.int32)
-            lora = LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], self.scales[:b], max_len=cap, num_rows=b),
-                             kernel, buffer.buf)
+                configs[g] = (r_max, shrink, expand)
+
+            def lora_pass(seg_rows: torch.Tensor, cols: torch.Tensor, scales: torch.Tensor, extra=None) -> LoRABatch:
+                kernel = {}
+                for g, (r_max, shrink, expand) in configs.items():
+                    a_off, rtot, b_off, vcol = (t.index_select(1, cols) for t in self.col_tables[g])
+                    kernel[g] = KernelGroupMeta(a_off, rtot, b_off, vcol, r_max, widths[g], shrink, expand)
+                seg = seg_rows.to(torch.int32)
+                return LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], scales, max_len=cap, num_rows=b),
+                                 kernel, buffer.buf, extra=extra)
+
+            minus = lora_pass(self.meta2[:3, :b], self.meta2[3, :b], self.scales2[:b]) if kind == MIXED else None
+            lora = lora_pass(meta[_SEG_START:_SEG_COL], meta[_SEG_COL], self.scales[:b], minus)
         fb = ForwardBatch(meta[_IDS], meta[_POS], meta[_SLOTS], num_decodes=b,
                           decode_block_tables=self.tables[:b], decode_lens=meta[_LENS].to(torch.int32),
                           decode_max_len=self.tables.shape[1] * self.page, decode_mask=None,
                           prefills=(), prefill_meta=None, logits_rows=self.rows[:b], lora=lora, use_kernels=True)
         return fb, cap
 
-    def _run_forward(self, b: int, with_lora: bool) -> tuple[torch.Tensor, int]:
-        fb, cap = self._forward_batch(b, with_lora)
+    def _run_forward(self, b: int, kind: int) -> tuple[torch.Tensor, int]:
+        fb, cap = self._forward_batch(b, kind)
         return self.model.compute_logits(self.model(fb, self.kv_cache), fast=True), cap
 
-    def capture(self, b: int, with_lora: bool) -> None:
+    def capture(self, b: int, kind: int) -> None:
         self.meta[_LENS].zero_()
         self.meta[_SEG_LEN].zero_()
         self.meta[_SEG_COL].zero_()
+        self.meta2[1:].zero_()
         self.meta[_SLOTS].fill_(self.scratch_slot)
         if self.device.type != "cuda":
-            graph = _Rerun(lambda: self._run_forward(b, with_lora)[0])
-            self.graphs[(b, with_lora)] = (graph, graph.out, self._forward_batch(b, with_lora)[1])
+            graph = _Rerun(lambda: self._run_forward(b, kind)[0])
+            self.graphs[(b, kind)] = (graph, graph.out, self._forward_batch(b, kind)[1])
             return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):             # warm-up: Triton compiles, caches fill
             for _ in range(2):
-                self._run_forward(b, with_lora)
+                self._run_forward(b, kind)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits, cap = self._run_forward(b, with_lora)
+            logits, cap = self._run_forward(b, kind)
         self.pool = graph.pool()
-        self.graphs[(b, with_lora)] = (graph, logits, cap)
+        self.graphs[(b, kind)] = (graph, logits, cap)
 
-    def capture_all(self, with_lora: bool = True) -> None:
+    def capture_all(self, with_lora: bool = True, mixed: bool = False) -> None:
+        kinds = (BASE,) + ((LORA,) + ((MIXED,) if mixed else ()) if with_lora and self.lora_setup is not None else ())
         for b in reversed(self.buckets):           # largest first: smaller graphs reuse its pool memory
-            for lora in (False, True) if with_lora and self.lora_setup is not None else (False,):
-                if (b, lora) not in self.graphs:
-                    self.capture(b, lora)
+            for kind in kinds:
+                if (b, kind) not in self.graphs:
+                    self.capture(b, kind)
 
     # -- replay --------------------------------------------------------------------------------
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int], segments: list[LoRASegment]) -> torch.Tensor | None:
-        """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph."""
+            lens: list[int], segments: list[LoRASegment], minus: list[LoRASegment] = ()) -> torch.Tensor | None:
+        """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph. ``minus``: mixed
+        mode's second pass (the merged adapter subtracted from the rows of the others)."""
         n = len(ids)
         b = self.bucket(n)
-        with_lora = bool(segments)
-        if b is None or (with_lora and self.lora_setup is None):
+        kind = MIXED if minus else LORA if segments else BASE
+        if b is None or (kind and self.lora_setup is None):
             return None
-        if with_lora:
+        if kind:
             if self.lora_setup[0].buf.data_ptr() != self._buf_ptr:        # the adapter buffer grew
                 self._drop_lora_graphs()
                 self._buf_ptr = self.lora_setup[0].buf.data_ptr()
             cols = [self._column(seg.adapter) for seg in segments]      # before the lookup: may drop graphs
-        if (b, with_lora) not in self.graphs:
-            self.capture(b, with_lora)
-        graph, logits, cap = self.graphs[(b, with_lora)]
+            cols2 = [self._column(seg.adapter) for seg in minus]       # resident adapters' columns never recycle
+        if (b, kind) not in self.graphs:
+            self.capture(b, kind)
+        graph, logits, cap = self.graphs[(b, kind)]
         pad = b - n
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, lens + [0] * pad]
-        scales = []
-        if with_lora:
-            pieces = [(s, min(s + cap, seg.end), seg, c) for seg, c in zip(segments, cols)
-                      for s in range(seg.start, seg.end, cap)]
-            k = b - len(pieces)
-            rows += [[p[0] for p in pieces] + [0] * k, [p[1] - p[0] for p in pieces] + [0] * k,
-                     [p[2].adapter.rank for p in pieces] + [0] * k, [p[3] for p in pieces] + [0] * k]
-            scales = [p[2].scale for p in pieces] + [0.0] * k
+        if kind:
+            seg_rows, scales = self._pieces(segments, cols, cap, b)
+            rows += seg_rows
         host = torch.tensor(rows, dtype=torch.long)
         self.meta[:host.shape[0], :b].copy_(host, non_blocking=True)
-        if with_lora:
+        if kind:
             self.scales[:b].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
+        if kind == MIXED:
+            seg_rows, scales = self._pieces(minus, cols2, cap, b)
+            self.meta2[:, :b].copy_(torch.tensor(seg_rows, dtype=torch.long), non_blocking=True)
+            self.scales2[:b].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
         nb = max(len(t) for t in tables)
         self.tables[:n, :nb].copy_(torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
                                    non_blocking=True)
         graph.replay()
         self.num_replays += 1
         return logits[:n]
+
+    @staticmethod
+    def _pieces(segments: list[LoRASegment], cols: list[int], cap: int, b: int):
+        """Segment rows (start, length, rank, column) of ``b`` slots, segments split into pieces of at most
+        ``cap`` rows, unused slots of length 0; and the slots' scales."""
+        pieces = [(s, min(s + cap, seg.end), seg, c) for seg, c in zip(segments, cols)
+                  for s in range(seg.start, seg.end, cap)]
+        k = b - len(pieces)
+        rows = [[p[0] for p in pieces] + [0] * k, [p[1] - p[0] for p in pieces] + [0] * k,
+                [p[2].adapter.rank for p in pieces] + [0] * k, [p[3] for p in pieces] + [0] * k]
+        return rows, [p[2].scale for p in pieces] + [0.0] * k
 
 
 class _Rerun:

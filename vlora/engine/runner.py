@@ -226,8 +226,6 @@ class ModelRunner:
         if len(ordered) > self.graphs.max_batch or not all(s.num_tokens == 1 and s.samples for s in ordered):
             return None
         own, minus = self.modes.lora_runs([(i, i + 1, s.seq.adapter) for i, s in enumerate(ordered)])
-        if minus:                                   # mixed mode's second pass: eager
-            return None
         bs = self.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for s in ordered:
@@ -237,7 +235,8 @@ class ModelRunner:
             slots.append(seq.blocks[p // bs] * bs + p % bs)
             tables.append(seq.blocks[:p // bs + 1])
             lens.append(p + 1)
-        return self.graphs.run(ids, positions, slots, tables, lens, LoRABatch.segments_of(own))
+        minus = LoRABatch.segments_of(minus, scale=-self.modes.merged.scaling) if minus else []
+        return self.graphs.run(ids, positions, slots, tables, lens, LoRABatch.segments_of(own), minus)
 
 
 def _image_overlaps(seq, start: int, n: int):
