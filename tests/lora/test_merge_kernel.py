@@ -80,3 +80,31 @@ def test_gpu_fused_merge_is_exact_on_7b_shapes(slots):
         flat = w.view(torch.int16).view(-1)
         flat[idx] = bits
         assert torch.equal(w.view(torch.int16), orig.view(torch.int16))
+
+
+@pytest.mark.parametrize("strided", [True, False])         # False: the per-layer path (layers spaced unevenly)
+def test_factors_staged_from_the_pool_equal_the_host_gather(tmp_path, monkeypatch, strided):
+    """An adapter resident in the unified pool: its stacked factors read there (strided copies on the device)
+    are bitwise the host path's, for every targets mix (layers without a slice stay zero)."""
+    from vlora.lora import merge
+    from vlora.lora.merge import stage_factors, stage_from_pool
+    from vlora.memory.pool import UnifiedPool
+
+    if not strided:
+        monkeypatch.setattr(merge, "_uniform", lambda starts: False)
+
+    shape = ModelShape("tiny", LAYERS, INS, OUTS)
+    pool = UnifiedPool(64, 1, 4, 1, 64, torch.bfloat16, torch.device("cpu"))
+    reg = AdapterRegistry(shape, 64, torch.bfloat16, torch.device("cpu"), check_base_model=False, kernel="triton",
+                          pool=pool)
+    weights = stacked_weights(torch.bfloat16)
+    for i, targets in enumerate(TARGETS):
+        a = reg.register(f"a{i}", write_random_adapter(tmp_path / f"a{i}", shape, rank=8, seed=i, targets=targets))
+        assert stage_from_pool(a, pool.buf, weights, WIDTHS) is None          # not in the pool yet
+        assert reg.store.load(a)
+        want, got = stage_factors(a, weights, WIDTHS), stage_from_pool(a, pool.buf, weights, WIDTHS)
+        assert want.keys() == got.keys() and want
+        for key in want:
+            for x, y in zip(want[key], got[key]):
+                assert torch.equal(x, y), (targets, key)
+        reg.store.evict(a.name)

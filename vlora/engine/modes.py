@@ -18,7 +18,7 @@ import enum
 import time
 
 from vlora.lora.batch import PackedAdapter
-from vlora.lora.merge import MergeRecord, group_widths, merge_, stage_factors, unmerge_
+from vlora.lora.merge import MergeRecord, group_widths, merge_, stage_factors, stage_from_pool, unmerge_
 from vlora.models.decoder import DecoderLM
 
 
@@ -29,8 +29,10 @@ class Mode(enum.Enum):
 
 
 class ModeSwitcher:
-    def __init__(self, model: DecoderLM):
+    def __init__(self, model: DecoderLM, pool=None):
+        """``pool``: the unified pool (kernel path): merges stage an adapter's factors from where it sits."""
         cfg = model.cfg
+        self.pool = pool
         self.weights = model.stacked
         self.widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
         self.record: MergeRecord | None = None
@@ -57,8 +59,11 @@ class ModeSwitcher:
         if not next(iter(self.weights.values())).is_cuda:
             return None
         hit = self._staged.pop(adapter.name, None)
-        staged = hit[1] if hit is not None and hit[0] is adapter else stage_factors(adapter, self.weights,
-                                                                                    self.widths)
+        staged = hit[1] if hit is not None and hit[0] is adapter else None
+        if staged is None and self.pool is not None:
+            staged = stage_from_pool(adapter, self.pool.buf, self.weights, self.widths)
+        if staged is None:
+            staged = stage_factors(adapter, self.weights, self.widths)
         self._staged[adapter.name] = (adapter, staged)
         while len(self._staged) > 4:
             self._staged.pop(next(iter(self._staged)))

@@ -37,7 +37,7 @@ class ModelRunner:
         self.window = model.cfg.sliding_window
         self.eos_token_ids = eos_token_ids
         self.adapters = adapters
-        self.modes = ModeSwitcher(model)
+        self.modes = ModeSwitcher(model, None if adapters.store is None else adapters.store.pool)
         self.vision = vision
         self.num_images_encoded = 0                    # frames through the vision tower (prefix-cache hits skip it)
         self.tiling = None

@@ -54,6 +54,7 @@ class Placement:
     offsets: dict[str, GroupOffsets] | None = None   # None: not resident
     epoch: int = 0                                   # bumped at every load, so cached offsets can tell
     ready: object = None                             # CUDA event: its copy into the pool is done
+    host: dict | None = None                         # the offsets as host lists: group -> (a_off, rtot, b_off, vcol)
 
 
 @dataclass(frozen=True)

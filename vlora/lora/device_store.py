@@ -217,6 +217,7 @@ class AdapterStore:
                     row_b[sl.index], row_v[sl.index] = next(offs), sl.rank_start
                 b_off.append(row_b), vcol.append(row_v)
         dev = self.pool.buf.device
+        adapter.placement.host = table
         return {g: GroupOffsets(torch.tensor(a, dtype=torch.int64, device=dev),
                                 torch.tensor(rt, dtype=torch.int32, device=dev),
                                 torch.tensor(b, dtype=torch.int64, device=dev),

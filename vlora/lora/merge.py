@@ -182,6 +182,47 @@ def stage_factors(adapter: PackedAdapter, weights: dict[str, torch.Tensor],
     return staged
 
 
+def stage_from_pool(adapter: PackedAdapter, buf: torch.Tensor, weights: dict[str, torch.Tensor],
+                    widths: dict[str, tuple[int, ...]]) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None:
+    """:func:`stage_factors` from where the adapter sits in the unified pool ``buf`` (on the weights' device, in
+    their dtype): one strided copy per factor and slice, no host gather and no host-to-device copy (the host
+    path took 160 ms per adapter on an H100 for Llama-2-7B shapes at rank 64). None when the adapter is not in
+    the pool. The results are copies: the pool's pages may be reused while the adapter stays merged."""
+    host = adapter.placement.host
+    if adapter.offsets is None or host is None or buf.dtype != next(iter(weights.values())).dtype:
+        return None
+    if adapter.placement.ready is not None:          # its copy into the pool may still be in flight
+        torch.cuda.current_stream(buf.device).wait_event(adapter.placement.ready)
+    staged = {}
+    for group, w in weights.items():
+        L, inn = w.shape[0], w.shape[2]
+        a_off, rtot, b_off, vcol = host[group]
+        for j, width in enumerate(widths[group]):
+            present = [l for l in range(L) if rtot[l] and b_off[l][j] >= 0]
+            if not present:
+                continue
+            r = adapter.rank
+            a = torch.zeros(L, inn, r, dtype=buf.dtype, device=buf.device)
+            b = torch.zeros(L, r, width, dtype=buf.dtype, device=buf.device)
+            starts_a = [a_off[l] + vcol[l][j] * inn for l in present]
+            starts_b = [b_off[l][j] for l in present]
+            if len(present) == L and _uniform(starts_a) and _uniform(starts_b):     # one strided view each
+                step_a = starts_a[1] - starts_a[0] if L > 1 else r * inn
+                step_b = starts_b[1] - starts_b[0] if L > 1 else r * width
+                a.copy_(buf.as_strided((L, r, inn), (step_a, inn, 1), starts_a[0]).transpose(1, 2))
+                b.copy_(buf.as_strided((L, r, width), (step_b, width, 1), starts_b[0]))
+            else:
+                for l, sa, sb in zip(present, starts_a, starts_b):
+                    a[l].copy_(buf[sa:sa + r * inn].view(r, inn).T)
+                    b[l].copy_(buf[sb:sb + r * width].view(r, width))
+            staged[(group, j)] = (a, b)
+    return staged
+
+
+def _uniform(starts: list[int]) -> bool:
+    return len({y - x for x, y in zip(starts, starts[1:])}) <= 1
+
+
 def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None, slots=None) -> None:
     from vlora.kernels import merge as kernels
 
