@@ -21,6 +21,7 @@ import torch
 from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRASegment, PackedAdapter,
                               SegmentMeta)
 from vlora.memory.kv_cache import OutOfBlocks
+from vlora.memory.pinned import pinned_empty
 
 ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
 
@@ -70,16 +71,18 @@ class AdapterStore:
         return self.pool.buf
 
     def add(self, adapter: PackedAdapter) -> None:
-        """Keep the adapter's matrices ready for copies: one flat host buffer (pinned on CUDA) laid out exactly as
-        the pool lays them out (back to back, each ALIGN-aligned), so a load is one copy and one pinned
-        allocation per adapter rather than one per matrix."""
+        """Keep the adapter's matrices ready for copies: one flat host buffer (pinned on CUDA, at its exact
+        size) laid out exactly as the pool lays them out (back to back, each ALIGN-aligned), so a load is one
+        copy and one pinned allocation per adapter rather than one per matrix."""
         mats = _matrices(adapter)
         sizes = [m.numel() for m in mats]
-        flat = torch.zeros(sum(_aligned(n) for n in sizes), dtype=mats[0].dtype,
-                           pin_memory=self.device.type == "cuda")
+        total = sum(_aligned(n) for n in sizes)
+        flat = pinned_empty(total, mats[0].dtype) if self.device.type == "cuda" else torch.empty(total,
+                                                                                                 dtype=mats[0].dtype)
         pos = 0
         for m, n in zip(mats, sizes):
             flat[pos:pos + n].copy_(m)
+            flat[pos + n:pos + _aligned(n)].zero_()            # alignment padding: copied too, so defined
             pos += _aligned(n)
         self._host[adapter.name] = HostAdapter(flat, sizes)
 

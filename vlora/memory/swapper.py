@@ -46,6 +46,8 @@ from collections import deque
 
 import torch
 
+from vlora.memory.pinned import pinned_empty
+
 
 class CacheSwapper:
     def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
@@ -153,8 +155,8 @@ class CacheSwapper:
     @property
     def host_buf(self) -> torch.Tensor:
         if self._host_buf is None:
-            self._host_buf = torch.empty(self.host_slots, self.pool.page_elems, dtype=self.pool.buf.dtype,
-                                         pin_memory=self.pool.buf.is_cuda)
+            shape, dtype = (self.host_slots, self.pool.page_elems), self.pool.buf.dtype
+            self._host_buf = pinned_empty(shape, dtype) if self.pool.buf.is_cuda else torch.empty(shape, dtype=dtype)
         return self._host_buf
 
     def _slot(self, protect) -> int | None:
