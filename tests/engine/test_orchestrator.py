@@ -1,4 +1,6 @@
-"""V-LoRA Alg. 1 decisions on constructed queues: each branch, credits, starvation."""
+"""V-LoRA Alg. 1 decisions on constructed queues (each branch, credits, starvation; queues longer than a batch),
+the light-load rule (queues that fit one batch), and a simulated light load that neither flaps nor makes anyone
+wait."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def test_credit_adds_waiting_mode_time_and_switch_when_needed():
 
 
 def test_dominant_adapter_and_no_starvation_merges():
-    d = schedule(queue("AAAAAB-A"), Mode.UNMERGED, None, max_bs=8, theta=THETA, costs=COSTS)
+    d = schedule(queue("AAAAAB-A"), Mode.UNMERGED, None, max_bs=6, theta=THETA, costs=COSTS)
     assert d.mode is Mode.MERGED and d.merged == "A"
     assert d.batch == ("r0", "r1", "r2", "r3", "r4", "r7")                   # only A's requests
 
@@ -65,35 +67,70 @@ def test_ties_keep_the_adapter_already_merged():
 
 def test_starvation_in_merged_mode_counts_the_switch():
     """In MERGED mode a B request also pays the switch it needs; that tips it over θ."""
-    calm = schedule(queue("AAAAAB", waits={5: 0.480}), Mode.MERGED, "A", 8, THETA, COSTS)   # 0.495 <= θ
+    calm = schedule(queue("AAAAAB", waits={5: 0.480}), Mode.MERGED, "A", 5, THETA, COSTS)   # 0.495 <= θ
     assert calm.mode is Mode.MERGED and "r5" not in calm.batch
-    tipped = schedule(queue("AAAAAB", waits={5: 0.488}), Mode.MERGED, "A", 8, THETA, COSTS)  # 0.503 > θ
+    tipped = schedule(queue("AAAAAB", waits={5: 0.488}), Mode.MERGED, "A", 5, THETA, COSTS)  # 0.503 > θ
     assert tipped.mode is Mode.MIXED and tipped.batch[0] == "r5"
 
 
-def test_an_adapter_with_most_of_a_light_load_is_merged():
-    """Fewer requests than a batch: the shares are of what can run now, so 2 of 3 on A merges A."""
-    d = schedule(queue("AAB"), Mode.UNMERGED, None, max_bs=64, theta=THETA, costs=COSTS)
-    assert d.mode is Mode.MERGED and d.merged == "A" and d.batch == ("r0", "r1")
-    assert schedule(queue("AB"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.UNMERGED   # no majority
+def test_light_load_runs_everyone_and_merges_a_queue_of_one_adapter():
+    """Everything pending fits one batch: nobody waits; merged when all of it is one adapter's, mixed while the
+    merged adapter keeps a quarter of the requests, else unmerged."""
+    everyone = ("r0", "r1", "r2")
+    d = schedule(queue("AAA"), Mode.UNMERGED, None, max_bs=64, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MERGED and d.merged == "A" and d.batch == everyone
+    d = schedule(queue("AAB"), Mode.UNMERGED, None, 64, THETA, COSTS)
+    assert d.mode is Mode.UNMERGED and d.batch == everyone          # no switch for a batch that is not pure
+    d = schedule(queue("AAB"), Mode.MERGED, "A", 64, THETA, COSTS)
+    assert d.mode is Mode.MIXED and d.merged == "A" and d.batch == everyone
+    d = schedule(queue("BABBB"), Mode.MIXED, "A", 64, THETA, COSTS)  # A has 1 of 5 (< 1/4): unmerge
+    assert d.mode is Mode.UNMERGED and len(d.batch) == 5
+    assert schedule(queue("AA-"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.UNMERGED   # base rows
+    assert schedule(queue("AAB"), Mode.MERGED, "A", 64, THETA, COSTS, mixed=False).mode is Mode.UNMERGED
 
 
 def test_a_switch_must_pay_for_itself():
-    """Merging saves 10 ms an iteration here and a switch costs 50 ms: 3 iterations left do not pay for merging
-    and unmerging (100 ms), 20 do; a switch between adapters (unmerge, merge, unmerge later) needs more."""
+    """Merging saves 10 ms an iteration here and a switch costs 50 ms: a merge must save more than it and the
+    unmerge after it (100 ms); unmerging an adapter merged now is paid either way; staying costs nothing."""
     costs = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.050)
 
     def reqs(spec, remaining):
         return [Pending(f"r{i}", c, 0.0, remaining) for i, c in enumerate(spec)]
 
-    assert schedule(reqs("AAB", 3), Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.UNMERGED
-    assert schedule(reqs("AAB", 20), Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.MERGED
-    assert schedule(reqs("AAB", 12), Mode.MERGED, "B", 8, THETA, costs).mode is Mode.UNMERGED    # 120 < 150 ms
-    assert schedule(reqs("AAB", 20), Mode.MERGED, "B", 8, THETA, costs).merged == "A"              # 200 > 150 ms
-    assert schedule(reqs("AAB", 1), Mode.MERGED, "A", 8, THETA, costs).merged == "A"   # staying costs nothing
+    assert schedule(reqs("AAA", 3), Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.UNMERGED
+    assert schedule(reqs("AAA", 20), Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.MERGED
+    assert schedule(reqs("AAA", 9), Mode.MERGED, "B", 8, THETA, costs).mode is Mode.UNMERGED       # 90 < 100 ms
+    assert schedule(reqs("AAA", 11), Mode.MERGED, "B", 8, THETA, costs).merged == "A"             # 110 > 100 ms
+    assert schedule(reqs("AAA", 1), Mode.MERGED, "A", 8, THETA, costs).merged == "A"
+    heavy = reqs("AAAAAAB", 3)                                                                    # 7 > max_bs 4
+    assert schedule(heavy, Mode.UNMERGED, None, 4, THETA, costs).mode is Mode.UNMERGED
+    assert schedule(reqs("AAAAAAB", 20), Mode.UNMERGED, None, 4, THETA, costs).mode is Mode.MERGED
 
 
 def test_unmeasured_costs_let_the_first_merge_happen():
     cold = Costs(step_s={m: 0.0 for m in Mode}, switch_s=0.0)
     d = schedule([Pending("r0", "A", 0.0, 1), Pending("r1", "A", 0.0, 1)], Mode.UNMERGED, None, 8, THETA, cold)
     assert d.mode is Mode.MERGED
+
+
+def test_simulated_light_load_neither_flaps_nor_starves():
+    """One long request of A and a short request of B every 0.3 s (each 5 tokens): A is merged once and stays
+    (mixed while a B runs), and every pending request decodes in every iteration."""
+    costs = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.050)
+    t, mode, merged, switches, n = 0.0, Mode.UNMERGED, None, 0, 0
+    left = {"a": 300}
+    while left.get("a", 0) > 0:
+        if t >= 0.3 * n:
+            left[f"b{n}"], n = 5, n + 1
+        pend = [Pending(k, k[0].upper(), 0.0, v) for k, v in left.items()]
+        d = schedule(pend, mode, merged, 64, THETA, costs)
+        assert set(d.batch) == set(left)                                  # nobody waits under light load
+        if d.merged != merged:
+            switches += 1
+            t += costs.switch_s
+        mode, merged = d.mode, d.merged
+        t += costs.step_s[mode]
+        for k in d.batch:
+            left[k] -= 1
+        left = {k: v for k, v in left.items() if v > 0}
+    assert switches <= 2 and n > 5

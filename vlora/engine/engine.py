@@ -317,9 +317,9 @@ class Engine:
         t0 = time.perf_counter()
         tokens = self.runner.run(out.scheduled)
         seconds = time.perf_counter() - t0
-        self.orchestrator.observe(mode, seconds)
         decodes = sum(1 for s in out.scheduled if s.start >= len(s.seq.prompt_token_ids))
         prefill = sum(s.num_tokens for s in out.scheduled if s.start < len(s.seq.prompt_token_ids))
+        self.orchestrator.observe(mode, seconds, decode_only=prefill == 0)
         self.estimator.observe(prefill, decodes, seconds)
         self.last_mode = mode
         return tokens
