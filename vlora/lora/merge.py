@@ -209,8 +209,9 @@ def stage_from_pool(adapter: PackedAdapter, buf: torch.Tensor, weights: dict[str
             if len(present) == L and _uniform(starts_a) and _uniform(starts_b):     # one strided view each
                 step_a = starts_a[1] - starts_a[0] if L > 1 else r * inn
                 step_b = starts_b[1] - starts_b[0] if L > 1 else r * width
-                a.copy_(buf.as_strided((L, r, inn), (step_a, inn, 1), starts_a[0]).transpose(1, 2))
-                b.copy_(buf.as_strided((L, r, width), (step_b, width, 1), starts_b[0]))
+                base = buf.storage_offset()                       # as_strided takes storage offsets
+                a.copy_(buf.as_strided((L, r, inn), (step_a, inn, 1), base + starts_a[0]).transpose(1, 2))
+                b.copy_(buf.as_strided((L, r, width), (step_b, width, 1), base + starts_b[0]))
             else:
                 for l, sa, sb in zip(present, starts_a, starts_b):
                     a[l].copy_(buf[sa:sa + r * inn].view(r, inn).T)
