@@ -115,14 +115,18 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
                                  1, mask=exc, sem="relaxed")
             stored = exc & (slot < SLOTS)
             pos = pid.to(tl.int64) * SLOTS + slot
+            # the element's place in its tile, int32 (the host adds the tile's origin): half the registers and
+            # bytes of a 2D int64 flat index computed for every element of the tile
+            local = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+            tl.store(exc_idx_ptr + pos, local, mask=stored)
         else:
             # slots in the list: one reservation per tile, then row offsets + a scan along each row (no 2D->1D
             # reshape of the tile, which costs a shuffle through shared memory)
             base = tl.atomic_add(count_ptr, n_exc)
             pos = base + (tl.cumsum(row_n, axis=0) - row_n)[:, None] + tl.cumsum(exc.to(tl.int32), axis=1) - 1
             stored = exc & (pos < capacity)
-        flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
-        tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
+            flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
+            tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
         tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
         pending = exc & ~stored
         nib = tl.where(pending, 15, nib)
@@ -193,7 +197,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     tiles = L * to * ti
     room = tiles * slots if slots else max(capacity, 1)
     count = torch.zeros(tiles if slots else 1, dtype=torch.int32, device=w.device)
-    exc_idx = torch.empty(room, dtype=torch.int64, device=w.device)
+    exc_idx = torch.empty(room, dtype=torch.int32 if slots else torch.int64, device=w.device)
     exc_bits = torch.empty(room, dtype=INT_OF[w.dtype], device=w.device)
     bk = max(16, min(64, triton.next_power_of_2(r)))
     _merge_kernel[(tiles,)](w, a.contiguous(), b.contiguous(), codes, count, exc_idx, exc_bits, row0, r, inn,
@@ -201,8 +205,12 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
                             IEEE=_ieee(w), num_warps=num_warps, SLOTS=slots, **_consts(w))
     if slots:                                       # the used slots of every tile, in tile order
         used = torch.arange(slots, device=w.device)[None, :] < count[:, None]
-        idx, bits = exc_idx.view(tiles, slots)[used], exc_bits.view(tiles, slots)[used]
-        return codes, idx, bits, bool((count > slots).any())
+        tile = used.nonzero()[:, 0]
+        local, bits = exc_idx.view(tiles, slots)[used].to(torch.int64), exc_bits.view(tiles, slots)[used]
+        layer, rest = tile // (to * ti), tile % (to * ti)
+        o = (rest // ti) * bm + local // bn
+        i = (rest % ti) * bn + local % bn
+        return codes, (layer * out + o) * inn + i, bits, bool((count > slots).any())
     n = int(count.item())
     return codes, exc_idx[:min(n, capacity)].clone(), exc_bits[:min(n, capacity)].clone(), n > capacity
 
