@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# The orchestrator issue's GPU comparison in one device run: V-LoRA's policy vs unmerged-only, merged-only and
-# dLoRA-style on a random Llama-2-7B-shaped model, skewness 0.3/0.5/0.7/0.9 and the two V-LoRA application
-# profiles. Usage: benchmarks/gpu_policies.sh OUTDIR [seconds per run] [retrieval rates] [video streams]
+# The orchestrator issue's GPU comparison: V-LoRA's policy vs unmerged-only, merged-only and dLoRA-style on a
+# random Llama-2-7B-shaped model, skewness 0.3/0.5/0.7/0.9 and the two V-LoRA application profiles. One part
+# per device call, so that each fits in 10 minutes (4 policies x 2 points x (warm-up + run + drain)).
+# Usage: benchmarks/gpu_policies.sh OUTDIR PART [seconds per run]
+#   PART: skew-low (0.3, 0.5) | skew-high (0.7, 0.9) | retrieval (2, 6 req/s) | video (4, 16 streams) | all
 set -uo pipefail
-out=${1:?output dir}; dur=${2:-30}; rates=${3:-2,4,6}; streams=${4:-4,8,16}
+out=${1:?output dir}; part=${2:?part}; dur=${3:-25}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 common=(--model random:llama-2-7b --kv-cache-memory-gb 40 --max-num-seqs 64 --max-num-batched-tokens 8192
         --max-lora-rank 64 --num-adapters 32 --duration "$dur" --quiet)
-python3 -m vlora.cli bench "${common[@]}" --workload synthetic --sweep skewness --points 0.3,0.5,0.7,0.9 \
-    --rate 6 --out "$out/skewness" 2>&1 | tail -20
-python3 -m vlora.cli bench "${common[@]}" --workload retrieval --sweep rate --points "$rates" --out "$out/retrieval" \
-    2>&1 | tail -14
-python3 -m vlora.cli bench "${common[@]}" --workload video --sweep streams --points "$streams" --out "$out/video" \
-    2>&1 | tail -14
+run() {   # name, then vlora bench arguments
+    local name=$1; shift
+    python3 -m vlora.cli bench "${common[@]}" "$@" --out "$out/$name" 2>&1 | grep -v Warning | tail -14
+}
+case $part in
+    skew-low)  run skew-low --workload synthetic --sweep skewness --points 0.3,0.5 --rate 6 ;;
+    skew-high) run skew-high --workload synthetic --sweep skewness --points 0.7,0.9 --rate 6 ;;
+    retrieval) run retrieval --workload retrieval --sweep rate --points 2,6 ;;
+    video)     run video --workload video --sweep streams --points 4,16 ;;
+    all)       for p in skew-low skew-high retrieval video; do "$0" "$out" "$p" "$dur"; done ;;
+    *)         echo "unknown part $part" >&2; exit 2 ;;
+esac
