@@ -128,10 +128,11 @@ class Scheduler:
         preempted: list[Sequence] = []
         truncated: list[Sequence] = []
         queue = [s for s in self.running if ok(s)]    # the others keep their KV and sit this one out
+        limit = self.allocator.num_blocks             # once per call: it sums over the resident adapters
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if len(seq.blocks) + self._blocks_needed(seq, n) > self.allocator.num_blocks:
+            if len(seq.blocks) + self._blocks_needed(seq, n) > limit:
                 self.finish(seq, "length")      # preempting would only bring it back to the same wall
                 truncated.append(seq)
                 continue
