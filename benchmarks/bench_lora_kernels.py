@@ -318,7 +318,8 @@ def atmm_fn(c: Case, cs: TileConfig, ce: TileConfig):
 
     def fn():
         v = lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, spec.r_max, cs, aligned=True)
-        return lora_expand(c.y, v, c.w, c.b_off_t, c.vcol_t, (spec.n,), c.meta, ce, aligned=True)
+        return lora_expand(c.y, v, c.w, c.b_off_t, c.vcol_t, (spec.n,), c.meta, ce, aligned=True,
+                           max_rank=spec.r_max)
     return fn
 
 
@@ -327,7 +328,8 @@ def shrink_fn(c: Case, cs: TileConfig):
 
 
 def expand_fn(c: Case, ce: TileConfig, v_in: torch.Tensor):
-    return lambda: lora_expand(c.y, v_in, c.w, c.b_off_t, c.vcol_t, (c.spec.n,), c.meta, ce, aligned=True)
+    return lambda: lora_expand(c.y, v_in, c.w, c.b_off_t, c.vcol_t, (c.spec.n,), c.meta, ce, aligned=True,
+                               max_rank=c.spec.r_max)
 
 
 def loop_fn(c: Case):

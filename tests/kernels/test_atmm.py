@@ -119,6 +119,29 @@ def test_shrink_expand_match_float64_reference(dist, cfg):
     assert torch.equal(y[~covered], y0[~covered])           # base-only rows untouched, bit for bit
 
 
+@pytest.mark.parametrize("dist", ["uniform", "distinct"])
+@pytest.mark.parametrize("cfg", [TileConfig(16, 16, 16, n_loop=2, num_stages=2, hoist=1),
+                                 TileConfig(16, 32, 16, n_loop=3, num_stages=1, hoist=1)],
+                         ids=["strip2", "strip3"])
+def test_hoisted_expand_matches_float64_reference(dist, cfg):
+    """The decode expand with v loaded once and the strip of B as the pipelined inner loop: the same result
+    (ranks up to the K tile; split-K planes of the shrink summed)."""
+    lens = [1, 2, 5, 0, 3, 1, 4]
+    w, x, segs = make_case(dist, 7, lens, ranks=[8, 16, 4], dtype=torch.float32, device="cpu", seed=5)
+    meta, starts, lens = metas(segs, "cpu")
+    b_off = torch.tensor([a["b_offs"] for _, _, a in segs], dtype=torch.int64).view(-1, 3)
+    vcol = torch.tensor([a["vcols"] for _, _, a in segs], dtype=torch.int32).view(-1, 3)
+    r_max = max(a["rtot"] for _, _, a in segs)
+    v = torch.randn(2, x.shape[0], r_max)                           # two split-K planes
+    y0 = torch.randn(x.shape[0], sum(WIDTHS))
+    y = lora_expand(y0.clone(), v, w, b_off, vcol, WIDTHS, meta, cfg, max_rank=16)
+    y_ref = lora_expand_ref(y0, v.sum(0).double(), w, b_off.tolist(), vcol.tolist(), WIDTHS, starts, lens,
+                            meta.ranks.tolist(), meta.scales.tolist())
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-4, atol=1e-4)
+    plain = lora_expand(y0.clone(), v, w, b_off, vcol, WIDTHS, meta, cfg)       # rank bound unknown: not hoisted
+    torch.testing.assert_close(plain, y, rtol=1e-5, atol=1e-5)
+
+
 def test_shrink_writes_every_covered_entry_of_a_poisoned_output():
     w, x, segs = make_case("uniform", 5, [3, 18, 1], ranks=[16, 8], dtype=torch.float32, device="cpu", seed=5)
     meta, starts, lens = metas(segs, "cpu")

@@ -42,10 +42,12 @@ class TileConfig:
     num_stages: int = 2
     m_loop: int = 1            # expand: M tiles each program walks (amortises metadata, reuses B from cache)
     n_loop: int = 1            # expand: N tiles each program walks (decode: a few rows, a long strip of B)
+    hoist: int = 0             # expand: v loaded once (block_k covers the rank), the strip walked as the innermost,
+    #                            software-pipelined loop (1); or a K loop inside every tile of the strip (0)
 
     def as_list(self) -> list[int]:
         return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, self.m_loop,
-                self.n_loop]
+                self.n_loop, self.hoist]
 
 
 @triton.jit
@@ -99,7 +101,7 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
                    starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    M_LOOP: tl.constexpr, N_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr,
-                   ALIGNED: tl.constexpr):
+                   ALIGNED: tl.constexpr, HOIST: tl.constexpr, STAGES: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
     seg = pid0 // m_progs
@@ -122,30 +124,54 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
             b_off = tl.multiple_of(b_off, 16)
             vcol = tl.multiple_of(vcol, 8)
         offs_k = tl.arange(0, BLOCK_K)
-        for ni in range(N_LOOP):                # a strip of N_LOOP column tiles of one slice
-            offs_n = n0 + ni * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < width
-            b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
-            for mi in range(M_LOOP):            # this program's M tiles share metadata and B (cached)
-                offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_mask = offs_m < seg_len
-                v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
-                y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
+        if HOIST:                               # one M tile, rank <= BLOCK_K: v once, then a pipelined strip of B
+            offs_m = m_first + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < seg_len
+            k_mask = offs_k < r
+            vmask = m_mask[:, None] & k_mask[None, :]
+            v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+            vt = tl.load(v_ptrs, mask=vmask, other=0.0)
+            for p in tl.static_range(1, SPLIT_V):
+                vt += tl.load(v_ptrs + p * stride_vk, mask=vmask, other=0.0)
+            vt = vt.to(w_ptr.dtype.element_ty)
+            y_rows = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0
+            b_rows = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width
+            for ni in tl.range(0, N_LOOP, num_stages=STAGES):
+                offs_n = n0 + ni * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < width
+                bt = tl.load(b_rows + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 mask = m_mask[:, None] & n_mask[None, :]
-                y = tl.load(y_ptrs, mask=mask, other=0.0)    # issued before the K loop: overlaps it
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k in range(0, r, BLOCK_K):
-                    k_mask = (k + offs_k) < r
-                    vmask = m_mask[:, None] & k_mask[None, :]
-                    vt = tl.load(v_ptrs + k, mask=vmask, other=0.0)
-                    for p in tl.static_range(1, SPLIT_V):   # split-K planes of the shrink
-                        vt += tl.load(v_ptrs + p * stride_vk + k, mask=vmask, other=0.0)
-                    bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                    if IEEE:
-                        acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
-                    else:
-                        acc += tl.dot(vt.to(bt.dtype), bt)
-                tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+                y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
+                if IEEE:
+                    acc = tl.dot(vt, bt, input_precision="ieee")
+                else:
+                    acc = tl.dot(vt, bt)
+                tl.store(y_rows + offs_n[None, :], (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+        else:
+            for ni in range(N_LOOP):                # a strip of N_LOOP column tiles of one slice
+                offs_n = n0 + ni * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < width
+                b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
+                for mi in range(M_LOOP):            # this program's M tiles share metadata and B (cached)
+                    offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
+                    m_mask = offs_m < seg_len
+                    v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+                    y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
+                    mask = m_mask[:, None] & n_mask[None, :]
+                    y = tl.load(y_ptrs, mask=mask, other=0.0)    # issued before the K loop: overlaps it
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for k in range(0, r, BLOCK_K):
+                        k_mask = (k + offs_k) < r
+                        vmask = m_mask[:, None] & k_mask[None, :]
+                        vt = tl.load(v_ptrs + k, mask=vmask, other=0.0)
+                        for p in tl.static_range(1, SPLIT_V):   # split-K planes of the shrink
+                            vt += tl.load(v_ptrs + p * stride_vk + k, mask=vmask, other=0.0)
+                        bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                        if IEEE:
+                            acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
+                        else:
+                            acc += tl.dot(vt.to(bt.dtype), bt)
+                    tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
 
 
 @lru_cache(maxsize=256)
@@ -213,12 +239,14 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.Tensor, vcol: torch.Tensor,
-                widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig, aligned: bool = False) -> torch.Tensor:
+                widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig, aligned: bool = False,
+                max_rank: int | None = None) -> torch.Tensor:
     """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
 
     Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P split-K planes, summed here);
     b_off [S, NS] int64 (-1 = slice absent); vcol [S, NS] int32. Returns y.
-    ``aligned``: the caller guarantees b_off multiples of 16 and vcol multiples of 8.
+    ``aligned``: the caller guarantees b_off multiples of 16 and vcol multiples of 8. ``max_rank``: an upper
+    bound of the segments' ranks; a ``hoist`` config runs hoisted only when it is known and fits ``block_k``.
     """
     assert v.dim() == 3 and v.stride(2) == 1, "v must be [planes, T, R] as lora_shrink returns it"
     assert y.dim() == 2 and y.stride(1) == 1 and y.shape[1] == sum(widths), "y must be [T, sum(widths)]"
@@ -228,6 +256,9 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     if num_segs == 0 or meta.max_len == 0:
         return y
     cfg = fit_shared(cfg, 4, y.element_size())
+    hoist = bool(cfg.hoist) and max_rank is not None and max_rank <= cfg.block_k
+    if hoist:
+        cfg = dataclasses.replace(cfg, m_loop=1)
     tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
     m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
     grid = (num_segs * m_progs, tiles.shape[0] // 2)
@@ -236,5 +267,6 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
                          N_LOOP=cfg.n_loop,
                          SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),
-                         IEEE=y.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         IEEE=y.dtype == torch.float32, HOIST=hoist, STAGES=max(1, cfg.num_stages),
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

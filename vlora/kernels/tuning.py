@@ -106,9 +106,13 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
                 for bm, bk, split in itertools.product(bms, (128, 256), (1, 2, 4, 8))]
     loops = [1, 4] if per_seg >= 256 else [1]
     strips = (1, 2, 4, 8) if per_seg <= 16 else (1,)    # decode: few rows, walk a long strip of B
-    return [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
-            for bm, bn, bk, loop, strip in itertools.product(bms, (64, 128, 256), (16, 32), loops, strips)
-            if bk <= max(16, pow2_bucket(rank))]
+    space = [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
+             for bm, bn, bk, loop, strip in itertools.product(bms, (64, 128, 256), (16, 32), loops, strips)
+             if bk <= max(16, pow2_bucket(rank))]
+    if per_seg <= 16:                                   # decode: v hoisted, the strip pipelined (K tile = the rank)
+        space += [TileConfig(bm, bn, max(16, pow2_bucket(rank)), 1, 4, stages, 1, strip, hoist=1)
+                  for bm, bn, strip, stages in itertools.product(bms, (64, 128), (2, 4, 8), (2, 3))]
+    return space
 
 
 def model_shapes(hidden: int, q_size: int, kv_size: int, intermediate: int) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -220,4 +224,4 @@ def _case(op, tokens, segments, dim, r, widths, dtype, dev):
     y = torch.zeros(tokens, sum(widths), dtype=dtype, device=dev)
     b_off = torch.stack([a_off + ns * r * 4096 + sum(widths[:j]) * r for j in range(ns)], dim=1)
     vcol = torch.tensor([[j * r for j in range(ns)]] * segments, dtype=torch.int32, device=dev)
-    return lambda cfg: atmm.lora_expand(y, v, w, b_off, vcol, widths, meta, cfg, aligned=True)
+    return lambda cfg: atmm.lora_expand(y, v, w, b_off, vcol, widths, meta, cfg, aligned=True, max_rank=r)

@@ -29,6 +29,6 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: in
             v = lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg,
                             aligned=True)
             lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg,
-                        aligned=True)
+                        aligned=True, max_rank=k.r_max // len(k.widths))
         lora = lora.extra
     return y
