@@ -55,15 +55,18 @@ class ModeSwitcher:
         return self._switched(t0)
 
     def _factors(self, adapter: PackedAdapter) -> dict | None:
-        """Device copies of the adapter's stacked factors, kept for the 4 most recently merged adapters."""
+        """Device copies of the adapter's stacked factors. Read from the pool when the adapter is there (strided
+        device copies: nothing is kept beyond the merge record's own); else gathered on the host, and then
+        kept for the 4 most recently merged adapters."""
         if not next(iter(self.weights.values())).is_cuda:
             return None
-        hit = self._staged.pop(adapter.name, None)
-        staged = hit[1] if hit is not None and hit[0] is adapter else None
-        if staged is None and self.pool is not None:
+        if self.pool is not None:
             staged = stage_from_pool(adapter, self.pool.buf, self.weights, self.widths)
-        if staged is None:
-            staged = stage_factors(adapter, self.weights, self.widths)
+            if staged is not None:
+                return staged
+        hit = self._staged.pop(adapter.name, None)
+        staged = hit[1] if hit is not None and hit[0] is adapter else stage_factors(adapter, self.weights,
+                                                                                    self.widths)
         self._staged[adapter.name] = (adapter, staged)
         while len(self._staged) > 4:
             self._staged.pop(next(iter(self._staged)))
