@@ -29,3 +29,26 @@ def test_pinned_empty_is_page_locked_at_its_size_and_copies_asynchronously():
     gc.collect()
     again = pinned_empty(17, torch.float32)                    # registering after unregistering works
     assert again.is_pinned()
+
+
+@pytest.mark.gpu
+def test_a_failed_registration_falls_back_and_leaves_no_cuda_error(monkeypatch):
+    """Registering memory that is already registered fails: the caching allocator serves instead, and the
+    failure does not surface later from an unrelated torch op."""
+    import numpy as np
+
+    from vlora.memory import pinned
+
+    taken = np.empty(1 << 20, np.uint8)
+    assert int(torch.cuda.cudart().cudaHostRegister(taken.ctypes.data, taken.nbytes, 0)) == 0
+
+    class _Np:                         # pinned_empty gets the already-registered array
+        uint8 = np.uint8
+        empty = staticmethod(lambda n, dtype: taken)
+
+    monkeypatch.setattr(pinned, "np", _Np)
+    t = pinned.pinned_empty(1 << 20, torch.uint8)
+    assert t.is_pinned()
+    torch.zeros(4, device="cuda").add_(1)                      # would raise the stale registration error
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaHostUnregister(taken.ctypes.data)

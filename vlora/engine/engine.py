@@ -319,7 +319,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         decodes = sum(1 for s in out.scheduled if s.start >= len(s.seq.prompt_token_ids))
         prefill = sum(s.num_tokens for s in out.scheduled if s.start < len(s.seq.prompt_token_ids))
-        self.orchestrator.observe(mode, seconds, decode_only=prefill == 0)
+        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in out.scheduled))
         self.estimator.observe(prefill, decodes, seconds)
         self.last_mode = mode
         return tokens

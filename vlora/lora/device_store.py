@@ -89,6 +89,8 @@ class AdapterStore:
     def remove(self, name: str) -> None:
         if name in self.resident:
             self.evict(name)
+        if self.stream is not None and name in self._host:
+            self.stream.synchronize()      # a load from its host buffer may still be reading it: not freed before
         self._host.pop(name, None)
 
     def host_bytes(self) -> int:

@@ -34,6 +34,18 @@ def _unregister(ptr: int) -> None:
         pass
 
 
+def _clear_last_error() -> None:
+    """A failed runtime call leaves its error as the thread's "last error", which the next torch kernel launch
+    check would raise from an unrelated op: read it (reading clears it)."""
+    cudart = torch.cuda.cudart()
+    if hasattr(cudart, "cudaGetLastError"):
+        cudart.cudaGetLastError()
+    try:                               # a launch check calls cudaGetLastError too; a stale error raises here
+        torch.empty(1, device="cuda").zero_()
+    except RuntimeError:
+        pass
+
+
 def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` whose memory is page-locked for asynchronous copies."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -49,7 +61,7 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tens
     if code != 0:
         log.warning("cudaHostRegister of %d bytes failed (error %d); using the caching pinned allocator",
                     nbytes, code)
-        torch.cuda.synchronize()       # clear the error state before the fallback allocation
+        _clear_last_error()
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     weakref.finalize(raw, _unregister, ptr)       # runs once every tensor over ``raw`` is gone
     return torch.from_numpy(raw).view(dtype).view(shape)
