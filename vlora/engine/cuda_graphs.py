@@ -42,8 +42,11 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
-                 lora_setup=None, columns: int = 64):
-        """``lora_setup``: (adapter buffer, group widths, group in-features, tiling table, max rank) or None."""
+                 lora_setup=None, columns: int = 512):
+        """``lora_setup``: (adapter buffer, group widths, group in-features, tiling table, max rank) or None;
+        ``columns``: adapter columns of the offset tables to start with (about 5 KB each on a 32-layer model;
+        outgrowing them recaptures every LoRA graph, so the default is sized past the adapters a pool holds at
+        once)."""
         self.model = model
         self.kv_cache = kv_cache
         self.buckets = bucket_sizes(max_batch)

@@ -54,7 +54,7 @@ class ModelRunner:
         if graph_batch > 0:
             self.enable_graphs(graph_batch, max_model_len)
 
-    def enable_graphs(self, max_batch: int, max_model_len: int, columns: int = 64) -> None:
+    def enable_graphs(self, max_batch: int, max_model_len: int, columns: int = 512) -> None:
         """Replay decode iterations of up to ``max_batch`` sequences from captured graphs (on a CPU: an
         emulation that re-runs the captured forward on the same static buffers, for tests)."""
         from vlora.engine.cuda_graphs import DecodeGraphs
