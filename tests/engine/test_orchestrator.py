@@ -73,20 +73,27 @@ def test_starvation_in_merged_mode_counts_the_switch():
     assert tipped.mode is Mode.MIXED and tipped.batch[0] == "r5"
 
 
-def test_light_load_runs_everyone_and_merges_a_queue_of_one_adapter():
-    """Everything pending fits one batch: nobody waits; merged when all of it is one adapter's, mixed while the
-    merged adapter keeps a quarter of the requests, else unmerged."""
+def test_light_load_runs_everyone_and_merges_a_majority_adapter():
+    """Everything pending fits one batch: nobody waits. An adapter with most of the requests is merged (MERGED
+    when they are all its, else MIXED) when that pays by the measured costs; the merged adapter stays while it
+    keeps a quarter of them; otherwise unmerged."""
     everyone = ("r0", "r1", "r2")
     d = schedule(queue("AAA"), Mode.UNMERGED, None, max_bs=64, theta=THETA, costs=COSTS)
     assert d.mode is Mode.MERGED and d.merged == "A" and d.batch == everyone
-    d = schedule(queue("AAB"), Mode.UNMERGED, None, 64, THETA, COSTS)
-    assert d.mode is Mode.UNMERGED and d.batch == everyone          # no switch for a batch that is not pure
-    d = schedule(queue("AAB"), Mode.MERGED, "A", 64, THETA, COSTS)
+    d = schedule(queue("AAB"), Mode.UNMERGED, None, 64, THETA, COSTS)          # mixed measured faster here
     assert d.mode is Mode.MIXED and d.merged == "A" and d.batch == everyone
-    d = schedule(queue("BABBB"), Mode.MIXED, "A", 64, THETA, COSTS)  # A has 1 of 5 (< 1/4): unmerge
+    slow_mixed = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.021, Mode.UNMERGED: 0.020}, switch_s=0.005)
+    d = schedule(queue("AAB"), Mode.UNMERGED, None, 64, THETA, slow_mixed)     # ... and slower here: no switch
+    assert d.mode is Mode.UNMERGED and d.batch == everyone
+    assert schedule(queue("AAB"), Mode.MIXED, "A", 64, THETA, slow_mixed).mode is Mode.MIXED   # staying is free
+    assert schedule(queue("AB"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.UNMERGED   # no majority
+    d = schedule(queue("ABBBB"), Mode.MIXED, "A", 64, THETA, COSTS)  # A keeps 1 of 5 (< 1/4): B has the majority
+    assert d.mode is Mode.MIXED and d.merged == "B" and len(d.batch) == 5
+    d = schedule(queue("ABCDE"), Mode.MIXED, "A", 64, THETA, COSTS)  # nobody keeps or wins: unmerge
     assert d.mode is Mode.UNMERGED and len(d.batch) == 5
-    assert schedule(queue("AA-"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.UNMERGED   # base rows
+    assert schedule(queue("AA-"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.MIXED     # base rows subtract
     assert schedule(queue("AAB"), Mode.MERGED, "A", 64, THETA, COSTS, mixed=False).mode is Mode.UNMERGED
+    assert schedule(queue("AAA"), Mode.UNMERGED, None, 64, THETA, COSTS, mixed=False).mode is Mode.MERGED
 
 
 def test_a_switch_must_pay_for_itself():

@@ -19,15 +19,18 @@ never left unmerged mode, although merged iterations were the fastest
 has nobody to displace, so no request should wait for a merge. The light-load
 rule (:func:`_light_load`):
 
-* every pending request on one adapter -> MERGED with it (a switch to it must
-  pay for itself: the iterations its requests may still run times the
-  measured per-iteration saving of merged over unmerged must exceed a merge
-  plus the later unmerge);
-* the merged adapter still has at least ``keep_share`` of the requests ->
-  MIXED with it, everyone in the batch (no switch: leaving and re-merging
-  whenever a request of another adapter comes and goes cost two switches each
-  time);
-* otherwise -> UNMERGED, everyone in the batch.
+* the adapter merged now keeps at least ``keep_share`` of the requests: it
+  stays (no switch: leaving and re-merging whenever a request of another
+  adapter comes and goes cost two switches each time);
+* else the most requested adapter has more than ``merge_share`` of them: it
+  is merged, if the switch pays for itself (the iterations its requests may
+  still run times the measured per-iteration saving of the mode it would
+  run in over unmerged must exceed a merge plus the later unmerge);
+* the mode is MERGED when all requests are that adapter's, else MIXED (the
+  others add their adapter and subtract the merged one: on prefill rows that
+  saves the merged adapter's LoRA work; on decode rows it reads the same
+  bytes as unmerged, so the measured costs decide);
+* otherwise -> UNMERGED.
 
 Heavy load is Alg. 1 as written, with the same pay-for-itself test on a
 switch.
@@ -78,30 +81,36 @@ def credit(req: Pending, mode: Mode, merged_now: str | None, costs: Costs) -> fl
     return req.waiting_s + costs.step_s[mode] + (costs.switch_s if needs_switch else 0.0)
 
 
-def switch_pays(r_merge: list[Pending], costs: Costs) -> bool:
-    """Whether merging ``r_merge``'s adapter saves more than it costs: the iterations its requests may still run
-    × (unmerged − merged iteration time) against two measured switches (this merge and the unmerge after it;
-    unmerging an adapter merged now is paid whether or not this one comes in). Unmeasured costs (a cold start)
-    count as worth it, so they get measured."""
-    merged_s, unmerged_s = costs.step_s.get(Mode.MERGED, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
-    if min(costs.switch_s, merged_s, unmerged_s) <= 0.0:
+def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) -> bool:
+    """Whether merging ``r_merge``'s adapter to run in ``mode`` (MERGED, or MIXED beside other requests) saves
+    more than it costs: the iterations its requests may still run × (unmerged − ``mode`` iteration time, as
+    measured) against two measured switches (this merge and the unmerge after it; unmerging an adapter merged
+    now is paid whether or not this one comes in). Unmeasured costs (a cold start) count as worth it, so they
+    get measured."""
+    mode_s, unmerged_s = costs.step_s.get(mode, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
+    if min(costs.switch_s, mode_s, unmerged_s) <= 0.0:
         return True
-    gain = unmerged_s - merged_s
+    gain = unmerged_s - mode_s
     if any(r.remaining is None for r in r_merge):
         return gain > 0.0
     return max(r.remaining for r in r_merge) * gain > 2 * costs.switch_s
 
 
-def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, costs: Costs, keep_share: float,
-                mixed: bool) -> Decision:
+def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, costs: Costs, merge_share: float,
+                keep_share: float, mixed: bool) -> Decision:
     """Every pending request fits one batch: all of them run, in the mode that serves them fastest."""
     ids = tuple(r.request_id for r in reqs)
-    if len(counts) == 1 and all(r.adapter is not None for r in reqs):       # one adapter, no base requests
-        only = next(iter(counts))
-        if only == merged_now or switch_pays(reqs, costs):
-            return Decision(Mode.MERGED, only, ids)
-    elif mixed and merged_now is not None and counts.get(merged_now, 0) >= keep_share * len(reqs):
-        return Decision(Mode.MIXED, merged_now, ids)
+    if not counts:
+        return Decision(Mode.UNMERGED, None, ids)
+    top = max(counts, key=lambda a: (counts[a], a == merged_now))
+    keep = merged_now is not None and counts.get(merged_now, 0) >= keep_share * len(reqs)
+    chosen = merged_now if keep else top if counts[top] > merge_share * len(reqs) else None
+    if chosen is not None:
+        pure = counts[chosen] == len(reqs)                  # no other adapter's and no base-model request
+        mode = Mode.MERGED if pure else Mode.MIXED
+        if (pure or mixed) and (chosen == merged_now or switch_pays(
+                [r for r in reqs if r.adapter == chosen], costs, mode)):
+            return Decision(mode, chosen, ids)
     return Decision(Mode.UNMERGED, None, ids)
 
 
@@ -111,7 +120,7 @@ def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: in
     they all fit one batch. ``mixed=False``: no mixed mode (the dLoRA-style baseline: starving -> unmerged)."""
     counts = Counter(r.adapter for r in reqs if r.adapter is not None)
     if len(reqs) <= max_bs:
-        return _light_load(reqs, counts, merged_now, costs, keep_share, mixed)
+        return _light_load(reqs, counts, merged_now, costs, merge_share, keep_share, mixed)
     top = max(counts, key=lambda a: (counts[a], a == merged_now)) if counts else None
     r_merge = [r for r in reqs if top is not None and r.adapter == top]
     starving = [r for r in reqs if credit(r, mode, merged_now, costs) > theta]
