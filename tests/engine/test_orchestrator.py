@@ -141,3 +141,15 @@ def test_simulated_light_load_neither_flaps_nor_starves():
             left[k] -= 1
         left = {k: v for k, v in left.items() if v > 0}
     assert switches <= 2 and n > 5
+
+
+def test_a_starved_request_stays_first_until_it_finishes():
+    """Once its credit passed θ, a request is served in every iteration (mixed mode), not once per θ: after the
+    iteration that served it, its wait is short again, but it is still in the starved set."""
+    waits = {5: 0.9}
+    first = schedule(queue("AAAAAB", waits), Mode.MERGED, "A", 5, THETA, COSTS)
+    assert first.mode is Mode.MIXED and first.batch[0] == "r5"
+    again = schedule(queue("AAAAAB"), Mode.MIXED, "A", 5, THETA, COSTS)                 # wait reset: merged, r5 out
+    assert again.mode is Mode.MERGED and "r5" not in again.batch
+    sticky = schedule(queue("AAAAAB"), Mode.MIXED, "A", 5, THETA, COSTS, starved={"r5"})
+    assert sticky.mode is Mode.MIXED and sticky.batch[0] == "r5"

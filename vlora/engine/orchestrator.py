@@ -115,15 +115,18 @@ def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, co
 
 
 def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: int, theta: float, costs: Costs,
-             merge_share: float = 0.5, keep_share: float = 0.25, mixed: bool = True) -> Decision:
+             merge_share: float = 0.5, keep_share: float = 0.25, mixed: bool = True,
+             starved: set[str] | frozenset[str] = frozenset()) -> Decision:
     """Alg. 1 over the pending requests (in arrival order), from the current ``mode``; the light-load rule when
-    they all fit one batch. ``mixed=False``: no mixed mode (the dLoRA-style baseline: starving -> unmerged)."""
+    they all fit one batch. ``mixed=False``: no mixed mode (the dLoRA-style baseline: starving -> unmerged).
+    ``starved``: requests whose credit passed θ before; they stay starving (served first) until they finish.
+    Otherwise one mixed iteration would reset a starving request's wait, and it would make one step per θ."""
     counts = Counter(r.adapter for r in reqs if r.adapter is not None)
     if len(reqs) <= max_bs:
         return _light_load(reqs, counts, merged_now, costs, merge_share, keep_share, mixed)
     top = max(counts, key=lambda a: (counts[a], a == merged_now)) if counts else None
     r_merge = [r for r in reqs if top is not None and r.adapter == top]
-    starving = [r for r in reqs if credit(r, mode, merged_now, costs) > theta]
+    starving = [r for r in reqs if r.request_id in starved or credit(r, mode, merged_now, costs) > theta]
     starving_ids = {r.request_id for r in starving}
     room = max(0, max_bs - len(starving))
     if len(starving) <= merge_share * max_bs and len(r_merge) > merge_share * max_bs \
@@ -147,6 +150,7 @@ class Orchestrator:
         self.step_s = {m: 0.0 for m in Mode}
         self.mode = Mode.UNMERGED
         self.mode_iterations = Counter()     # iterations run per mode (as measured)
+        self.starved: set[str] = set()       # requests whose credit passed θ (until they finish)
         self.decisions = Counter()           # decisions taken per mode
 
     def plan(self, seqs: list[Sequence], modes: ModeSwitcher, registry) -> Decision | None:
@@ -158,10 +162,11 @@ class Orchestrator:
                         s.params.max_tokens - len(s.output_token_ids)) for s in seqs]
         merged_now = None if modes.merged is None else modes.merged.name
         costs = Costs(dict(self.step_s), modes.last_switch_s)
-        if self.policy == "vlora":
-            return schedule(reqs, self.mode, merged_now, self.max_bs, self.theta, costs)
-        if self.policy == "dlora":          # Alg. 1 without the mixed mode: starvation -> unmerged
-            return schedule(reqs, self.mode, merged_now, self.max_bs, self.theta, costs, mixed=False)
+        self.starved = {r.request_id for r in reqs
+                        if r.request_id in self.starved or credit(r, self.mode, merged_now, costs) > self.theta}
+        if self.policy in ("vlora", "dlora"):   # dlora: Alg. 1 without the mixed mode (starvation -> unmerged)
+            return schedule(reqs, self.mode, merged_now, self.max_bs, self.theta, costs,
+                            mixed=self.policy == "vlora", starved=self.starved)
         counts = Counter(r.adapter for r in reqs if r.adapter is not None)   # merged-only
         if not counts:
             return Decision(Mode.UNMERGED, None, tuple(r.request_id for r in reqs[:self.max_bs]))
