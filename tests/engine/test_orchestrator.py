@@ -44,10 +44,28 @@ def test_a_few_starving_requests_switch_to_mixed_and_go_first():
 
 
 def test_many_starving_requests_switch_to_unmerged():
-    waits = {i: 1.0 for i in (1, 3, 5, 6, 7)}                                # 5 of max_bs 8 starve (> half)
-    d = schedule(queue("AAAAABC-A", waits=waits), Mode.MIXED, "A", max_bs=8, theta=THETA, costs=COSTS)
+    waits = {i: 1.0 for i in (5, 6, 7, 8, 9)}                             # 5 of max_bs 8 starve (> half)
+    d = schedule(queue("AAAAABCDE-A", waits=waits), Mode.MIXED, "A", max_bs=8, theta=THETA, costs=COSTS)
     assert d.mode is Mode.UNMERGED and d.merged is None
-    assert d.batch[:5] == ("r1", "r3", "r5", "r6", "r7") and len(d.batch) == 8
+    assert d.batch[:5] == ("r5", "r6", "r7", "r8", "r9") and len(d.batch) == 8
+
+
+def test_the_merged_adapters_own_starving_requests_run_merged():
+    """A backlog of one adapter's requests, many of which waited past θ: they need no mixed mode, so the
+    adapter stays merged and they go first (counting them as starving ran the backlog unmerged)."""
+    waits = {i: 0.9 for i in range(11, 20)}
+    d = schedule(queue("A" * 20, waits=waits), Mode.MERGED, "A", max_bs=16, theta=THETA, costs=COSTS)
+    assert d.mode is Mode.MERGED and d.merged == "A" and len(d.batch) == 16
+    assert d.batch[:9] == tuple(f"r{i}" for i in range(11, 20))
+    d = schedule(queue("A" * 20, waits=waits), Mode.MERGED, "A", 16, THETA, COSTS, mixed=False)
+    assert d.mode is Mode.MERGED
+
+
+def test_the_merged_adapter_keeps_the_merge_while_it_holds_its_share():
+    """Heavy load, A merged with 9 of a 16 batch's share and B with 10: no switch on a lead of one request."""
+    reqs = [Pending(f"a{i}", "A", 0.0, 20) for i in range(9)] + [Pending(f"b{i}", "B", 0.0, 20) for i in range(10)]
+    d = schedule(reqs, Mode.MERGED, "A", 16, THETA, COSTS)
+    assert d.mode is Mode.MERGED and d.merged == "A"
 
 
 def test_no_dominant_adapter_stays_unmerged_in_arrival_order():

@@ -125,17 +125,20 @@ def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: in
     if len(reqs) <= max_bs:
         return _light_load(reqs, counts, merged_now, costs, merge_share, keep_share, mixed)
     top = max(counts, key=lambda a: (counts[a], a == merged_now)) if counts else None
-    r_merge = [r for r in reqs if top is not None and r.adapter == top]
+    if merged_now is not None and counts.get(merged_now, 0) > merge_share * max_bs:
+        top = merged_now                # it keeps the merge while it holds more than its share (no flapping on
+    r_merge = [r for r in reqs if top is not None and r.adapter == top]          # a lead of one request)
     starving = [r for r in reqs if r.request_id in starved or credit(r, mode, merged_now, costs) > theta]
     starving_ids = {r.request_id for r in starving}
-    room = max(0, max_bs - len(starving))
-    if len(starving) <= merge_share * max_bs and len(r_merge) > merge_share * max_bs \
-            and (top == merged_now or switch_pays(r_merge, costs)):
-        if not starving:
-            return Decision(Mode.MERGED, top, tuple(r.request_id for r in r_merge[:max_bs]))
-        if mixed:
-            rest = [r for r in r_merge if r.request_id not in starving_ids][:room]
-            return Decision(Mode.MIXED, top, tuple(r.request_id for r in starving + rest))
+    others = [r for r in starving if r.adapter != top]      # only they need the mixed mode; the merged
+    room = max(0, max_bs - len(starving))                   # adapter's own starving requests run merged
+    if top is not None and len(others) <= merge_share * max_bs and len(r_merge) > merge_share * max_bs:
+        target = Mode.MIXED if others else Mode.MERGED
+        if (target is Mode.MERGED or mixed) and (top == merged_now or switch_pays(r_merge, costs, target)):
+            rest = [r for r in r_merge if r.request_id not in starving_ids]
+            if target is Mode.MERGED:
+                return Decision(Mode.MERGED, top, tuple(r.request_id for r in starving + rest)[:max_bs])
+            return Decision(Mode.MIXED, top, tuple(r.request_id for r in starving + rest[:room])[:max_bs])
     rest = [r for r in reqs if r.request_id not in starving_ids][:room]
     return Decision(Mode.UNMERGED, None, tuple(r.request_id for r in (starving + rest)[:max_bs]))
 
