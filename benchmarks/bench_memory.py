@@ -50,12 +50,6 @@ def shape_of(llm) -> ModelShape:
     return ModelShape(llm.engine.model_name, mc.num_layers, ins, outs)
 
 
-def capture_graphs(llm) -> None:
-    """Every decode graph before anything is timed (they are captured lazily, on a batch size's first use)."""
-    if llm.engine.runner.graphs is not None:
-        llm.engine.runner.graphs.capture_all()
-
-
 def free(llm) -> None:
     del llm
     gc.collect()
@@ -68,7 +62,7 @@ def throughput(args, tmp: Path, res: dict) -> None:
               max_model_len=args.input_len + args.output_len + 16, max_lora_rank=8, check_base_model=False,
               max_num_batched_tokens=args.max_batched_tokens)
     eng = llm.engine
-    capture_graphs(llm)
+    eng.runner.capture_graphs()
     src = write_random_adapter(tmp / "qkvo-r8", shape_of(llm), 8, seed=0, std=0.01,
                                targets=("q_proj", "k_proj", "v_proj", "o_proj"))
     rows, registered = [], 0
@@ -116,7 +110,7 @@ def dynamic(args, tmp: Path, res: dict) -> None:
                   max_num_batched_tokens=args.max_batched_tokens, prefix_caching=True, memory_policy=policy,
                   adapter_pool_fraction=args.adapter_fraction, host_kv_gb=args.host_kv_gb)
         eng = llm.engine
-        capture_graphs(llm)
+        eng.runner.capture_graphs()
         if dirs is None:
             dirs = [write_random_adapter(tmp / f"d{r}", shape_of(llm), r, seed=r, std=0.01) for r in args.ranks]
         for i in range(args.dyn_adapters):

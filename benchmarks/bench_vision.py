@@ -193,8 +193,7 @@ def main() -> None:
                   max_num_seqs=64, max_num_batched_tokens=4096, max_loras=args.adapters, max_lora_rank=args.rank,
                   max_model_len=4096, prefix_caching=prefix_caching,
                   block_size=args.block_size)
-        if llm.engine.runner.graphs is not None:      # decode graphs are captured lazily: all of them now
-            llm.engine.runner.graphs.capture_all()
+        llm.engine.runner.capture_graphs()
         log(f"engine ready in {time.perf_counter() - t:.1f} s (prefix caching {prefix_caching})")
         return llm
 

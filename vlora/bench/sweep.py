@@ -90,9 +90,9 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> lis
     with tempfile.TemporaryDirectory() as tmp:
         register_random_adapters(engine, cfg, Path(tmp))
         slo = SLO(ttft_s=cfg.ttft_slo_s) if cfg.ttft_slo_s else None
-        graphs = engine.runner.graphs   # every decode graph now: captured lazily, they landed in whichever
-        if graphs is not None:          # policy's timed run first met a batch size (the first policy's, mostly)
-            graphs.capture_all(with_lora=True, mixed="vlora" in cfg.policies)   # only vlora mixes
+        # every decode graph now: captured lazily, they landed in whichever policy's timed run first met a
+        # batch size (the first policy's, mostly); only vlora mixes
+        engine.runner.capture_graphs(mixed="vlora" in cfg.policies)
         if cfg.warmup_requests:         # the first timed run must not pay for Triton compiles and graph captures
             warm = [dataclasses.replace(s, arrival_s=0.0) for s in make_workload(cfg, cfg.points[0])
                     if math.isfinite(s.arrival_s)][:cfg.warmup_requests]

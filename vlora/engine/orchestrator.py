@@ -13,9 +13,10 @@ there needs a switch. Requests whose credit passes the threshold θ starve.
 
 Under light load — every pending request fits one batch — the algorithm
 would merge nothing: it takes shares of ``max_bs``, so nothing merges until
-more than half a full batch waits on one adapter. On an H100 the policy then
-never left unmerged mode, although merged iterations were the fastest
-(8 ms against 14–15 ms per token at skewness 0.7–0.9). But a light load also
+more than half a full batch waits on one adapter. On an H100 (2026-11-21,
+``benchmarks/results/policies-10s-nvidia-h100``) the policy then never left
+unmerged mode, although merged iterations were the fastest (8 ms against
+14–15 ms per token at skewness 0.7–0.9). But a light load also
 has nobody to displace, so no request should wait for a merge. The light-load
 rule (:func:`_light_load`):
 

@@ -65,6 +65,12 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
                                    scratch, lora, columns)
 
+    def capture_graphs(self, mixed: bool = False) -> None:
+        """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands
+        inside whatever is being timed); ``mixed``: the mixed-mode kind too. No-op without graphs."""
+        if self.graphs is not None:
+            self.graphs.capture_all(with_lora=True, mixed=mixed)
+
     @staticmethod
     def order(scheduled: tuple[ScheduledSeq, ...]) -> list[ScheduledSeq]:
         """Decodes first, then prefill chunks; inside each, grouped by adapter (long LoRA segments)."""

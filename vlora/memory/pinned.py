@@ -12,6 +12,7 @@ caching allocator.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 
 import numpy as np
@@ -49,10 +50,7 @@ def _clear_last_error() -> None:
 def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` whose memory is page-locked for asynchronous copies."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     raw = np.empty(nbytes, dtype=np.uint8)
