@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from vlora import LLM, SamplingParams  # noqa: E402
 from vlora.bench.workloads import adapter_names, video_analytics, visual_retrieval  # noqa: E402
+from vlora.kernels import compiles  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 
@@ -214,10 +215,12 @@ def main() -> None:
         f"{args.tokens_per_frame} tokens per request")
     runs = {}
     for mode, head in (("task_head", True), ("lm_head", False)):
+        mark = compiles.snapshot()
         runs[mode] = summary(drive(llm, video_requests(args, size, img, vocab, head)))
+        runs[mode]["kernel_builds"] = compiles.since(mark)["compiles"]
         s = runs[mode]["latency_s"]
         log(f"  {mode:9s}: {s['n']} requests, latency mean {s['mean'] * 1e3:.1f} ms p50 {s['p50'] * 1e3:.1f} "
-            f"p90 {s['p90'] * 1e3:.1f}")
+            f"p90 {s['p90'] * 1e3:.1f}; kernel builds {runs[mode]['kernel_builds']}")
     red = {k: 1 - runs["task_head"]["latency_s"][k] / runs["lm_head"]["latency_s"][k] for k in ("mean", "p50", "p90")}
     log(f"  task heads cut latency by {red['mean']:.0%} (mean), {red['p50']:.0%} (p50), {red['p90']:.0%} (p90); "
         f"V-LoRA reports 41-63%")
@@ -234,7 +237,9 @@ def main() -> None:
         drive(llm, warmup(reqs, args.warmup_s, size))       # other images: nothing of them is reused later
         tree = llm.engine.prefix_cache
         hits0, enc0 = (tree.hit_tokens if tree else 0), llm.engine.runner.num_images_encoded
+        mark = compiles.snapshot()
         s = summary(drive(llm, reqs))
+        s["kernel_builds"] = compiles.since(mark)["compiles"]
         s["prompt_tokens"] = sum(len(r["prompt"]) - 1 + args.tokens_per_frame for r in reqs)
         s["cached_prompt_tokens"] = (tree.hit_tokens if tree else 0) - hits0
         s["images_encoded"] = llm.engine.runner.num_images_encoded - enc0
@@ -244,7 +249,7 @@ def main() -> None:
         log(f"  {key:14s}: latency mean {s['latency_s']['mean'] * 1e3:.0f} ms p90 {s['latency_s']['p90'] * 1e3:.0f}, "
             f"TTFT mean {s['ttft_s']['mean'] * 1e3:.1f} ms p90 {s['ttft_s']['p90'] * 1e3:.1f}; cached "
             f"{s['cached_prompt_tokens']}/{s['prompt_tokens']} prompt tokens, tower ran on {s['images_encoded']}/"
-            f"{len(reqs)} images")
+            f"{len(reqs)} images; kernel builds {s['kernel_builds']}")
         del llm
         free(dev)
 

@@ -21,6 +21,7 @@ from vlora.bench import workloads as W
 from vlora.bench.harness import RunResult, run_workload
 from vlora.engine.admission import SLO
 from vlora.engine.orchestrator import Orchestrator
+from vlora.kernels import compiles
 
 POLICIES = ("vlora", "unmerged", "merged-only", "dlora")
 
@@ -105,16 +106,18 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> lis
             for policy in cfg.policies:
                 engine.unmerge_adapter()
                 engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
+                mark = compiles.snapshot()
                 res: RunResult = run_workload(engine, specs, seed=cfg.seed, slo=slo,
                                               max_wall_s=cfg.duration_s * 4 + 30, progress=progress)
                 res.label = {"policy": policy, cfg.sweep: point}
-                m = res.metrics(cfg.ttft_slo_s)
+                m = res.metrics(cfg.ttft_slo_s) | compiles.since(mark)   # kernel builds inside the timed run
                 m["timeline"] = res.iterations
                 m["switch_times"] = res.switches
                 rows.append(m)
                 log(f"{policy:12s} {cfg.sweep}={point:g}: avg token latency "
                     f"{_fmt(m['avg_token_latency_s'], 1e3)} ms, TTFT p50 {_fmt(m['ttft_p50_s'], 1e3)} ms, "
-                    f"{m['finished']}/{m['requests']} finished, {m['rejected']} rejected, modes {m['mode_share']}")
+                    f"{m['finished']}/{m['requests']} finished, {m['rejected']} rejected, modes {m['mode_share']}, "
+                    f"kernel builds {m['compiles']} ({m['compile_s']} s)")
     return rows
 
 

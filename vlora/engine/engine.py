@@ -122,8 +122,14 @@ class Engine:
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
-        self.detokenizer = Detokenizer(self.tokenizer)
         sc = config.scheduler
+        self.kernel_build = {}                        # what start-up built (vlora.engine.warmup)
+        if use_kernels and cuda and mc.build_kernels:
+            from vlora.engine.warmup import build_kernels
+
+            self.kernel_build = build_kernels(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                              workers=min(8, max(1, (os.cpu_count() or 2) // 2)))
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
         self.admission = Admission()
         self.estimator = ServiceEstimator()

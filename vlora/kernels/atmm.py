@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vlora.kernels import compiles
 from vlora.lora.batch import SegmentMeta  # noqa: F401  (re-exported: kernels take it)
 
 
@@ -50,7 +51,10 @@ class TileConfig:
                 self.n_loop, self.hoist]
 
 
-@triton.jit
+# Arguments that change with the batch are not specialised on (v's strides follow T and the batch's largest rank,
+# the row-tile count its longest segment, the offset rows are views [layer] of [L, S] tables): the variants left
+# are the tile configs', which vlora.engine.warmup builds at start-up.
+@compiles.jit(ints=("stride_vk", "stride_vm", "m_tiles"), pointers=("a_off_ptr", "rtot_ptr"))
 def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr,
                    K, stride_xm, stride_vk, stride_vm, m_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -96,7 +100,7 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
         tl.store(v_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@compiles.jit(ints=("stride_vk", "stride_vm", "m_progs"), pointers=("b_off_ptr", "vcol_ptr"))
 def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
                    starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

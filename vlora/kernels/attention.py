@@ -21,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vlora.kernels import compiles
 
-@triton.jit
+
+@compiles.jit(ints=("part_len",))
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, scale, window, part_len,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_slot, stride_kh, stride_tb,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -69,15 +71,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, s
         tl.store(o_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
-def _decode_reduce_kernel(part_ptr, o_ptr, stride_ot, stride_oh, NPARTS: tl.constexpr, PARTS_P: tl.constexpr,
+@compiles.jit(ints=("nparts",))      # the part count follows the batch: one variant per power of two
+def _decode_reduce_kernel(part_ptr, o_ptr, stride_ot, stride_oh, nparts, PARTS_P: tl.constexpr,
                           HEAD_DIM: tl.constexpr, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, PARTS_P)
-    p_mask = offs_p < NPARTS
+    p_mask = offs_p < nparts
     offs_d = tl.arange(0, HEAD_DIM)
-    base = ((b * tl.num_programs(1) + h) * NPARTS + offs_p) * (HEAD_DIM + 2)
+    base = ((b * tl.num_programs(1) + h) * nparts + offs_p) * (HEAD_DIM + 2)
     m = tl.load(part_ptr + base + HEAD_DIM, mask=p_mask, other=-1.0e30)
     l = tl.load(part_ptr + base + HEAD_DIM + 1, mask=p_mask, other=0.0)
     acc = tl.load(part_ptr + base[:, None] + offs_d[None, :], mask=p_mask[:, None], other=0.0)
@@ -199,7 +201,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         GROUP=heads // hkv, PAGE=page, BLOCK_N=block_n, HEAD_DIM=head_dim, D=d, SPLIT=split,
         num_warps=num_warps)
     if split:
-        _decode_reduce_kernel[(bsz, heads)](partial, out, out.stride(0), out.stride(1), NPARTS=parts,
+        _decode_reduce_kernel[(bsz, heads)](partial, out, out.stride(0), out.stride(1), parts,
                                             PARTS_P=triton.next_power_of_2(parts), HEAD_DIM=head_dim, D=d,
                                             num_warps=4)
     return out

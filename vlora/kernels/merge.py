@@ -6,19 +6,13 @@ the weights' dtype, fp32 accumulation), reads the weight tile once, writes the
 merged tile once, and writes the tile's restore codes: ``c = ord(W) -
 ord(round(W' - ΔW))`` (``ord``: the order-preserving integer image of the float)
 in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. Code 0 marks an
-exception: the original bits are kept with the element's flat index, in one of
-two layouts (``EXC_SLOTS``):
+exception: the original bits are kept with the element's flat index in one list
+for the slice, one atomic reservation per tile and a prefix sum over the tile
+for each exception's place in it.
 
-* ``0``: one list for the slice, one atomic reservation per tile and a
-  prefix sum over the tile for each exception's place in it;
-* ``S > 0``: ``S`` slots per tile, each exception taking the next through an
-  atomic on its tile's own counter: no prefix sums (scans through shared
-  memory, and registers for the 2D positions), no contention between tiles;
-  the host then compacts the used slots.
-
-An exception that finds no room (list full, or its tile's slots taken) is left
-unmerged and marked 15 ("pending"); the host then finishes those few elements
-in torch (``vlora.lora.merge``). Unmerge
+An exception that finds no room (list full) is left unmerged and marked 15
+("pending"); the host then finishes those few elements in torch
+(``vlora.lora.merge``). Unmerge
 recomputes the identical ΔW (same kernel, same tiles), applies
 ``round(W' - ΔW)`` and the codes, and the host scatters the exceptions back: the
 weights return bit for bit.
@@ -91,8 +85,7 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr,
-                  SLOTS: tl.constexpr):
+                  INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
@@ -107,26 +100,13 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
     row_n = tl.sum(exc.to(tl.int32), axis=1)                 # exceptions per row of the tile
     n_exc = tl.sum(row_n, axis=0)
     if n_exc > 0:
-        if SLOTS > 0:
-            # the tile's own slots: each exception takes the next one from the tile's counter (count_ptr has
-            # one per tile); capacity is SLOTS
-            pid = tl.program_id(0)
-            slot = tl.atomic_add(count_ptr + pid + tl.zeros_like(row_n)[:, None] + tl.zeros_like(offs_i)[None, :],
-                                 1, mask=exc, sem="relaxed")
-            stored = exc & (slot < SLOTS)
-            pos = pid.to(tl.int64) * SLOTS + slot
-            # the element's place in its tile, int32 (the host adds the tile's origin): half the registers and
-            # bytes of a 2D int64 flat index computed for every element of the tile
-            local = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-            tl.store(exc_idx_ptr + pos, local, mask=stored)
-        else:
-            # slots in the list: one reservation per tile, then row offsets + a scan along each row (no 2D->1D
-            # reshape of the tile, which costs a shuffle through shared memory)
-            base = tl.atomic_add(count_ptr, n_exc)
-            pos = base + (tl.cumsum(row_n, axis=0) - row_n)[:, None] + tl.cumsum(exc.to(tl.int32), axis=1) - 1
-            stored = exc & (pos < capacity)
-            flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
-            tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
+        # places in the list: one reservation per tile, then row offsets + a scan along each row (no 2D->1D
+        # reshape of the tile, which costs a shuffle through shared memory)
+        base = tl.atomic_add(count_ptr, n_exc)
+        pos = base + (tl.cumsum(row_n, axis=0) - row_n)[:, None] + tl.cumsum(exc.to(tl.int32), axis=1) - 1
+        stored = exc & (pos < capacity)
+        flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
+        tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
         tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
         pending = exc & ~stored
         nib = tl.where(pending, 15, nib)
@@ -172,45 +152,34 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
     return triton.cdiv(out, bm), triton.cdiv(inn, bn)
 
 
-# Tile of both kernels: (BM, BN, warps), and the exception layout (0: one list; S: S slots per tile).
-# ``benchmarks/bench_merge.py --sweep`` times the alternatives.
+# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives; (64, 128, 8)
+# had the fastest merge + unmerge for Llama-2-7B shapes at rank 64 on both an H100 (2026-11-21, 62.1 + 16.8 ms in
+# the sweep, benchmarks/results/merge-nvidia-h100-80gb-hbm3.json) and an H200 (2026-11-22, 63.0 + 16.3 ms).
 TILE = (64, 128, 8)
-EXC_SLOTS = 0
 
 
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
-                 tile: tuple[int, int, int] | None = None, slots: int | None = None):
+                 tile: tuple[int, int, int] | None = None):
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
-    products in IEEE fp32). ``capacity``: length of the one exception list (``slots`` 0), or ``slots`` per tile
-    (default ``EXC_SLOTS``). Returns (codes uint8 [L, out, in/2], exception flat indices int64, their original
-    bits, pending): ``pending`` when some exceptions found no room and were left unmerged with code 15.
+    products in IEEE fp32). ``capacity``: length of the exception list. Returns (codes uint8 [L, out, in/2],
+    exception flat indices int64, their original bits, pending): ``pending`` when some exceptions found no room
+    and were left unmerged with code 15.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
-    slots = EXC_SLOTS if slots is None else slots
     codes = torch.empty(L, out, inn // 2, dtype=torch.uint8, device=w.device)
     bm, bn, num_warps = tile or TILE
     to, ti = _tiles(out, inn, bm, bn)
-    tiles = L * to * ti
-    room = tiles * slots if slots else max(capacity, 1)
-    count = torch.zeros(tiles if slots else 1, dtype=torch.int32, device=w.device)
-    exc_idx = torch.empty(room, dtype=torch.int32 if slots else torch.int64, device=w.device)
-    exc_bits = torch.empty(room, dtype=INT_OF[w.dtype], device=w.device)
+    count = torch.zeros(1, dtype=torch.int32, device=w.device)
+    exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
+    exc_bits = torch.empty(max(capacity, 1), dtype=INT_OF[w.dtype], device=w.device)
     bk = max(16, min(64, triton.next_power_of_2(r)))
-    _merge_kernel[(tiles,)](w, a.contiguous(), b.contiguous(), codes, count, exc_idx, exc_bits, row0, r, inn,
-                            out, w.stride(0), w.stride(1), scale, capacity, to, ti, BM=bm, BN=bn, BK=bk,
-                            IEEE=_ieee(w), num_warps=num_warps, SLOTS=slots, **_consts(w))
-    if slots:                                       # the used slots of every tile, in tile order
-        used = torch.arange(slots, device=w.device)[None, :] < count[:, None]
-        tile = used.nonzero()[:, 0]
-        local, bits = exc_idx.view(tiles, slots)[used].to(torch.int64), exc_bits.view(tiles, slots)[used]
-        layer, rest = tile // (to * ti), tile % (to * ti)
-        o = (rest // ti) * bm + local // bn
-        i = (rest % ti) * bn + local % bn
-        return codes, (layer * out + o) * inn + i, bits, bool((count > slots).any())
+    _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, count, exc_idx, exc_bits, row0, r,
+                                  inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti, BM=bm, BN=bn, BK=bk,
+                                  IEEE=_ieee(w), num_warps=num_warps, **_consts(w))
     n = int(count.item())
     return codes, exc_idx[:min(n, capacity)].clone(), exc_bits[:min(n, capacity)].clone(), n > capacity
 

@@ -76,7 +76,12 @@ class TilingTable:
 
     def get(self, op: str, tokens: int, segments: int, dim: int, rank: int) -> TileConfig:
         cfg = self.entries.get(shape_key(op, tokens, segments, dim, rank))
-        return cfg if cfg is not None else heuristic_config(op, tokens, segments, dim, rank)
+        if cfg is not None:
+            return cfg
+        # the fallback sees the key's buckets, not the raw counts: one config per key, so the set of kernel
+        # variants is finite and known up front (vlora.engine.warmup compiles them all)
+        return heuristic_config(op, _bucket(tokens, TOKEN_BUCKETS), _bucket(segments, SEGMENT_BUCKETS), dim,
+                                pow2_bucket(rank))
 
 
 def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, num_sms: int = 132) -> TileConfig:

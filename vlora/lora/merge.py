@@ -47,7 +47,6 @@ class MergeRecord:
     exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
     kernel: bool = False              # made by the fused Triton path (4-bit codes, 2 a byte)
     tile: tuple[int, int, int] | None = None  # the fused path's tile: unmerge recomputes ΔW with the same one
-    slots: int = 0                    # the fused path's exception layout (kernels.merge.EXC_SLOTS)
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
@@ -129,18 +128,17 @@ def _use_kernel(weights: dict[str, torch.Tensor], kernel: bool | None) -> bool:
 @torch.no_grad()
 def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], adapter: PackedAdapter,
            scale: float | None = None, chunk_elems: int = 1 << 26, kernel: bool | None = None,
-           capacity: int | None = None, staged: dict | None = None, slots: int | None = None) -> MergeRecord:
+           capacity: int | None = None, staged: dict | None = None) -> MergeRecord:
     """W += s·(A·B)^T for every targeted slice of every layer, in place; returns the restore record.
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
     kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
-    (default 1/64 of the slice's elements; overflow is finished on the host, still exact); slots: its
-    exception layout instead (S slots per tile; default ``kernels.merge.EXC_SLOTS``); staged: this
+    (default 1/64 of the slice's elements; overflow is finished on the host, still exact); staged: this
     adapter's :func:`stage_factors`, if kept from before.
     """
     rec = MergeRecord(adapter, adapter.scaling if scale is None else scale, kernel=_use_kernel(weights, kernel))
     if rec.kernel:
-        _merge_fused(rec, weights, widths, capacity, staged, slots)
+        _merge_fused(rec, weights, widths, capacity, staged)
         return rec
     for group, j, w in _slices(weights, widths):
         f = _factors(adapter, group, j, w.shape[0], w.shape[2], w.shape[1], w.device)
@@ -224,11 +222,10 @@ def _uniform(starts: list[int]) -> bool:
     return len({y - x for x, y in zip(starts, starts[1:])}) <= 1
 
 
-def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None, slots=None) -> None:
+def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None) -> None:
     from vlora.kernels import merge as kernels
 
     rec.tile = kernels.TILE
-    rec.slots = kernels.EXC_SLOTS if slots is None else slots
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
     for group, w in weights.items():
@@ -238,8 +235,7 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 6)
-                codes, idx, bits, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile,
-                                                                 rec.slots)
+                codes, idx, bits, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
                 if pending:                                      # no room for some: finish the rest here
                     more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, codes)
                     idx, bits = torch.cat([idx, more_idx]), torch.cat([bits, more_bits])

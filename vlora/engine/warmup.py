@@ -1,0 +1,168 @@
+"""Build every Triton kernel variant the serving path can launch, before the first request.
+
+A variant met for the first time mid-serving stalls the whole iteration for its compile (a second or more;
+V-LoRA's mixed mode and prefix-cached prefills met theirs late, behind the warm-up requests of a benchmark).
+With the batch-dependent arguments unspecialised (:func:`vlora.kernels.compiles.jit`), a kernel's variant is
+a function of its tile config, and a LoRA config is a function of the tuning table's bucketed key (tokens,
+segments, the group's size, rank): this module walks every key the engine's limits allow and launches each
+distinct variant once on a one-token problem. Attention's variants are the decode split (one per power of
+two of parts) and the prefill kernel. The rest (norms, RoPE, activations, skinny GEMMs, decode attention)
+runs in every decode graph capture.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vlora.kernels.tuning import SEGMENT_BUCKETS, TOKEN_BUCKETS
+from vlora.lora.batch import GROUPS, SegmentMeta
+
+
+def _buckets_upto(buckets: tuple[int, ...], limit: int) -> list[int]:
+    """The buckets a count in [1, limit] can fall in."""
+    out = []
+    for b in buckets:
+        out.append(b)
+        if b >= limit:
+            break
+    return out
+
+
+def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...]], max_rank: int,
+                  max_tokens: int, max_segments: int, elem_bytes: int = 2) -> dict[tuple, tuple]:
+    """Every distinct (group, shrink config, expand config, hoisted or not) the runner can pick under these
+    limits: key -> (group, a rank that picks it, shrink config, expand config)."""
+    from vlora.kernels.atmm import fit_shared
+
+    variants: dict[tuple, tuple] = {}
+    for t in _buckets_upto(TOKEN_BUCKETS, max_tokens):
+        for s in _buckets_upto(SEGMENT_BUCKETS, min(t, max_segments)):
+            for g, modules in GROUPS.items():
+                for r in range(1, max_rank + 1):
+                    shrink = table.get("shrink", t, s, group_in[g], len(modules) * r)
+                    expand = table.get("expand", t, s, sum(widths[g]), r)
+                    hoist = bool(expand.hoist) and r <= fit_shared(expand, 4, elem_bytes).block_k
+                    key = (g, shrink, expand, hoist)
+                    variants.setdefault(key, (g, r, shrink, expand))
+    return variants
+
+
+def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...], dtype, device) -> None:
+    from vlora.kernels.atmm import lora_expand, lora_shrink
+
+    ns = len(GROUPS[g])
+    w = torch.zeros(max(ns * r * k, r * sum(widths)) + 16, dtype=dtype, device=device)
+    meta = SegmentMeta(starts=torch.zeros(1, dtype=torch.int32, device=device),
+                       lens=torch.ones(1, dtype=torch.int32, device=device),
+                       ranks=torch.full((1,), r, dtype=torch.int32, device=device),
+                       scales=torch.zeros(1, dtype=torch.float32, device=device), max_len=1, num_rows=1)
+    x = torch.zeros(1, k, dtype=dtype, device=device)
+    y = torch.zeros(1, sum(widths), dtype=dtype, device=device)
+    v = lora_shrink(x, w, torch.zeros(1, dtype=torch.int64, device=device),
+                    torch.full((1,), ns * r, dtype=torch.int32, device=device), meta, ns * r, shrink, aligned=True)
+    lora_expand(y, v, w, torch.zeros(1, ns, dtype=torch.int64, device=device),
+                torch.tensor([[j * r for j in range(ns)]], dtype=torch.int32, device=device), widths, meta, expand,
+                aligned=True, max_rank=r)
+
+
+def _launch_attention(runner) -> int:
+    from vlora.kernels.attention import paged_decode, paged_prefill
+
+    cfg, dev = runner.model.cfg, runner.device
+    k_cache, v_cache = runner.kv_cache[:, 0, 0], runner.kv_cache[:, 0, 1]
+    heads, d = cfg.num_heads, k_cache.shape[-1]
+    q = torch.zeros(1, heads, d, dtype=k_cache.dtype, device=dev)
+    scratch = torch.full((1, 1), runner.kv_cache.shape[0] - 1, dtype=torch.int32, device=dev)
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    zero = torch.zeros(1, dtype=torch.int32, device=dev)
+    window = cfg.sliding_window or 0
+    paged_prefill(q, k_cache, v_cache, scratch, zero, one, one, 1, 1.0, window)
+    parts, n = 1, 1
+    while True:                        # the split decode's reduce: one variant per power of two of parts
+        paged_decode(q, k_cache, v_cache, scratch, one, 1.0, window, max_ctx=64 * parts, parts=parts)
+        n += 1
+        if parts >= -(-512 // heads):  # attention.decode_parts: at most ceil(512 / heads) parts (batch 1)
+            return n
+        parts *= 2
+
+
+def _launch_items(items: list[tuple], dtype: torch.dtype, device: torch.device) -> None:
+    for g, r, shrink, expand, k, widths in items:
+        _launch_lora(g, r, shrink, expand, k, widths, dtype, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, workers: int) -> None:
+    """Compile LoRA variants in ``workers`` fresh interpreters (a compile is mostly single-threaded), so that the
+    engine's own launches load them from Triton's disk cache. Each worker holds a CUDA context; any failure
+    leaves the work to the engine's own launches."""
+    if workers < 2 or len(items) < 2 * workers:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "variants.json"
+        path.write_text(json.dumps([[g, r, sh.as_list(), ex.as_list(), k, list(w)] for g, r, sh, ex, k, w in items]))
+        procs = [subprocess.Popen([sys.executable, "-m", "vlora.engine.warmup", str(path), str(i), str(workers),
+                                   str(dtype).removeprefix("torch."), str(device)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
+        for p in procs:
+            try:
+                p.wait(timeout=1200)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _main(argv: list[str]) -> None:
+    """Worker: ``python -m vlora.engine.warmup VARIANTS.json INDEX WORKERS DTYPE DEVICE`` builds its share."""
+    from vlora.kernels.atmm import TileConfig
+
+    path, index, workers, dtype, device = argv
+    rows = json.loads(Path(path).read_text())[int(index)::int(workers)]
+    items = [(g, r, TileConfig(*sh), TileConfig(*ex), k, tuple(w)) for g, r, sh, ex, k, w in rows]
+    with torch.inference_mode():
+        _launch_items(items, getattr(torch, dtype), torch.device(device))
+
+
+def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...]], max_rank: int,
+               max_tokens: int, max_segments: int, elem_bytes: int) -> list[tuple]:
+    """(group, rank, shrink, expand, in features, widths) of every variant, ready to launch."""
+    return [(g, r, sh, ex, group_in[g], widths[g]) for g, r, sh, ex in
+            lora_variants(table, group_in, widths, max_rank, max_tokens, max_segments, elem_bytes).values()]
+
+
+@torch.inference_mode()
+def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, log=None) -> dict:
+    """Launch every kernel variant the runner can pick under these limits (LoRA variants compiled by
+    ``workers`` processes first); returns counts and seconds."""
+    from vlora.kernels import compiles
+
+    if not (runner.use_kernels and runner.device.type == "cuda"):
+        return {}
+    compiles.install()
+    mark, t0 = compiles.snapshot(), time.perf_counter()
+    launches = _launch_attention(runner)
+    if runner.tiling is not None:
+        dtype = runner.adapters.store.buf.dtype
+        items = lora_items(runner.tiling, runner.group_in, runner.group_widths, runner.adapters.max_rank,
+                           max_tokens, max_segments, dtype.itemsize)
+        prebuild_lora(items, dtype, runner.device, workers)
+        _launch_items(items, dtype, runner.device)
+        launches += len(items)
+    torch.cuda.synchronize(runner.device)
+    out = {"launches": launches, "seconds": round(time.perf_counter() - t0, 2)} | compiles.since(mark)
+    out.pop("kernels")
+    if log:
+        log(f"kernel variants built: {out['compiles']} in {out['seconds']} s ({launches} launches, "
+            f"{workers} compile processes)")
+    return out
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
