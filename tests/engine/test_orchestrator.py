@@ -5,7 +5,7 @@ wait."""
 from __future__ import annotations
 
 from vlora.engine.modes import Mode
-from vlora.engine.orchestrator import Costs, Pending, credit, schedule
+from vlora.engine.orchestrator import Costs, Pending, credit, schedule, stay_pays
 
 COSTS = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.005)
 THETA = 0.5
@@ -103,7 +103,8 @@ def test_light_load_runs_everyone_and_merges_a_majority_adapter():
     slow_mixed = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.021, Mode.UNMERGED: 0.020}, switch_s=0.005)
     d = schedule(queue("AAB"), Mode.UNMERGED, None, 64, THETA, slow_mixed)     # ... and slower here: no switch
     assert d.mode is Mode.UNMERGED and d.batch == everyone
-    assert schedule(queue("AAB"), Mode.MIXED, "A", 64, THETA, slow_mixed).mode is Mode.MIXED   # staying is free
+    assert schedule(queue("AAB"), Mode.MIXED, "A", 64, THETA, COSTS).mode is Mode.MIXED        # staying is free
+    assert schedule(queue("AAB"), Mode.MIXED, "A", 64, THETA, slow_mixed).mode is Mode.UNMERGED  # ... unless slower
     assert schedule(queue("AB"), Mode.UNMERGED, None, 64, THETA, COSTS).mode is Mode.UNMERGED   # no majority
     d = schedule(queue("ABBBB"), Mode.MIXED, "A", 64, THETA, COSTS)  # A keeps 1 of 5 (< 1/4): B has the majority
     assert d.mode is Mode.MIXED and d.merged == "B" and len(d.batch) == 5
@@ -171,3 +172,59 @@ def test_a_starved_request_stays_first_until_it_finishes():
     assert again.mode is Mode.MERGED and "r5" not in again.batch
     sticky = schedule(queue("AAAAAB"), Mode.MIXED, "A", 5, THETA, COSTS, starved={"r5"})
     assert sticky.mode is Mode.MIXED and sticky.batch[0] == "r5"
+
+
+# Decode iteration times measured on an H200 (2026-11-22, .gpu-results/run1-h200/policies-skew-high, 2-4 requests):
+# mixed is slower than unmerged there, and a merge takes 59 ms.
+H200 = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0080, Mode.UNMERGED: 0.0067}, switch_s=0.059)
+
+
+def test_the_merged_adapter_stays_beside_others_only_while_mixed_is_not_slower():
+    """Light load, A merged, a B request comes: the keep rule (A holds >= 1/4) kept A merged and ran MIXED
+    whatever the costs, where dLoRA's policy unmerged. Now it stays only while a mixed iteration is measured no
+    slower than an unmerged one; unmeasured, the mode not measured yet runs (mixed first, then unmerged)."""
+    reqs = [Pending("a0", "A", 0.0, 100), Pending("a1", "A", 0.0, 100), Pending("b0", "B", 0.0, 10)]
+    assert schedule(reqs, Mode.MERGED, "A", 64, THETA, H200).mode is Mode.UNMERGED
+    assert schedule(reqs, Mode.MIXED, "A", 64, THETA, H200).mode is Mode.UNMERGED
+    assert schedule(reqs, Mode.MERGED, "A", 64, THETA, H200, mixed=False).mode is Mode.UNMERGED      # as dLoRA
+    assert schedule(reqs, Mode.UNMERGED, None, 64, THETA, H200).mode is Mode.UNMERGED        # no merge into it
+    assert schedule(reqs[:2], Mode.MERGED, "A", 64, THETA, H200).mode is Mode.MERGED         # pure: stays merged
+    fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
+    d = schedule(reqs, Mode.MERGED, "A", 64, THETA, fast_mixed)
+    assert d.mode is Mode.MIXED and d.merged == "A" and set(d.batch) == {"a0", "a1", "b0"}
+    unmeasured = {m: 0.0 for m in Mode}
+    assert stay_pays(Costs(unmeasured, 0.059))                                               # mixed runs first
+    assert not stay_pays(Costs({**unmeasured, Mode.MIXED: 0.008}, 0.059))                    # then unmerged
+    assert stay_pays(Costs({**unmeasured, Mode.MIXED: 0.008, Mode.UNMERGED: 0.008}, 0.059))  # a tie stays
+    assert not stay_pays(H200) and stay_pays(fast_mixed)
+
+
+def test_simulated_light_load_with_slow_mixed_costs_no_more_than_without_mixed():
+    """One long request of A at a time and a request of B every 0.3 s (each 40 tokens), iteration and switch
+    times as measured on the H200: V-LoRA's policy no longer runs mixed stretches there, so on the simulated
+    clock it serves this as fast as dLoRA's (mixed=False); with mixed faster than unmerged it runs MIXED."""
+
+    def serve(costs: Costs, mixed: bool) -> tuple[float, int]:
+        t, mode, merged, n, mixed_iters = 0.0, Mode.UNMERGED, None, 0, 0
+        left = {"a": 600}
+        while left.get("a", 0) > 0:
+            if t >= 0.3 * n:
+                left[f"b{n}"], n = 40, n + 1
+            pend = [Pending(k, k[0].upper(), 0.0, v) for k, v in left.items()]
+            d = schedule(pend, mode, merged, 64, THETA, costs, mixed=mixed)
+            assert set(d.batch) == set(left)
+            if d.merged != merged:
+                t += costs.switch_s
+            mode, merged = d.mode, d.merged
+            t += costs.step_s[mode]
+            mixed_iters += mode is Mode.MIXED
+            for k in d.batch:
+                left[k] -= 1
+            left = {k: v for k, v in left.items() if v > 0}
+        return t, mixed_iters
+
+    vlora, vlora_mixed = serve(H200, True)
+    dlora, _ = serve(H200, False)
+    assert vlora_mixed == 0 and vlora <= dlora
+    fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
+    assert serve(fast_mixed, True)[1] > 0

@@ -22,7 +22,10 @@ rule (:func:`_light_load`):
 
 * the adapter merged now keeps at least ``keep_share`` of the requests: it
   stays (no switch: leaving and re-merging whenever a request of another
-  adapter comes and goes cost two switches each time);
+  adapter comes and goes cost two switches each time), unless that means
+  MIXED iterations and those are measured slower than unmerged ones
+  (:func:`stay_pays`; on an H200, 2026-11-22, they were, by 1.3–2 ms at
+  every batch size: medians of that run's iteration timeline);
 * else the most requested adapter has more than ``merge_share`` of them: it
   is merged, if the switch pays for itself (the iterations its requests may
   still run times the measured per-iteration saving of the mode it would
@@ -97,6 +100,23 @@ def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) 
     return max(r.remaining for r in r_merge) * gain > 2 * costs.switch_s
 
 
+def stay_pays(costs: Costs) -> bool:
+    """Whether the adapter merged now may stay merged while other requests (other adapters', the base model's)
+    run beside it, i.e. in MIXED mode: only while a mixed iteration costs no more than an unmerged one, as
+    measured. A mixed iteration runs a second LoRA pass over the other rows (their adapter, minus the merged
+    one), and it can cost more: on an H200 (2026-11-22, ``benchmarks/results/h200-2026-11-22-run1/policies-skew-high``) a mixed
+    decode iteration took 1.3–2 ms more than an unmerged one of the same batch size (medians of the gaps in
+    its iteration timeline: 8.0 against 6.7 ms at 2–4 requests). Leaving costs an unmerge now; merging back
+    later must pay for itself (:func:`switch_pays`). The extra is not weighed against the switches saved over
+    the others' remaining tokens: more of them may arrive while it stays, and the decode-only costs leave out
+    prefill rows, which in that run cost more in mixed iterations still. Unmeasured costs get measured: mixed
+    unmeasured -> stay (it runs), unmerged unmeasured -> leave (it runs)."""
+    mixed_s, unmerged_s = costs.step_s.get(Mode.MIXED, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
+    if mixed_s <= 0.0:
+        return True
+    return 0.0 < unmerged_s and mixed_s <= unmerged_s
+
+
 def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, costs: Costs, merge_share: float,
                 keep_share: float, mixed: bool) -> Decision:
     """Every pending request fits one batch: all of them run, in the mode that serves them fastest."""
@@ -109,8 +129,11 @@ def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, co
     if chosen is not None:
         pure = counts[chosen] == len(reqs)                  # no other adapter's and no base-model request
         mode = Mode.MERGED if pure else Mode.MIXED
-        if (pure or mixed) and (chosen == merged_now or switch_pays(
-                [r for r in reqs if r.adapter == chosen], costs, mode)):
+        if chosen == merged_now:                            # staying: free when pure, else it must pay
+            go = pure or (mixed and stay_pays(costs))
+        else:
+            go = (pure or mixed) and switch_pays([r for r in reqs if r.adapter == chosen], costs, mode)
+        if go:
             return Decision(mode, chosen, ids)
     return Decision(Mode.UNMERGED, None, ids)
 
