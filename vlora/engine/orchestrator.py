@@ -104,9 +104,10 @@ def stay_pays(costs: Costs) -> bool:
     """Whether the adapter merged now may stay merged while other requests (other adapters', the base model's)
     run beside it, i.e. in MIXED mode: only while a mixed iteration costs no more than an unmerged one, as
     measured. A mixed iteration runs a second LoRA pass over the other rows (their adapter, minus the merged
-    one), and it can cost more: on an H200 (2026-11-22, ``benchmarks/results/h200-2026-11-22-run1/policies-skew-high``) a mixed
-    decode iteration took 1.3–2 ms more than an unmerged one of the same batch size (medians of the gaps in
-    its iteration timeline: 8.0 against 6.7 ms at 2–4 requests). Leaving costs an unmerge now; merging back
+    one), and it can cost more: on an H200 (2026-11-22,
+    ``benchmarks/results/h200-2026-11-22-run1/policies-skew-high``) a mixed decode iteration took 1.3–2 ms
+    more than an unmerged one of the same batch size (medians of the gaps in its iteration timeline: 8.0
+    against 6.7 ms at 2–4 requests). Leaving costs an unmerge now; merging back
     later must pay for itself (:func:`switch_pays`). The extra is not weighed against the switches saved over
     the others' remaining tokens: more of them may arrive while it stays, and the decode-only costs leave out
     prefill rows, which in that run cost more in mixed iterations still. Unmeasured costs get measured: mixed
