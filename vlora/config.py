@@ -32,12 +32,12 @@ class ModelConfig:
     """Decoder hot path: auto (Triton on CUDA, torch on CPU), triton (paged attention and fused norm/RoPE/SiLU kernels), or torch."""
     cuda_graphs: bool = True
     """Replay decode iterations from CUDA graphs captured per batch-size bucket (CUDA only)."""
-    build_kernels: bool = True
-    """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
     max_images_per_request: int = 16
     """LMMs: most images in one request (each video frame counts as one)."""
     max_pixels_per_image: int = 16_000_000
     """LMMs: largest image accepted before preprocessing, width x height (checked before decoding)."""
+    build_kernels: bool = True
+    """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):

@@ -33,8 +33,9 @@ class LLM:
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
                  adapter_pool_fraction: float = 0.1, config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
-            model=ModelConfig(model, dtype, device, max_model_len, seed, kernels, cuda_graphs, max_images_per_request,
-                              max_pixels_per_image),
+            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
+                              kernels=kernels, cuda_graphs=cuda_graphs, max_images_per_request=max_images_per_request,
+                              max_pixels_per_image=max_pixels_per_image),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
                               adapter_pool_fraction),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),

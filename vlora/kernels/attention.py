@@ -24,7 +24,7 @@ import triton.language as tl
 from vlora.kernels import compiles
 
 
-@compiles.jit(ints=("part_len",))
+@compiles.jit(ints=("part_len", "stride_tb"))       # stride_tb: the batch's longest block table
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, scale, window, part_len,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_slot, stride_kh, stride_tb,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -91,7 +91,7 @@ def _decode_reduce_kernel(part_ptr, o_ptr, stride_ot, stride_oh, nparts, PARTS_P
     tl.store(o_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
 
 
-@triton.jit
+@compiles.jit(ints=("stride_tb",))
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale, window,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_slot, stride_kh, stride_tb,
                     GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
