@@ -7,7 +7,8 @@
    adapters, in real time) on engines with prefix caching: the unified pool with the dependency tree and
    FastLibra's cost-model swapper (fastlibra), the unified pool with LRU eviction (unified), and LRU with
    fixed separate pools for adapters and KV (lru-fixed, cached KV discarded). Target: mean TTFT -50% at the same request rate. Pool occupancy (running KV, cached KV,
-   adapters) over time plotted for both.
+   adapters) over time plotted for both. Per policy also preemptions, prompt tokens computed (and computed again
+   after a preemption) and admissions stopped for want of pages.
 
     python benchmarks/bench_memory.py --out benchmarks/results            # GPU: Llama-2-7B shapes
     python benchmarks/bench_memory.py --tiny --out /tmp/mem                # CPU smoke run
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from vlora import LLM  # noqa: E402
 from vlora.bench import workloads as W  # noqa: E402
 from vlora.bench.harness import run_workload  # noqa: E402
+from vlora.kernels import compiles  # noqa: E402
 from vlora.kernels.tuning import gpu_name  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
@@ -81,13 +83,16 @@ def throughput(args, tmp: Path, res: dict) -> None:
         run_workload(eng, [W.RequestSpec(0.0, f"a{rng.randrange(n)}", args.input_len, args.output_len)
                            for _ in range(args.batch)])
         loads0 = eng.adapters.store.num_loads if eng.adapters.store is not None else 0
-        r = run_workload(eng, specs).metrics()
+        mark = compiles.snapshot()
+        r = run_workload(eng, specs).metrics() | compiles.since(mark)
         row = {"adapters": n, "register_s": reg_s, "host_store_bytes": host, "throughput_tok_s": r["throughput_tok_s"],
                "duration_s": r["duration_s"], "finished": r["finished"], "ttft_mean_s": r["ttft_mean_s"],
-               "adapter_loads": (eng.adapters.store.num_loads - loads0) if eng.adapters.store is not None else 0}
+               "adapter_loads": (eng.adapters.store.num_loads - loads0) if eng.adapters.store is not None else 0,
+               "kernel_builds": r["compiles"]}
         rows.append(row)
         log(f"{n:5d} adapters: {row['throughput_tok_s']:.0f} output tok/s, {row['adapter_loads']} adapter loads, "
-            f"host store {host / 2**30 if host else 0:.2f} GiB ({added} registered in {reg_s:.1f} s)")
+            f"host store {host / 2**30 if host else 0:.2f} GiB ({added} registered in {reg_s:.1f} s), "
+            f"kernel builds {row['kernel_builds']}")
     base = rows[0]["throughput_tok_s"]
     for row in rows:
         row["vs_first"] = row["throughput_tok_s"] / base
@@ -132,16 +137,28 @@ def dynamic(args, tmp: Path, res: dict) -> None:
             return outs
 
         eng.step = sampled_step
+        mark = compiles.snapshot()
+
+        def counts(eng=eng) -> dict:
+            """Prompt tokens looked up in and served from the prefix cache (a preempted request is looked up
+            again), preemptions, tokens computed (of them prompt positions, and positions computed again after a
+            preemption), admissions stopped for want of pages: this run's, not the warm-up's."""
+            return eng.scheduler.counters() | {"hit_tokens": eng.prefix_cache.hit_tokens,
+                                               "lookup_tokens": eng.prefix_cache.lookup_tokens}
+
+        before = counts()
         result = run_workload(eng, specs, max_wall_s=args.max_wall_s, progress=False)
-        m = result.metrics()
-        m.update(hit_tokens=eng.prefix_cache.hit_tokens, lookup_tokens=eng.prefix_cache.lookup_tokens,
-                 adapter_loads=eng.adapters.store.num_loads if eng.adapters.store is not None else None,
+        m = result.metrics() | compiles.since(mark)
+        m.update({k: v - before[k] for k, v in counts().items()})
+        m.update(adapter_loads=eng.adapters.store.num_loads if eng.adapters.store is not None else None,
                  swapper=eng.swapper.stats() if eng.swapper is not None else None, occupancy=samples[::5])
         out[policy] = m
         log(f"{policy}: TTFT mean {m['ttft_mean_s'] and m['ttft_mean_s'] * 1e3:.0f} ms p50 "
             f"{m['ttft_p50_s'] and m['ttft_p50_s'] * 1e3:.0f} ms p90 {m['ttft_p90_s'] and m['ttft_p90_s'] * 1e3:.0f}"
             f" ms, {m['finished']}/{m['requests']} finished, prefix hits {m['hit_tokens']}/{m['lookup_tokens']} "
-            f"tokens, swapper {m['swapper']}")
+            f"tokens, prompt tokens computed {m['prompt_tokens_computed']} (recomputed after "
+            f"{m['preemptions']} preemptions: {m['recomputed_tokens']}), {m['admissions_blocked']} admissions "
+            f"stopped for pages, swapper {m['swapper']}, kernel builds {m['compiles']}")
         free(llm)
     res["dynamic"] = out
     base = out.get("lru-fixed", {}).get("ttft_mean_s")

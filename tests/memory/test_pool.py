@@ -52,8 +52,9 @@ def test_pages_never_overlap_or_leak(ops):
             name = sorted(owned)[0]
             pool.reclaimers = [lambda pages, name=name: (pool.release_adapter(name), owned.pop(name),
                                                          marks.pop(name))]
+            pool.reclaimable = [lambda name=name: len(pool.adapter_pages[name])]
             pool.make_room(pool.num_free + 1)
-            pool.reclaimers = []
+            pool.reclaimers, pool.reclaimable = [], []
         pool.check()
         kv_pages = [p for b in kv for p in b]
         assert not set(kv_pages) & {p for ps in owned.values() for p in ps}
@@ -65,6 +66,22 @@ def test_pages_never_overlap_or_leak(ops):
         pool.release_adapter(name)
     pool.check()
     assert pool.num_free == pool.num_pages
+
+
+def test_make_room_frees_nothing_when_it_cannot_free_enough():
+    """A caller that gives up when the pages cannot be had (an admission that waits, a running request about to
+    preempt another) must not have emptied the cache on the way; ``partial`` callers take what there is."""
+    pool = UnifiedPool(10, 1, 2, 1, 8, torch.float32, torch.device("cpu"))
+    cached = pool.allocate(4)                          # idle pages a reclaimer could free
+    running = pool.allocate(4)
+    pool.reclaimers = [lambda n: pool.free([cached.pop() for _ in range(min(n, len(cached)))])]
+    pool.reclaimable = [lambda: len(cached)]
+    assert pool.available() == 6
+    assert not pool.make_room(7) and len(cached) == 4 and pool.num_free == 2
+    assert pool.make_room(3) and len(cached) == 3 and pool.num_free == 3        # only what is missing
+    assert not pool.make_room(7, partial=True) and not cached and pool.num_free == 6
+    pool.free(running)
+    pool.check()
 
 
 def test_adapters_swap_in_and_out_with_unchanged_tokens(tmp_path):

@@ -38,6 +38,7 @@ def _setup(pages=16, host_blocks=6, **kw):
     swapper = CacheSwapper(pool, tree, None, lambda name: None, clock=clock,
                            host_kv_bytes=host_blocks * pool.page_elems * 4, **kw)
     pool.reclaimers.insert(0, swapper.reclaim)
+    pool.reclaimable.insert(0, tree.reclaimable)             # as the engine has it (make_room counts on it)
     return pool, tree, swapper, clock
 
 
@@ -144,6 +145,29 @@ def test_cost_model_orders_by_frequency_recency_and_size():
     want = swapper.page_bytes / swapper.link * bx.visits / tree.requests * decay
     assert swapper.eval(bx) == pytest.approx(want)           # Eq. 5
     assert swapper._out_candidates()[0][2] is bx             # swapped out first
+
+
+def test_finished_chat_goes_before_the_newest_blocks_of_a_chat_between_turns():
+    """Recency first: a chat whose four turns ended 6 s ago (its early blocks visited four times) leaves the GPU
+    before the blocks a chat in its think time wrote 1.5 s ago (visited once, being new), which its next turn
+    will match. With a 10 s decay time the four visits outweighed 5 s of age, and the busy watermark pushed out
+    the live chat's history, to copy it back a moment later."""
+    pool, tree, swapper, clock = _setup(pages=32, host_blocks=32)
+    done = [1, 2, 3, 4, 5]
+    for turn in range(4):                                    # one turn a second, each on the whole history
+        assert _serve(pool, tree, "x", done)
+        done = done + [10 + turn, 20 + turn]
+        clock.t += 1.0
+    clock.t += 4.5
+    live = [7, 7, 8, 8, 9, 9, 6]
+    assert _serve(pool, tree, "x", live)                     # 3 new blocks, a turn that just ended
+    clock.t += 1.5
+    live_nodes = [n for n in tree._nodes(tree.root.children["x"]) if n.key[:1] in ((7,), (8,), (9,))]
+    assert len(live_nodes) == 3
+    done_pages = tree.num_pages - len(live_nodes)
+    assert swapper.reclaim(done_pages) == done_pages
+    assert all(n.page is not None for n in live_nodes), "the live chat's history went to host memory"
+    _invariants(pool, tree, swapper)
 
 
 def test_expected_adapters_eq3():

@@ -114,3 +114,54 @@ def test_cached_kv_only_below_resident_adapters(tmp_path):
     assert got == want and store.num_evictions > 0
     assert llm.engine.swapper.swapped_out > 0 and llm.engine.swapper.swapped_in > 0     # out and back
     llm.engine.pool.check()
+
+
+def test_a_request_that_cannot_be_admitted_leaves_the_cache_alone(tmp_path):
+    """A fresh request whose first chunk does not fit while another holds the pool waits without evicting the
+    cached history of a chat (it could not have run after evicting it either) and without being looked up again
+    every iteration it waits; it runs once the pool has room, with the tokens of an engine without caching."""
+    path, _, _ = build(tmp_path)
+    chat, long, fresh = list(range(3, 23)), list(range(100, 132)), list(range(150, 190))
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    sp_long = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = LLM(str(path), num_blocks=128, block_size=4).generate([fresh], None, sp)[0].token_ids
+    llm = LLM(str(path), num_blocks=16, block_size=4, prefix_caching=True)
+    eng, tree = llm.engine, llm.engine.prefix_cache
+    llm.generate([chat], None, sp)                               # 5 blocks of history cached
+    eng.add_request(long, None, sp_long, request_id="long")      # 32 + 8 tokens: 8 to 10 of 16 pages
+    eng.step()
+    eng.add_request(fresh, None, sp, request_id="fresh")         # 10 pages: more than free + cached
+    lookups, outs, waited = tree.lookup_tokens, {}, 0
+    while "long" not in outs:
+        for o in eng.step():
+            outs[o.request_id] = o
+        if any(s.request_id == "fresh" for s in eng.scheduler.waiting):
+            waited += 1
+            assert tree.num_pages == 5, "cached history evicted for a request that could not run"
+            assert tree.lookup_tokens == lookups
+    assert waited > 0 and eng.scheduler.admissions_blocked >= waited
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs["fresh"].token_ids == want
+    eng.pool.check()
+
+
+def test_preemptions_and_recomputed_tokens_are_counted(tmp_path):
+    """The scheduler's counters (the memory benchmark reports them): every prompt position computed once
+    without preemption; with it, the positions computed again are counted as recomputed."""
+    path, _, _ = build(tmp_path)
+    prompts = [list(range(3 + i, 23 + i)) for i in range(6)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    roomy = LLM(str(path), num_blocks=256, block_size=4)
+    want = [o.token_ids for o in roomy.generate(prompts, None, sp)]
+    c = roomy.engine.scheduler.counters()
+    assert c["preemptions"] == c["recomputed_tokens"] == 0
+    assert c["prompt_tokens_computed"] == sum(map(len, prompts))
+    assert c["computed_tokens"] == sum(len(p) + 12 - 1 for p in prompts)   # the last token is never fed back
+    tight = LLM(str(path), num_blocks=14, block_size=4, max_num_batched_tokens=8, max_num_seqs=6)
+    assert [o.token_ids for o in tight.generate(prompts, None, sp)] == want
+    c = tight.engine.scheduler.counters()
+    assert c["preemptions"] > 0 and c["recomputed_tokens"] > 0
+    assert c["computed_tokens"] == sum(len(p) + 12 - 1 for p in prompts) + c["recomputed_tokens"]
+    assert c["prompt_tokens_computed"] >= sum(map(len, prompts))

@@ -53,7 +53,26 @@ class Scheduler:
         self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # sorted by arrival
+        # counters (benchmarks): preemptions; tokens the model computed, of them prompt positions and positions a
+        # sequence had computed before (KV lost to a preemption); admissions stopped because the oldest waiting
+        # sequence could not get the pages of its first chunk
         self.num_preemptions = 0
+        self.computed_tokens = 0
+        self.prompt_tokens_computed = 0
+        self.recomputed_tokens = 0
+        self.admissions_blocked = 0
+        self._computed_before: dict[str, int] = {}   # preempted sequences: tokens they had computed
+
+    def counters(self) -> dict[str, int]:
+        return {"preemptions": self.num_preemptions, "computed_tokens": self.computed_tokens,
+                "prompt_tokens_computed": self.prompt_tokens_computed, "recomputed_tokens": self.recomputed_tokens,
+                "admissions_blocked": self.admissions_blocked}
+
+    def _count(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        self.computed_tokens += n
+        self.prompt_tokens_computed += max(0, min(start + n, len(seq.prompt_token_ids)) - start)
+        self.recomputed_tokens += max(0, min(start + n, self._computed_before.get(seq.request_id, 0)) - start)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,22 +111,27 @@ class Scheduler:
         seq.num_computed = len(pages) * self.block_size
 
     def _admissible(self, seq: Sequence, budget: int) -> bool:
-        """Whether a fresh sequence whose cached prefix is partly in host memory could get the pages of those
-        blocks and of its first chunk, checked before :meth:`_match` copies them back. A sequence that cannot
-        grow after its match gives its blocks straight back, and a swapper then moves them out again for the
-        running sequences: every iteration it waited, its prefix crossed the host link twice (the swap thrash
-        of the H100 multi-turn run). Without host blocks the match moves nothing and is simply tried."""
-        if self.cache is None or seq.blocks or seq.num_computed:
+        """Whether a fresh sequence could get the pages of its first chunk and of the blocks of its cached prefix
+        that are in host memory, checked before :meth:`_match` pins (and copies back) that prefix. A sequence that
+        cannot grow after its match gives its blocks straight back: with host blocks, a swapper then moved them
+        out again for the running sequences, so every iteration it waited its prefix crossed the host link twice
+        (the swap thrash of the H100 multi-turn run); without, every iteration it waited counted its prompt as
+        looked up again and its path as visited again (the frequencies the swapper ranks by)."""
+        if seq.blocks or seq.num_computed:
             return True
-        unpinned, pinned, host = self.cache.peek(seq.adapter_name, seq.cache_keys(0, seq.num_tokens))
-        if not host:
-            return True
+        unpinned = pinned = host = 0
+        if self.cache is not None:
+            unpinned, pinned, host = self.cache.peek(seq.adapter_name, seq.cache_keys(0, seq.num_tokens))
         matched = unpinned + pinned + host
         n = min(seq.num_tokens - matched * self.block_size, budget)
         need = host + -(-(matched * self.block_size + n) // self.block_size) - matched
+        if need <= self.allocator.num_free:
+            return True
         return self.allocator.available() - unpinned >= need
 
     def _preempt(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        self._computed_before[rid] = max(self._computed_before.get(rid, 0), seq.num_computed)
         self._release(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
@@ -143,6 +167,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                self._count(seq, n)
                 scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
                 budget -= n
         # admit waiting sequences only when nothing was preempted (they would thrash)
@@ -150,16 +175,19 @@ class Scheduler:
             if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
             if not self._admissible(seq, budget):
+                self.admissions_blocked += 1
                 break
             self._match(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, n):
                 self._release(seq)              # back to a fresh start (matched blocks unpinned)
                 seq.num_computed = 0
+                self.admissions_blocked += 1
                 break
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self._count(seq, n)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
         self.running.sort(key=lambda s: s.arrival)
@@ -172,5 +200,6 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        self._computed_before.pop(seq.request_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

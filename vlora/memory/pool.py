@@ -40,7 +40,8 @@ class UnifiedPool:
             raise ValueError(f"adapter_limit must be in [0, {num_pages}], got {adapter_limit}")
         self.adapter_limit = adapter_limit               # None: one unified pool
         self.reclaimers: list = []   # callables(pages) freeing idle pages, tried in order (cached KV, idle adapters)
-        self.reclaimable: list = []  # callables() -> pages the reclaimers could free now (without freeing them)
+        self.reclaimable: list = []  # callables() -> pages the reclaimers could free now (without freeing them;
+        #                              make_room frees nothing when their sum falls short)
 
     # -- the KV allocator interface -------------------------------------------------------------
     @property
@@ -62,8 +63,16 @@ class UnifiedPool:
     def num_adapter_pages(self) -> int:
         return sum(len(p) for p in self.adapter_pages.values())
 
-    def make_room(self, n: int) -> bool:
-        """Whether ``n`` pages can be had, releasing idle pages (cached KV, then idle adapters) if needed."""
+    def make_room(self, n: int, partial: bool = False) -> bool:
+        """Whether ``n`` pages can be had, releasing idle pages (cached KV, then idle adapters) if needed. When
+        the reclaimers could not free enough (:meth:`available`), nothing is released: a caller that gives up
+        (an admission that waits, a running sequence about to preempt another) would otherwise have emptied the
+        prefix cache for nothing, and every queued turn of a chat recomputed its history. ``partial``: release
+        what can be released anyway (the caller uses whatever it gets)."""
+        if n <= self.num_free:
+            return True
+        if not partial and n > self.available():
+            return False
         for reclaim in self.reclaimers:
             if n <= self.num_free:
                 break

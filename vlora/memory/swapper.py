@@ -14,7 +14,13 @@ GPU:
   node's transfer time (bytes / host-link bandwidth), ``prob`` the share of
   requests that used it (``visits / requests`` from the tree), ``t`` the
   seconds since its last use and ``τ`` a decay time (the paper leaves the
-  time unit open; τ sets it);
+  time unit open; τ sets it). For large ``t`` the decay is ``e^(-t/τ)``, so
+  ``k`` times the visits is worth ``τ·ln k`` seconds of recency. τ is 1 s
+  (``sigmoid`` of the seconds, the formula as printed): with 10 s, the early
+  blocks of a finished chat (one visit per turn) outranked for about 20 s the
+  newest blocks of chats in their think time (one visit, being new), and the
+  busy watermark pushed out the history that the next turn matched, and
+  copied back, a second or two later;
 * Eq. 6, ``Eval = LoRA_Eval · Retain_Eval``.
 
 Every monitor interval (:meth:`CacheSwapper.tick`), pool usage above the high
@@ -51,7 +57,7 @@ from vlora.memory.pinned import pinned_empty
 
 class CacheSwapper:
     def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
-                 decay_s: float = 10.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
+                 decay_s: float = 1.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
                  clock=time.monotonic):
         if not 0 < low < high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")

@@ -85,7 +85,7 @@ class PrefixTree:
             n.refs += 1
         on_host = sum(n.page is None for n in path)
         if on_host:                       # one request for room; as many as fit come back, the rest is recomputed
-            self.pool.make_room(on_host)
+            self.pool.make_room(on_host, partial=True)
         pages: list[int] = []
         for k, n in enumerate(path):
             if n.page is None and not self.swapper.swap_in(n, room_made=True):   # no page for it: stop here
