@@ -139,26 +139,34 @@ def test_unmeasured_costs_let_the_first_merge_happen():
     assert d.mode is Mode.MERGED
 
 
-def test_simulated_light_load_neither_flaps_nor_starves():
-    """One long request of A and a short request of B every 0.3 s (each 5 tokens): A is merged once and stays
-    (mixed while a B runs), and every pending request decodes in every iteration."""
-    costs = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.050)
-    t, mode, merged, switches, n = 0.0, Mode.UNMERGED, None, 0, 0
-    left = {"a": 300}
+def simulate_light_load(costs: Costs, mixed: bool, long_tokens: int, short_tokens: int) -> tuple[float, int, int, int]:
+    """One long request of A at a time and a request of B every 0.3 s, on a simulated clock driven by ``costs``;
+    asserts nobody waits (light load). Returns (time, switches, mixed iterations, B requests)."""
+    t, mode, merged, switches, n, mixed_iters = 0.0, Mode.UNMERGED, None, 0, 0, 0
+    left = {"a": long_tokens}
     while left.get("a", 0) > 0:
         if t >= 0.3 * n:
-            left[f"b{n}"], n = 5, n + 1
+            left[f"b{n}"], n = short_tokens, n + 1
         pend = [Pending(k, k[0].upper(), 0.0, v) for k, v in left.items()]
-        d = schedule(pend, mode, merged, 64, THETA, costs)
+        d = schedule(pend, mode, merged, 64, THETA, costs, mixed=mixed)
         assert set(d.batch) == set(left)                                  # nobody waits under light load
         if d.merged != merged:
             switches += 1
             t += costs.switch_s
         mode, merged = d.mode, d.merged
         t += costs.step_s[mode]
+        mixed_iters += mode is Mode.MIXED
         for k in d.batch:
             left[k] -= 1
         left = {k: v for k, v in left.items() if v > 0}
+    return t, switches, mixed_iters, n
+
+
+def test_simulated_light_load_neither_flaps_nor_starves():
+    """One long request of A and a short request of B every 0.3 s (each 5 tokens): A is merged once and stays
+    (mixed while a B runs), and every pending request decodes in every iteration."""
+    costs = Costs(step_s={Mode.MERGED: 0.010, Mode.MIXED: 0.014, Mode.UNMERGED: 0.020}, switch_s=0.050)
+    _, switches, _, n = simulate_light_load(costs, True, 300, 5)
     assert switches <= 2 and n > 5
 
 
@@ -203,28 +211,10 @@ def test_simulated_light_load_with_slow_mixed_costs_no_more_than_without_mixed()
     """One long request of A at a time and a request of B every 0.3 s (each 40 tokens), iteration and switch
     times as measured on the H200: V-LoRA's policy no longer runs mixed stretches there, so on the simulated
     clock it serves this as fast as dLoRA's (mixed=False); with mixed faster than unmerged it runs MIXED."""
-
-    def serve(costs: Costs, mixed: bool) -> tuple[float, int]:
-        t, mode, merged, n, mixed_iters = 0.0, Mode.UNMERGED, None, 0, 0
-        left = {"a": 600}
-        while left.get("a", 0) > 0:
-            if t >= 0.3 * n:
-                left[f"b{n}"], n = 40, n + 1
-            pend = [Pending(k, k[0].upper(), 0.0, v) for k, v in left.items()]
-            d = schedule(pend, mode, merged, 64, THETA, costs, mixed=mixed)
-            assert set(d.batch) == set(left)
-            if d.merged != merged:
-                t += costs.switch_s
-            mode, merged = d.mode, d.merged
-            t += costs.step_s[mode]
-            mixed_iters += mode is Mode.MIXED
-            for k in d.batch:
-                left[k] -= 1
-            left = {k: v for k, v in left.items() if v > 0}
-        return t, mixed_iters
-
-    vlora, vlora_mixed = serve(H200, True)
-    dlora, _ = serve(H200, False)
+    vlora, _, vlora_mixed, _ = simulate_light_load(H200, True, 600, 40)
+    dlora = simulate_light_load(H200, False, 600, 40)[0]
     assert vlora_mixed == 0 and vlora <= dlora
     fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
-    assert serve(fast_mixed, True)[1] > 0
+    assert simulate_light_load(fast_mixed, True, 600, 40)[2] > 0
+
+
