@@ -216,5 +216,3 @@ def test_simulated_light_load_with_slow_mixed_costs_no_more_than_without_mixed()
     assert vlora_mixed == 0 and vlora <= dlora
     fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
     assert simulate_light_load(fast_mixed, True, 600, 40)[2] > 0
-
-
