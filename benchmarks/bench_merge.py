@@ -105,8 +105,7 @@ def main() -> None:
             m, u, _ = cycles(3)
             sweep.append({"tile": tile, "merge_ms": med(m) * 1e3, "unmerge_ms": med(u) * 1e3})
             print(f"tile {tile}: merge {med(m) * 1e3:.2f} ms, unmerge {med(u) * 1e3:.2f} ms", flush=True)
-        best = min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])
-        kernels.TILE = tuple(best["tile"])
+        kernels.TILE = tuple(min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])["tile"])
     merges, unmerges, rec = cycles(args.repeats)
     exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     res = {
@@ -117,8 +116,8 @@ def main() -> None:
         "merge_ms": med(merges) * 1e3, "unmerge_ms": med(unmerges) * 1e3,
         "merge_over_floor": med(merges) / floor, "unmerge_over_floor": med(unmerges) / floor,
         "merge_plus_unmerge_over_floor": (med(merges) + med(unmerges)) / (2 * floor),
-        "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel, "tile": rec.tile,
-        "tile_sweep": sweep,
+        "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
+        "tile": rec.tile, "tile_sweep": sweep,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
     args.out.mkdir(parents=True, exist_ok=True)

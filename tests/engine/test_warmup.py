@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlora.engine.warmup import lora_items, lora_variants
-from vlora.kernels.atmm import fit_shared
+from vlora.kernels.atmm import expand_hoisted, fit_shared
 from vlora.kernels.tuning import TilingTable
 from vlora.lora.batch import GROUPS
 from vlora.lora.merge import group_widths
@@ -35,8 +35,7 @@ def test_every_config_the_runner_picks_is_built(name, data):
     for g, modules in GROUPS.items():
         shrink = table.get("shrink", t, s, SHAPES[g], len(modules) * r)
         expand = table.get("expand", t, s, sum(WIDTHS[g]), r)
-        hoist = bool(expand.hoist) and r <= fit_shared(expand, 4, 2).block_k
-        assert (g, shrink, expand, hoist) in variants
+        assert (g, shrink, expand, expand_hoisted(fit_shared(expand, 4, 2), r)) in variants
 
 
 def test_variants_are_finite_and_shared_across_counts():

@@ -39,7 +39,7 @@ def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, 
                   max_tokens: int, max_segments: int, elem_bytes: int = 2) -> dict[tuple, tuple]:
     """Every distinct (group, shrink config, expand config, hoisted or not) the runner can pick under these
     limits: key -> (group, a rank that picks it, shrink config, expand config)."""
-    from vlora.kernels.atmm import fit_shared
+    from vlora.kernels.atmm import expand_hoisted, fit_shared
 
     variants: dict[tuple, tuple] = {}
     for t in _buckets_upto(TOKEN_BUCKETS, max_tokens):
@@ -48,8 +48,7 @@ def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, 
                 for r in range(1, max_rank + 1):
                     shrink = table.get("shrink", t, s, group_in[g], len(modules) * r)
                     expand = table.get("expand", t, s, sum(widths[g]), r)
-                    hoist = bool(expand.hoist) and r <= fit_shared(expand, 4, elem_bytes).block_k
-                    key = (g, shrink, expand, hoist)
+                    key = (g, shrink, expand, expand_hoisted(fit_shared(expand, 4, elem_bytes), r))
                     variants.setdefault(key, (g, r, shrink, expand))
     return variants
 

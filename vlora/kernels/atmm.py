@@ -209,6 +209,12 @@ def fit_shared(cfg: TileConfig, a_bytes: int, b_bytes: int) -> TileConfig:
     return cfg
 
 
+def expand_hoisted(cfg: TileConfig, max_rank: int | None) -> bool:
+    """Whether expand runs ``cfg`` (already :func:`fit_shared`) hoisted: the config asks for it and the
+    segments' largest rank is known and fits its K tile."""
+    return bool(cfg.hoist) and max_rank is not None and max_rank <= cfg.block_k
+
+
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
@@ -260,7 +266,7 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     if num_segs == 0 or meta.max_len == 0:
         return y
     cfg = fit_shared(cfg, 4, y.element_size())
-    hoist = bool(cfg.hoist) and max_rank is not None and max_rank <= cfg.block_k
+    hoist = expand_hoisted(cfg, max_rank)
     if hoist:
         cfg = dataclasses.replace(cfg, m_loop=1)
     tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
