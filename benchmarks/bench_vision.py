@@ -206,8 +206,8 @@ def main() -> None:
     for name, p in paths.items():
         llm.register_adapter(name, p)
 
-    # warm-up: the first seconds of both modes' streams, so the batch shapes the timed runs meet are compiled
-    # and captured (4 requests at once left the first timed run's tail at 1-3 s on an H100)
+    # warm-up: the first seconds of both modes' streams (kernel variants are built at engine start; the timed
+    # runs report any built since)
     for head in (True, False):
         drive(llm, warmup(video_requests(args, size, img, vocab, head), args.warmup_s, size))
 

@@ -18,9 +18,9 @@ GPU:
   ``k`` times the visits is worth ``τ·ln k`` seconds of recency. τ is 1 s
   (``sigmoid`` of the seconds, the formula as printed): with 10 s, the early
   blocks of a finished chat (one visit per turn) outranked for about 20 s the
-  newest blocks of chats in their think time (one visit, being new), and the
-  busy watermark pushed out the history that the next turn matched, and
-  copied back, a second or two later;
+  newest blocks of chats in their think time (one visit, being new), so the
+  busy watermark pushed out the history that the next turn would match
+  (``tests/memory/test_swapper.py``);
 * Eq. 6, ``Eval = LoRA_Eval · Retain_Eval``.
 
 Every monitor interval (:meth:`CacheSwapper.tick`), pool usage above the high
