@@ -98,14 +98,16 @@ def main() -> None:
     sweep = []
     if args.sweep and dev.type == "cuda":
         from vlora.kernels import merge as kernels
-        for tile in [(64, 128, 4), (64, 128, 8), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4),
-                     (128, 256, 8)]:
-            kernels.TILE = tile
-            cycles(1)                                   # compiles this tile's kernels
-            m, u, _ = cycles(3)
-            sweep.append({"tile": tile, "merge_ms": med(m) * 1e3, "unmerge_ms": med(u) * 1e3})
-            print(f"tile {tile}: merge {med(m) * 1e3:.2f} ms, unmerge {med(u) * 1e3:.2f} ms", flush=True)
-        kernels.TILE = tuple(min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])["tile"])
+        for tile in [(64, 128, 4), (64, 128, 8), (32, 128, 4), (32, 256, 4), (64, 256, 8)]:
+            for slots in (1, 2):
+                kernels.TILE, kernels.SLOTS = tile, slots
+                cycles(1)                                   # compiles this tile's kernels
+                m, u, _ = cycles(3)
+                sweep.append({"tile": tile, "slots": slots, "merge_ms": med(m) * 1e3, "unmerge_ms": med(u) * 1e3})
+                print(f"tile {tile} slots {slots}: merge {med(m) * 1e3:.2f} ms, unmerge {med(u) * 1e3:.2f} ms",
+                      flush=True)
+        best = min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])
+        kernels.TILE, kernels.SLOTS = tuple(best["tile"]), best["slots"]
     merges, unmerges, rec = cycles(args.repeats)
     exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     res = {
@@ -117,7 +119,7 @@ def main() -> None:
         "merge_over_floor": med(merges) / floor, "unmerge_over_floor": med(unmerges) / floor,
         "merge_plus_unmerge_over_floor": (med(merges) + med(unmerges)) / (2 * floor),
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
-        "tile": rec.tile, "tile_sweep": sweep,
+        "tile": rec.tile, "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
     args.out.mkdir(parents=True, exist_ok=True)

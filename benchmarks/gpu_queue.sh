@@ -4,7 +4,7 @@
 #   benchmarks/gpu_queue.sh start OUTDIR SECONDS PART...   start the queue, then wait as `wait` does
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
-# PART: tests | merge | decode | vision | memory-throughput | memory-dynamic | policies-<skew-low|skew-high|
+# PART: tests | merge | decode | e2e | e2e-overlap | lora-kernels | vision | memory-throughput | memory-dynamic | policies-<skew-low|skew-high|
 #       retrieval|video>. Each part writes into /tmp/vlora-queue/<part>/ and its log beside it.
 set -uo pipefail
 cmd=${1:?start or wait}; out=${2:?output dir}; secs=${3:?seconds}; shift 3
@@ -18,6 +18,11 @@ run_part() {   # one part, its results in $q/$1
         tests)   timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server tests ;;
         merge)   timeout 480 python3 benchmarks/bench_merge.py --sweep --out "$dir" ;;
         decode)  timeout 900 bash benchmarks/gpu_decode.sh "$dir" --no-tests ;;
+        e2e)     timeout 600 python3 benchmarks/bench_e2e.py --skip-peft --out "$dir" ;;
+        e2e-overlap) for m in off shrink full; do mkdir -p "$dir/$m"
+                     VLORA_LORA_OVERLAP=$m timeout 300 python3 benchmarks/bench_e2e.py --skip-hf --out "$dir/$m"
+                     done ;;
+        lora-kernels) timeout 500 python3 benchmarks/bench_lora_kernels.py --out "$dir" ;;
         vision)  timeout 600 python3 benchmarks/bench_vision.py --out "$dir" ;;
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;
         policies-*) timeout 600 bash benchmarks/gpu_policies.sh "$dir" "${part#policies-}" ;;

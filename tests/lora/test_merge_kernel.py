@@ -1,5 +1,5 @@
 """The fused Triton merge/unmerge (interpreter on CPU, real kernels on GPU): bitwise exact after many cycles,
-the exception list's overflow finished on the host, merged weights equal to the torch path's up to rounding."""
+exceptions in the row slots and the list, the list's overflow finished on the host, merged weights equal to the torch path's up to rounding."""
 
 from __future__ import annotations
 
@@ -29,22 +29,27 @@ def adapters_for(tmp_path, dtype, n=4):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("capacity", [None, 3])                # 3: the list overflows, the host finishes
-def test_fused_cycles_are_bitwise_exact(tmp_path, dtype, capacity):
+@pytest.mark.parametrize("slots", [0, 2])                      # 0: every exception goes to the list
+def test_fused_cycles_are_bitwise_exact(tmp_path, monkeypatch, dtype, capacity, slots):
+    from vlora.kernels import merge as kernels
+
+    monkeypatch.setattr(kernels, "SLOTS", slots)
     adapters = adapters_for(tmp_path, dtype)
     weights = stacked_weights(dtype)
     original = {k: v.clone() for k, v in weights.items()}
     rng = random.Random(0)
-    exceptions = 0
+    in_slots = in_list = 0
     for cycle in range(12):
         a = adapters[cycle % len(adapters)]
         rec = merge_(weights, WIDTHS, a, scale=rng.choice([a.scaling, -a.scaling, 7.5]), kernel=True,
                      capacity=capacity)
         assert rec.kernel and any(not torch.equal(weights[g], original[g]) for g in weights)
-        exceptions += rec.num_exceptions()
+        in_slots += sum(int((sr.slot_cols >= 0).sum()) for sr in rec.slices.values())
+        in_list += sum(sr.exc_index.numel() for sr in rec.slices.values())
         unmerge_(weights, WIDTHS, rec)
         for g in weights:
             assert torch.equal(weights[g].view(torch.uint8), original[g].view(torch.uint8)), (cycle, g)
-    assert exceptions > 0
+    assert in_list > 0 and (in_slots > 0) == (slots > 0)       # the large scales overflow even two slots
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -71,11 +76,11 @@ def test_gpu_fused_merge_is_exact_on_7b_shapes():
     b = (torch.randn(4, 64, 11008, device="cuda") * 0.02).to(torch.bfloat16)
     cap = w.numel() >> 6
     for _ in range(5):
-        codes, idx, bits, pending = merge_slice_(w, 0, a, b, 2.0, cap)
-        assert not pending and idx.numel() > 0 and not torch.equal(w, orig)
-        unmerge_slice_(w, 0, a, b, 2.0, codes)
+        sr, pending = merge_slice_(w, 0, a, b, 2.0, cap)
+        assert not pending and int((sr.slot_cols >= 0).sum()) > 0 and not torch.equal(w, orig)
+        unmerge_slice_(w, 0, a, b, 2.0, sr)
         flat = w.view(torch.int16).view(-1)
-        flat[idx] = bits
+        flat[sr.exc_index] = sr.exc_bits
         assert torch.equal(w.view(torch.int16), orig.view(torch.int16))
 
 

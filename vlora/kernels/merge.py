@@ -6,24 +6,30 @@ the weights' dtype, fp32 accumulation), reads the weight tile once, writes the
 merged tile once, and writes the tile's restore codes: ``c = ord(W) -
 ord(round(W' - ΔW))`` (``ord``: the order-preserving integer image of the float)
 in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. Code 0 marks an
-exception: the original bits are kept with the element's flat index in one list
-for the slice, one atomic reservation per tile and a prefix sum over the tile
-for each exception's place in it.
+exception, whose original bits are kept:
 
-An exception that finds no room (list full) is left unmerged and marked 15
+* in the *slots* of its tile row: every row of a tile keeps its first ``SLOTS``
+  exceptions (column in the tile, original bits), found by ``SLOTS`` rounds of
+  a min-reduction along the row. No scan, no atomics: with LoRA-sized ΔW about
+  one tile row in five has an exception and one in several hundred more than
+  two;
+* the rest in one list for the slice (flat index, original bits), one atomic
+  slot per element, taken only by tiles that have such an overflow.
+
+An exception that finds no room in the list is left unmerged and marked 15
 ("pending"); the host then finishes those few elements in torch
-(``vlora.lora.merge``). Unmerge
-recomputes the identical ΔW (same kernel, same tiles), applies
-``round(W' - ΔW)`` and the codes, and the host scatters the exceptions back: the
-weights return bit for bit.
+(``vlora.lora.merge``). Unmerge recomputes the identical ΔW (same kernel, same
+tiles), applies ``round(W' - ΔW)``, the codes and the slots, and the host
+scatters the list back: the weights return bit for bit.
 
 Traffic per touched element: merge reads 2 and writes 2.5 bytes (bf16 + half a
-byte of code), unmerge reads 2.5 and writes 2: 1.125x the bytes floor.
+byte of code) plus 4 bytes per slot per tile row, unmerge the reverse.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -82,9 +88,9 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 
 
 @triton.jit
-def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
+def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
                   INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
@@ -93,22 +99,29 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
     merged = (w.to(tl.float32) + d).to(w.dtype)
     naive = (merged.to(tl.float32) - d).to(w.dtype)
-    c = _ordered(w.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) - _ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T)
-    exc = (c < -7) | (c > 6)
-    exc = exc & mask
-    nib = tl.where(exc, 0, c + 8).to(tl.int32)
-    row_n = tl.sum(exc.to(tl.int32), axis=1)                 # exceptions per row of the tile
-    n_exc = tl.sum(row_n, axis=0)
-    if n_exc > 0:
-        # places in the list: one reservation per tile, then row offsets + a scan along each row (no 2D->1D
-        # reshape of the tile, which costs a shuffle through shared memory)
-        base = tl.atomic_add(count_ptr, n_exc)
-        pos = base + (tl.cumsum(row_n, axis=0) - row_n)[:, None] + tl.cumsum(exc.to(tl.int32), axis=1) - 1
-        stored = exc & (pos < capacity)
+    wbits = w.to(INT_T, bitcast=True)
+    c = _ordered(wbits, SIGN_MASK, ORD_T) - _ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T)
+    rem = ((c < -7) | (c > 6)) & mask
+    nib = tl.where(rem, 0, c + 8).to(tl.int32)
+    if SLOTS > 0:
+        # the first SLOTS exceptions of every tile row, by column: SLOTS min-reductions along the rows
+        col = tl.arange(0, BN)[None, :]
+        srow = (((l.to(tl.int64) * OUT + offs_o) * tiles_i + tl.program_id(0) % tiles_i) * SLOTS)
+        wb32 = wbits.to(tl.int32)
+        for j in tl.static_range(SLOTS):
+            first = tl.min(tl.where(rem, col, BN), axis=1)
+            hit = col == first[:, None]
+            tl.store(slot_col_ptr + srow + j, tl.where(first < BN, first, -1).to(tl.int16), mask=o_mask)
+            tl.store(slot_bits_ptr + srow + j, tl.sum(tl.where(hit, wb32, 0), axis=1).to(INT_T), mask=o_mask)
+            rem = rem & ~hit
+    n_over = tl.sum(tl.sum(rem.to(tl.int32), axis=1), axis=0)
+    if n_over > 0:                                           # rare: more exceptions in a row than slots
+        pos = tl.atomic_add(count_ptr + tl.zeros((BM, BN), dtype=tl.int32), 1, mask=rem)
+        stored = rem & (pos < capacity)
         flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
         tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
-        tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
-        pending = exc & ~stored
+        tl.store(exc_bits_ptr + pos, wbits, mask=stored)
+        pending = rem & ~stored
         nib = tl.where(pending, 15, nib)
         merged = tl.where(pending, w, merged)                  # left as it was: the host finishes it
     tl.store(w_ptr + w_off, merged, mask=mask)
@@ -118,9 +131,10 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, exc_idx_ptr, exc_bi
 
 
 @triton.jit
-def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale,
-                    tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                    INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, row0, R, IN, OUT, stride_wl,
+                    stride_wo, scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    SLOTS: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, NBITS: tl.constexpr,
+                    SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
@@ -131,6 +145,13 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl,
     naive = (w.to(tl.float32) - d).to(w.dtype)
     step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
     restored = _unordered(_ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) + step, NBITS).to(INT_T)
+    if SLOTS > 0:
+        col = tl.arange(0, BN)[None, :]
+        srow = (((l.to(tl.int64) * OUT + offs_o) * tiles_i + tl.program_id(0) % tiles_i) * SLOTS)
+        for j in tl.static_range(SLOTS):
+            sc = tl.load(slot_col_ptr + srow + j, mask=o_mask, other=-1).to(tl.int32)
+            sb = tl.load(slot_bits_ptr + srow + j, mask=o_mask, other=0)
+            restored = tl.where(col == sc[:, None], sb[:, None], restored)
     tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
 
 
@@ -156,43 +177,67 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
 # had the fastest merge + unmerge for Llama-2-7B shapes at rank 64 on both an H100 (2026-11-21, 62.1 + 16.8 ms in
 # the sweep, benchmarks/results/merge-nvidia-h100-80gb-hbm3.json) and an H200 (2026-11-22, 63.0 + 16.3 ms).
 TILE = (64, 128, 8)
+SLOTS = 2                    # exception slots per tile row
+
+
+@dataclass
+class SliceRestore:
+    """What the unmerge of one slice needs besides ΔW: codes, per-row slots, the overflow list."""
+
+    codes: torch.Tensor          # uint8 [L, out, in/2]: two 4-bit codes a byte
+    slot_cols: torch.Tensor      # int16 [L, out, tiles_i, SLOTS]: column in the tile, -1 = empty
+    slot_bits: torch.Tensor      # original bits of those elements
+    exc_index: torch.Tensor      # int64 flat indices into the slice [L, out, in] (overflow list)
+    exc_bits: torch.Tensor
+    slots: int
+    tile: tuple[int, int, int]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.slot_cols, self.slot_bits, self.exc_index, self.exc_bits]
 
 
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
-                 tile: tuple[int, int, int] | None = None):
+                 tile: tuple[int, int, int] | None = None, slots: int | None = None) -> tuple[SliceRestore, bool]:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
-    products in IEEE fp32). ``capacity``: length of the exception list. Returns (codes uint8 [L, out, in/2],
-    exception flat indices int64, their original bits, pending): ``pending`` when some exceptions found no room
-    and were left unmerged with code 15.
+    products in IEEE fp32). ``capacity``: length of the overflow list. Returns (the slice's restore record,
+    pending): ``pending`` when some exceptions found no room and were left unmerged with code 15.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
-    codes = torch.empty(L, out, inn // 2, dtype=torch.uint8, device=w.device)
-    bm, bn, num_warps = tile or TILE
+    tile = tuple(tile or TILE)
+    slots = SLOTS if slots is None else slots
+    bm, bn, num_warps = tile
     to, ti = _tiles(out, inn, bm, bn)
+    int_t = INT_OF[w.dtype]
+    codes = torch.empty(L, out, inn // 2, dtype=torch.uint8, device=w.device)
+    slot_cols = torch.empty(L, out, ti, slots, dtype=torch.int16, device=w.device)
+    slot_bits = torch.empty(L, out, ti, slots, dtype=int_t, device=w.device)
     count = torch.zeros(1, dtype=torch.int32, device=w.device)
     exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
-    exc_bits = torch.empty(max(capacity, 1), dtype=INT_OF[w.dtype], device=w.device)
+    exc_bits = torch.empty(max(capacity, 1), dtype=int_t, device=w.device)
     bk = max(16, min(64, triton.next_power_of_2(r)))
-    _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, count, exc_idx, exc_bits, row0, r,
-                                  inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti, BM=bm, BN=bn, BK=bk,
-                                  IEEE=_ieee(w), num_warps=num_warps, **_consts(w))
+    _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
+                                  exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
+                                  BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
+                                  **_consts(w))
     n = int(count.item())
-    return codes, exc_idx[:min(n, capacity)].clone(), exc_bits[:min(n, capacity)].clone(), n > capacity
+    keep = min(n, capacity)
+    rec = SliceRestore(codes, slot_cols, slot_bits, exc_idx[:keep].clone(), exc_bits[:keep].clone(), slots, tile)
+    return rec, n > capacity
 
 
-def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor,
-                   tile: tuple[int, int, int] | None = None) -> None:
-    """Undo :func:`merge_slice_` except for the exception elements (code 0 or 15), which the caller restores
-    from the exception list."""
+def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
+                   rec: SliceRestore) -> None:
+    """Undo :func:`merge_slice_` except for the overflow list and pending elements (code 0 or 15 and no slot),
+    which the caller restores from ``rec.exc_index`` / ``rec.exc_bits``."""
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
-    bm, bn, num_warps = tile or TILE
+    bm, bn, num_warps = rec.tile
     to, ti = _tiles(out, inn, bm, bn)
     bk = max(16, min(64, triton.next_power_of_2(r)))
-    _unmerge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, row0, r, inn, out, w.stride(0),
-                                    w.stride(1), scale, to, ti, BM=bm, BN=bn, BK=bk, IEEE=_ieee(w),
-                                    num_warps=num_warps, **_consts(w))
+    _unmerge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), rec.codes, rec.slot_cols, rec.slot_bits,
+                                    row0, r, inn, out, w.stride(0), w.stride(1), scale, to, ti, BM=bm, BN=bn,
+                                    BK=bk, SLOTS=rec.slots, IEEE=_ieee(w), num_warps=num_warps, **_consts(w))

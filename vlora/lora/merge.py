@@ -19,7 +19,8 @@ codes plus 12 bytes per exception, held only while the adapter is merged.
 On CUDA (or with ``kernel=True``) the same idea runs fused in one Triton launch
 per slice (``vlora.kernels.merge``): ΔW tile on the tensor cores, weights read
 and written once, 4-bit codes covering [-7, 6] units (far fewer exceptions),
-exceptions appended by the kernel. A record remembers which path made it, and
+the first exceptions of every tile row kept in slots by the kernel, the rare rest
+in a list. A record remembers which path made it, and
 unmerge takes the same path, so ΔW is recomputed identically.
 """
 
@@ -45,16 +46,20 @@ class MergeRecord:
     codes: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)      # uint8, 4 codes a byte
     exc_index: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # int64 flat indices
     exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
-    kernel: bool = False              # made by the fused Triton path (4-bit codes, 2 a byte)
+    kernel: bool = False              # made by the fused Triton path (its records in ``slices``)
+    slices: dict = field(default_factory=dict)   # (group, j) -> vlora.kernels.merge.SliceRestore
     tile: tuple[int, int, int] | None = None  # the fused path's tile: unmerge recomputes ΔW with the same one
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
         tensors = [*self.codes.values(), *self.exc_index.values(), *self.exc_bits.values()]
+        tensors += [t for sr in self.slices.values() for t in sr.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def num_exceptions(self) -> int:
-        return sum(t.numel() for t in self.exc_index.values())
+        """Elements whose original bits are kept (the rest are restored from ΔW and their code)."""
+        n = sum(t.numel() for t in self.exc_index.values())
+        return n + sum(sr.exc_index.numel() + int((sr.slot_cols >= 0).sum()) for sr in self.slices.values())
 
 
 def _ordered(bits: torch.Tensor) -> torch.Tensor:
@@ -234,12 +239,13 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
             if (group, j) in staged:
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
-                cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 6)
-                codes, idx, bits, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
+                cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 10)
+                sr, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
                 if pending:                                      # no room for some: finish the rest here
-                    more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, codes)
-                    idx, bits = torch.cat([idx, more_idx]), torch.cat([bits, more_bits])
-                rec.codes[(group, j)], rec.exc_index[(group, j)], rec.exc_bits[(group, j)] = codes, idx, bits
+                    more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, sr.codes)
+                    sr.exc_index, sr.exc_bits = torch.cat([sr.exc_index, more_idx]), torch.cat([sr.exc_bits,
+                                                                                                 more_bits])
+                rec.slices[(group, j)] = sr
             row0 += width
 
 
@@ -289,16 +295,15 @@ def _unmerge_fused(rec: MergeRecord, weights, widths) -> None:
     for group, w in weights.items():
         row0 = 0
         for j, width in enumerate(widths[group]):
-            key = (group, j)
-            if key in rec.codes:
-                a, b = rec.factors[key]
-                unmerge_slice_(w, row0, a, b, rec.scale, rec.codes[key], rec.tile)
-                idx = rec.exc_index[key]
-                if idx.numel():
+            sr = rec.slices.get((group, j))
+            if sr is not None:
+                a, b = rec.factors[(group, j)]
+                unmerge_slice_(w, row0, a, b, rec.scale, sr)
+                if sr.exc_index.numel():
                     sl = w[:, row0:row0 + width]
                     per_layer = width * w.shape[2]
-                    layer, rest = idx // per_layer, idx % per_layer
-                    sl.view(_INT[w.dtype])[layer, rest // w.shape[2], rest % w.shape[2]] = rec.exc_bits[key]
+                    layer, rest = sr.exc_index // per_layer, sr.exc_index % per_layer
+                    sl.view(_INT[w.dtype])[layer, rest // w.shape[2], rest % w.shape[2]] = sr.exc_bits
             row0 += width
 
 

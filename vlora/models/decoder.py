@@ -2,7 +2,7 @@
 
 Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE,
 residual, RMSNorm, SwiGLU MLP, residual) -> RMSNorm -> LM head. Projections are
-packed (qkv, gate_up); every projection passes through ``add_lora`` so the
+packed (qkv, gate_up); every projection passes through ``lora_linear`` so the
 iteration's adapters apply to their own token rows. Weight loading lives in
 ``loader.py``; batch metadata arrives in a ``ForwardBatch``.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlora.kernels.reference import gather_blocks, paged_decode_attention, prefill_attention
-from vlora.lora.layers import add_lora
+from vlora.lora.layers import lora_linear
 from vlora.models.forward_batch import ForwardBatch
 
 
@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, i = self.cfg, self.index
         x = self.attn_norm(h)
-        qkv = add_lora(F.linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        qkv = lora_linear(lambda t: F.linear(t, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -148,13 +148,13 @@ class DecoderLayer(nn.Module):
         v_cache[blk, off] = v
         attn = self._attention(q, k, v, fb, k_cache, v_cache)
         o_in = attn.reshape(-1, cfg.q_size)
-        h = h + add_lora(F.linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o")
+        h = h + lora_linear(lambda t: F.linear(t, self.o.weight, self.o.bias), o_in, fb.lora, i, "o")
 
         x = self.mlp_norm(h)
-        gu = add_lora(F.linear(x, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        gu = lora_linear(lambda t: F.linear(t, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
         gate, up = gu.chunk(2, dim=-1)
         m = self.act(gate) * up
-        return h + add_lora(F.linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+        return h + lora_linear(lambda t: F.linear(t, self.down.weight, self.down.bias), m, fb.lora, i, "down")
 
     def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: tuple, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
@@ -165,16 +165,16 @@ class DecoderLayer(nn.Module):
         from vlora.kernels.gemv import linear
 
         cfg, i = self.cfg, self.index
-        qkv = add_lora(linear(x, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        qkv = lora_linear(lambda t: linear(t, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
         q = rope_and_cache(qkv, *rope, fb.slot_mapping, k_cache, v_cache,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
         o_in = attn.view(-1, cfg.q_size)
-        x = add_rmsnorm_(h, add_lora(linear(o_in, self.o.weight, self.o.bias), o_in, fb.lora, i, "o"),
+        x = add_rmsnorm_(h, lora_linear(lambda t: linear(t, self.o.weight, self.o.bias), o_in, fb.lora, i, "o"),
                          self.mlp_norm.weight, self.mlp_norm.eps)
-        gu = add_lora(linear(x, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        gu = lora_linear(lambda t: linear(t, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
         m = silu_mul(gu)
-        d = add_lora(linear(m, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+        d = lora_linear(lambda t: linear(t, self.down.weight, self.down.bias), m, fb.lora, i, "down")
         return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
 
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
