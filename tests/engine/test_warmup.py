@@ -73,6 +73,38 @@ def test_compile_counter_counts_hook_calls():
     assert got["compiles"] == 1 and got["compile_s"] >= 0
 
 
+def test_merge_build_launches_every_k_tile():
+    """``build_merge`` merges and unmerges once per K tile (ranks up to 64: 16, 32, 64), leaving the zero weight
+    as it was; on the CPU in Triton's interpreter."""
+    from vlora.engine.warmup import build_merge
+
+    assert build_merge(torch.float32, torch.device("cpu"), 64) == 6
+    assert build_merge(torch.float32, torch.device("cpu"), 16) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_merge_after_start_up_builds_nothing():
+    """A merging policy's engine builds the merge kernels at start-up: a merge and unmerge then build none."""
+    import tempfile
+    from pathlib import Path
+
+    from vlora import LLM
+    from vlora.kernels import compiles
+    from vlora.lora.random_adapter import write_random_adapter
+
+    llm = LLM("random:tiny-llama", device="cuda", max_num_seqs=8, max_lora_rank=64, policy="vlora")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate((8, 64)):
+            llm.register_adapter(f"a{i}", write_random_adapter(Path(tmp) / f"a{i}", llm.engine.adapters.shape, r,
+                                                               seed=i))
+    mark = compiles.snapshot()
+    for name in ("a0", "a1"):
+        llm.engine.merge_adapter(name)
+        llm.engine.unmerge_adapter()
+    torch.cuda.synchronize()
+    assert compiles.since(mark)["compiles"] == 0, compiles.since(mark)
+
+
 @pytest.mark.gpu
 def test_gpu_engine_builds_kernels_and_serves_without_new_builds():
     """On a GPU: start-up builds the variants; a mixed batch of prompt lengths and adapters then builds none."""

@@ -128,7 +128,8 @@ class Engine:
             from vlora.engine.warmup import build_kernels
 
             self.kernel_build = build_kernels(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs,
-                                              workers=min(8, max(1, (os.cpu_count() or 2) // 2)))
+                                              workers=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                                              merges=sc.policy != "unmerged")
         self.detokenizer = Detokenizer(self.tokenizer)
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
         self.admission = Admission()

@@ -6,7 +6,8 @@ With the batch-dependent arguments unspecialised (:func:`vlora.kernels.compiles.
 a function of its tile config, and a LoRA config is a function of the tuning table's bucketed key (tokens,
 segments, the group's size, rank): this module walks every key the engine's limits allow and launches each
 distinct variant once on a one-token problem. Attention's variants are the decode split (one per power of
-two of parts) and the prefill kernel. The rest (norms, RoPE, activations, skinny GEMMs, decode attention)
+two of parts) and the prefill kernel; the fused merge kernels', when the mode policy merges, one per K tile
+of the ranks allowed. The rest (norms, RoPE, activations, skinny GEMMs, decode attention)
 runs in every decode graph capture.
 """
 
@@ -136,10 +137,29 @@ def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...
             lora_variants(table, group_in, widths, max_rank, max_tokens, max_segments, elem_bytes).values()]
 
 
+def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
+    """Merge and unmerge a zero adapter into a small zero weight once per K tile the ranks up to ``max_rank``
+    use: the fused merge kernels' variants (:mod:`vlora.kernels.merge`). Returns the launches."""
+    from vlora.kernels.merge import k_tile, merge_slice_, unmerge_slice_
+
+    ranks = {}
+    for r in range(1, max_rank + 1):
+        ranks.setdefault(k_tile(r), r)
+    for r in ranks.values():
+        w = torch.zeros(1, 64, 128, dtype=dtype, device=device)
+        a = torch.zeros(1, 128, r, dtype=dtype, device=device)
+        b = torch.zeros(1, r, 64, dtype=dtype, device=device)
+        rec, _ = merge_slice_(w, 0, a, b, 1.0, 16)
+        unmerge_slice_(w, 0, a, b, 1.0, rec)
+    return 2 * len(ranks)
+
+
 @torch.inference_mode()
-def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, log=None) -> dict:
+def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, log=None,
+                  merges: bool = False) -> dict:
     """Launch every kernel variant the runner can pick under these limits (LoRA variants compiled by
-    ``workers`` processes first); returns counts and seconds."""
+    ``workers`` processes first; the merge kernels too when the mode policy ``merges``); returns counts and
+    seconds."""
     from vlora.kernels import compiles
 
     if not (runner.use_kernels and runner.device.type == "cuda"):
@@ -154,6 +174,9 @@ def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, 
         prebuild_lora(items, dtype, runner.device, workers)
         _launch_items(items, dtype, runner.device)
         launches += len(items)
+        if merges:
+            weights = next(iter(runner.modes.weights.values()))
+            launches += build_merge(weights.dtype, runner.device, runner.adapters.max_rank)
     torch.cuda.synchronize(runner.device)
     out = {"launches": launches, "seconds": round(time.perf_counter() - t0, 2)} | compiles.since(mark)
     out.pop("kernels")

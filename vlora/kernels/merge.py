@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vlora.kernels import compiles
+
 EXC, PENDING = 0, 15
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -87,7 +89,10 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
     return l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask
 
 
-@triton.jit
+# Arguments that differ between the slices of one model (or between ranks) are not specialised on: the variants
+# are the K tile's (one per rank bucket) and the dtype's, which the engine builds at start-up
+# (vlora.engine.warmup.build_merge).
+@compiles.jit(ints=("row0", "R", "capacity", "tiles_o", "tiles_i"))
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
@@ -130,7 +135,7 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
     tl.store(codes_ptr + c_off, packed, mask=c_mask)
 
 
-@triton.jit
+@compiles.jit(ints=("row0", "R", "tiles_o", "tiles_i"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, row0, R, IN, OUT, stride_wl,
                     stride_wo, scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SLOTS: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, NBITS: tl.constexpr,
@@ -167,6 +172,11 @@ def _consts(w: torch.Tensor) -> dict:
     # ordered images of 16-bit floats fit in int32 with room for their differences; 32-bit ones need int64
     return dict(INT_T=tl.int16 if nbits == 16 else tl.int32, NBITS=nbits, SIGN_MASK=(1 << (nbits - 1)) - 1,
                 ORD_T=tl.int32 if nbits == 16 else tl.int64)
+
+
+def k_tile(rank: int) -> int:
+    """The K tile of ΔW's product for an adapter of this rank (a constexpr: one kernel variant each)."""
+    return max(16, min(64, triton.next_power_of_2(rank)))
 
 
 def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
@@ -218,7 +228,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     count = torch.zeros(1, dtype=torch.int32, device=w.device)
     exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
     exc_bits = torch.empty(max(capacity, 1), dtype=int_t, device=w.device)
-    bk = max(16, min(64, triton.next_power_of_2(r)))
+    bk = k_tile(r)
     _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
                                   exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
                                   BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
@@ -237,7 +247,7 @@ def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor,
     r, out = b.shape[1], b.shape[2]
     bm, bn, num_warps = rec.tile
     to, ti = _tiles(out, inn, bm, bn)
-    bk = max(16, min(64, triton.next_power_of_2(r)))
+    bk = k_tile(r)
     _unmerge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), rec.codes, rec.slot_cols, rec.slot_bits,
                                     row0, r, inn, out, w.stride(0), w.stride(1), scale, to, ti, BM=bm, BN=bn,
                                     BK=bk, SLOTS=rec.slots, IEEE=_ieee(w), num_warps=num_warps, **_consts(w))
