@@ -3,16 +3,17 @@
 One launch per projection slice covers every layer: each program computes a
 ``[BM, BN]`` tile of ``ΔW = s·(A·B)^T`` on the tensor cores (adapter factors in
 the weights' dtype, fp32 accumulation), reads the weight tile once, writes the
-merged tile once, and writes the tile's restore codes: ``c = ord(W) -
-ord(round(W' - ΔW))`` (``ord``: the order-preserving integer image of the float)
+merged tile once, and writes the tile's restore codes: ``c = bits(W) -
+bits(round(W' - ΔW))``, the difference of the bit patterns read as integers
+(for two floats of one sign, the number of representable values between them),
 in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. Code 0 marks an
-exception, whose original bits are kept:
+exception (``c`` out of range, or a sign change), whose original bits are kept:
 
-* in the *slots* of its tile row: every row of a tile keeps its first ``SLOTS``
-  exceptions (column in the tile, original bits), found by ``SLOTS`` rounds of
-  a min-reduction along the row. No scan, no atomics: with LoRA-sized ΔW about
-  one tile row in five has an exception and one in several hundred more than
-  two;
+* in the *slots* of its tile row: every row of a tile keeps its first and its
+  last exception (``SLOTS`` = 2; column in the tile, original bits), found by a
+  min- and a max-reduction along the row. No scan, no atomics: with LoRA-sized
+  ΔW about one tile row in five has an exception and one in several hundred
+  more than two;
 * the rest in one list for the slice (flat index, original bits), one atomic
   slot per element, taken only by tiles that have such an overflow.
 
@@ -39,17 +40,6 @@ from vlora.kernels import compiles
 
 EXC, PENDING = 0, 15
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-@triton.jit
-def _ordered(bits, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
-    b = bits.to(ORD_T)
-    return tl.where(b >= 0, b, -(b & SIGN_MASK) - 1)
-
-
-@triton.jit
-def _unordered(o, NBITS: tl.constexpr):
-    return tl.where(o >= 0, o, (-(o + 1)) - (1 << (NBITS - 1)))
 
 
 @triton.jit
@@ -96,7 +86,7 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, NBITS: tl.constexpr, SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+                  INT_T: tl.constexpr, ORD_T: tl.constexpr):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
@@ -104,28 +94,41 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
     merged = (w.to(tl.float32) + d).to(w.dtype)
     naive = (merged.to(tl.float32) - d).to(w.dtype)
-    wbits = w.to(INT_T, bitcast=True)
-    c = _ordered(wbits, SIGN_MASK, ORD_T) - _ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T)
-    rem = ((c < -7) | (c > 6)) & mask
+    # restore code: the distance from round(W' - ΔW) to W in units in the last place, as the difference of the
+    # bit patterns (for two floats of one sign it counts the representable values between them)
+    wbits = w.to(INT_T, bitcast=True).to(ORD_T)
+    nbits = naive.to(INT_T, bitcast=True).to(ORD_T)
+    c = wbits - nbits
+    rem = (((wbits ^ nbits) < 0) | (c < -7) | (c > 6)) & mask
     nib = tl.where(rem, 0, c + 8).to(tl.int32)
     if SLOTS > 0:
-        # the first SLOTS exceptions of every tile row, by column: SLOTS min-reductions along the rows
+        # the first and the last exception of every tile row (a min- and a max-reduction along the rows); their
+        # original bits re-read from the row (in cache: the tile was just loaded, and is stored below)
         col = tl.arange(0, BN)[None, :]
-        srow = (((l.to(tl.int64) * OUT + offs_o) * tiles_i + tl.program_id(0) % tiles_i) * SLOTS)
-        wb32 = wbits.to(tl.int32)
-        for j in tl.static_range(SLOTS):
-            first = tl.min(tl.where(rem, col, BN), axis=1)
-            hit = col == first[:, None]
-            tl.store(slot_col_ptr + srow + j, tl.where(first < BN, first, -1).to(tl.int16), mask=o_mask)
-            tl.store(slot_bits_ptr + srow + j, tl.sum(tl.where(hit, wb32, 0), axis=1).to(INT_T), mask=o_mask)
-            rem = rem & ~hit
+        ti = tl.program_id(0) % tiles_i
+        srow = ((l.to(tl.int64) * OUT + offs_o) * tiles_i + ti) * SLOTS
+        rows = w_ptr + l.to(tl.int64) * stride_wl + (row0 + offs_o).to(tl.int64) * stride_wo + ti * BN
+        first = tl.min(tl.where(rem, col, BN), axis=1)
+        has = o_mask & (first < BN)
+        tl.store(slot_col_ptr + srow, tl.where(has, first, -1).to(tl.int16), mask=o_mask)
+        tl.store(slot_bits_ptr + srow, tl.load(rows + first, mask=has, other=0.0).to(INT_T, bitcast=True),
+                 mask=o_mask)
+        over = col != first[:, None]
+        if SLOTS > 1:
+            last = tl.max(tl.where(rem, col, -1), axis=1)
+            has = o_mask & (last > first) & (first < BN)
+            tl.store(slot_col_ptr + srow + 1, tl.where(has, last, -1).to(tl.int16), mask=o_mask)
+            tl.store(slot_bits_ptr + srow + 1, tl.load(rows + last, mask=has, other=0.0).to(INT_T, bitcast=True),
+                     mask=o_mask)
+            over = over & (col != last[:, None])
+        rem = rem & over
     n_over = tl.sum(tl.sum(rem.to(tl.int32), axis=1), axis=0)
     if n_over > 0:                                           # rare: more exceptions in a row than slots
         pos = tl.atomic_add(count_ptr + tl.zeros((BM, BN), dtype=tl.int32), 1, mask=rem)
         stored = rem & (pos < capacity)
         flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
         tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
-        tl.store(exc_bits_ptr + pos, wbits, mask=stored)
+        tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
         pending = rem & ~stored
         nib = tl.where(pending, 15, nib)
         merged = tl.where(pending, w, merged)                  # left as it was: the host finishes it
@@ -138,8 +141,7 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
 @compiles.jit(ints=("row0", "R", "tiles_o", "tiles_i"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, row0, R, IN, OUT, stride_wl,
                     stride_wo, scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    SLOTS: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, NBITS: tl.constexpr,
-                    SIGN_MASK: tl.constexpr, ORD_T: tl.constexpr):
+                    SLOTS: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
@@ -149,12 +151,12 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr,
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
     naive = (w.to(tl.float32) - d).to(w.dtype)
     step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
-    restored = _unordered(_ordered(naive.to(INT_T, bitcast=True), SIGN_MASK, ORD_T) + step, NBITS).to(INT_T)
+    restored = (naive.to(INT_T, bitcast=True).to(ORD_T) + step).to(INT_T)
     if SLOTS > 0:
         col = tl.arange(0, BN)[None, :]
         srow = (((l.to(tl.int64) * OUT + offs_o) * tiles_i + tl.program_id(0) % tiles_i) * SLOTS)
         for j in tl.static_range(SLOTS):
-            sc = tl.load(slot_col_ptr + srow + j, mask=o_mask, other=-1).to(tl.int32)
+            sc = tl.load(slot_col_ptr + srow + j, mask=o_mask, other=-1).to(tl.int32)     # -1: empty
             sb = tl.load(slot_bits_ptr + srow + j, mask=o_mask, other=0)
             restored = tl.where(col == sc[:, None], sb[:, None], restored)
     tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
@@ -169,9 +171,8 @@ def _ieee(w: torch.Tensor) -> bool:
 def _consts(w: torch.Tensor) -> dict:
     it = INT_OF[w.dtype]
     nbits = torch.iinfo(it).bits
-    # ordered images of 16-bit floats fit in int32 with room for their differences; 32-bit ones need int64
-    return dict(INT_T=tl.int16 if nbits == 16 else tl.int32, NBITS=nbits, SIGN_MASK=(1 << (nbits - 1)) - 1,
-                ORD_T=tl.int32 if nbits == 16 else tl.int64)
+    # bit patterns widened for their differences: 16-bit floats in int32, 32-bit ones in int64
+    return dict(INT_T=tl.int16 if nbits == 16 else tl.int32, ORD_T=tl.int32 if nbits == 16 else tl.int64)
 
 
 def k_tile(rank: int) -> int:
@@ -187,7 +188,7 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
 # had the fastest merge + unmerge for Llama-2-7B shapes at rank 64 on both an H100 (2026-11-21, 62.1 + 16.8 ms in
 # the sweep, benchmarks/results/merge-nvidia-h100-80gb-hbm3.json) and an H200 (2026-11-22, 63.0 + 16.3 ms).
 TILE = (64, 128, 8)
-SLOTS = 2                    # exception slots per tile row
+SLOTS = 2                    # exception slots per tile row: 0, 1 (the first) or 2 (the first and the last)
 
 
 @dataclass
@@ -219,6 +220,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     r, out = b.shape[1], b.shape[2]
     tile = tuple(tile or TILE)
     slots = SLOTS if slots is None else slots
+    assert slots in (0, 1, 2), "slots per tile row: 0, 1 or 2"
     bm, bn, num_warps = tile
     to, ti = _tiles(out, inn, bm, bn)
     int_t = INT_OF[w.dtype]
