@@ -37,6 +37,7 @@ if "--cpu-smoke" in sys.argv:                     # the interpreter must be chos
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import dataclasses  # noqa: E402
 import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -46,7 +47,6 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import zlib  # noqa: E402
-import dataclasses  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink  # noqa: E402
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref  # noqa: E402
-from vlora.kernels.tuning import CONFIG_DIR, TilingTable, gpu_name, shape_key  # noqa: E402
+from vlora.kernels.tuning import CONFIG_DIR, TilingTable, cold_l2_us, gpu_name, shape_key  # noqa: E402
 
 TOL = 1e-2                                        # bf16 relative error bound (BENCHMARKS.md)
 GATHER_CAP_BYTES = 4 << 30                         # gather-bmm: gathered A and B above this -> skipped
@@ -303,7 +303,7 @@ class Op:
 
     def time_us(self) -> float:
         if self.graph is not None:
-            return cold_l2_us(self.graph.replay, self.bench["warmup_ms"], self.bench["rep_ms"]) / len(self.fns)
+            return cold_l2_us(self.graph.replay, self.bench["warmup_ms"], self.bench["rep_ms"], 20) / len(self.fns)
         times = []
         for _ in range(self.bench["cpu_reps"]):
             t0 = time.perf_counter()
@@ -313,42 +313,6 @@ class Op:
 
     def close(self) -> None:
         self.graph = self.out = self.fn = self.fns = None
-
-
-_FLUSH: dict[str, torch.Tensor] = {}
-
-
-def cold_l2_us(fn, warmup_ms: float, rep_ms: float) -> float:
-    """Median µs of ``fn`` (a graph replay) with a cold L2 holding clean lines.
-
-    Before each timed call a 256 MiB buffer is *read* (a sum), which evicts the op's data from L2 the
-    way a decode step's weight reads do. ``triton.testing.do_bench`` flushes by *writing* 256 MiB
-    instead, which leaves the L2 full of dirty lines: the timed op then pays for writing back ~50 MB of
-    someone else's data (10-15 µs on an H100/H200), more than the floor of most decode cases.
-    """
-    buf = _FLUSH.get("buf")
-    if buf is None:
-        buf = _FLUSH["buf"] = torch.ones(1 << 27, dtype=torch.float16, device="cuda")
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    est_ms = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    n_warm = max(1, int(warmup_ms / est_ms))
-    n_rep = int(min(1000, max(20, rep_ms / max(est_ms, 0.05))))
-    for _ in range(n_warm):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-    for i in range(n_rep):
-        torch.sum(buf, dim=0, dtype=torch.float32, out=sink)
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def copy_bandwidth(dev: torch.device, bench: dict) -> tuple[float, int]:

@@ -4,7 +4,7 @@
 #   benchmarks/gpu_queue.sh start OUTDIR SECONDS PART...   start the queue, then wait as `wait` does
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
-# PART: tests | merge | decode | e2e | e2e-overlap | lora-kernels | vision | memory-throughput | memory-dynamic | policies-<skew-low|skew-high|
+# PART: tests | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid | vision | memory-throughput | memory-dynamic | policies-<skew-low|skew-high|
 #       retrieval|video>. Each part writes into /tmp/vlora-queue/<part>/ and its log beside it.
 set -uo pipefail
 cmd=${1:?start or wait}; out=${2:?output dir}; secs=${3:?seconds}; shift 3
@@ -23,6 +23,11 @@ run_part() {   # one part, its results in $q/$1
                      VLORA_LORA_OVERLAP=$m timeout 300 python3 benchmarks/bench_e2e.py --skip-hf --out "$dir/$m"
                      done ;;
         lora-kernels) timeout 500 python3 benchmarks/bench_lora_kernels.py --out "$dir" ;;
+        tune-grid) gpu=$(python3 -c "from vlora.kernels.tuning import gpu_name; print(gpu_name())")
+                   cp "vlora/kernels/configs/$gpu.json" "$dir/$gpu.json"
+                   timeout 400 python3 -m vlora.cli tune --preset bench-grid --tokens 256,1024,4096,8192 \
+                       --ranks 16,64 --merge --budget-s 260 --output "$dir/$gpu.json" 2>&1 | tail -3
+                   cp "$dir/$gpu.json" "vlora/kernels/configs/$gpu.json" ;;
         vision)  timeout 600 python3 benchmarks/bench_vision.py --out "$dir" ;;
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;
         policies-*) timeout 600 bash benchmarks/gpu_policies.sh "$dir" "${part#policies-}" ;;

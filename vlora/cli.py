@@ -252,6 +252,8 @@ def cmd_tune(args) -> int:
     new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=tokens,
                segment_buckets=segments, budget_s=args.budget_s)
     table.entries.update(new.entries)
+    if args.merge and table.meta:       # what the entries kept from the earlier table were tuned with
+        new.meta["merged_into"] = {k: v for k, v in table.meta.items() if k != "merged_into"}
     table.meta = new.meta
     table.save(out)
     print(f"{len(new.entries)} shape buckets tuned -> {out}", file=sys.stderr)

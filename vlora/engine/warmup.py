@@ -138,13 +138,13 @@ def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...
 
 
 def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
-    """Merge and unmerge a zero adapter into a small zero weight once per K tile the ranks up to ``max_rank``
-    use: the fused merge kernels' variants (:mod:`vlora.kernels.merge`). Returns the launches."""
-    from vlora.kernels.merge import k_tile, merge_slice_, unmerge_slice_
+    """Merge and unmerge a zero adapter into a small zero weight once per variant the ranks up to ``max_rank``
+    make of the fused merge kernels (:func:`vlora.kernels.merge.variant`). Returns the launches."""
+    from vlora.kernels.merge import merge_slice_, unmerge_slice_, variant
 
     ranks = {}
     for r in range(1, max_rank + 1):
-        ranks.setdefault(k_tile(r), r)
+        ranks.setdefault(variant(r), r)
     for r in ranks.values():
         w = torch.zeros(1, 64, 128, dtype=dtype, device=device)
         a = torch.zeros(1, 128, r, dtype=dtype, device=device)
