@@ -74,12 +74,12 @@ def test_compile_counter_counts_hook_calls():
 
 
 def test_merge_build_launches_every_k_tile():
-    """``build_merge`` merges and unmerges once per variant (ranks up to 64: K tiles 16, 32, 64, each with ranks
-    a multiple of 16 and not); on the CPU in Triton's interpreter."""
+    """``build_merge`` merges and unmerges once per variant (ranks up to 64: rank 1, then K tiles 16, 32, 64,
+    each with ranks a multiple of 16 and not); on the CPU in Triton's interpreter."""
     from vlora.engine.warmup import build_merge
 
-    assert build_merge(torch.float32, torch.device("cpu"), 64) == 12
-    assert build_merge(torch.float32, torch.device("cpu"), 16) == 4
+    assert build_merge(torch.float32, torch.device("cpu"), 64) == 14
+    assert build_merge(torch.float32, torch.device("cpu"), 16) == 6
 
 
 @pytest.mark.gpu

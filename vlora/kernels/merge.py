@@ -181,9 +181,10 @@ def k_tile(rank: int) -> int:
     return max(16, min(64, triton.next_power_of_2(rank)))
 
 
-def variant(rank: int) -> tuple[int, bool]:
-    """What of the rank the merge kernels are specialised on: the K tile, and whether it is a multiple of 16."""
-    return k_tile(rank), rank % 16 == 0
+def variant(rank: int) -> tuple[int, bool, bool]:
+    """What of the rank the merge kernels are specialised on: the K tile, whether it is a multiple of 16, and
+    whether it is 1 (Triton specialises integers equal to 1 too)."""
+    return k_tile(rank), rank % 16 == 0, rank == 1
 
 
 def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
