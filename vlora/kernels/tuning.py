@@ -206,9 +206,11 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             continue
         if s > 1 and t // s == 0:
             continue
-        jobs.append(("shrink", t, s, k_in, len(widths) * r, widths, r))
-        jobs.append(("expand", t, s, sum(widths), r, widths, r))
-    jobs.sort(key=lambda j: -j[1])          # large token counts first: they matter most and tune slowest
+        jobs.append(("shrink", t, s, k_in, len(widths) * r, widths, r, k_in))
+        jobs.append(("expand", t, s, sum(widths), r, widths, r, k_in))
+    # large token counts first: they matter most and tune slowest; a group's shrink before its expand, which
+    # reads the shrink's split-K planes
+    jobs.sort(key=lambda j: -j[1])
     seen, unique = set(), []
     for j in jobs:
         key = shape_key(j[0], j[1], j[2], j[3], j[4])
@@ -217,14 +219,19 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             unique.append((key, j))
     table = TilingTable(meta={"gpu": torch.cuda.get_device_name(), "dtype": str(dtype).removeprefix("torch."),
                               "triton": __import__("triton").__version__, "torch": torch.__version__,
-                              "date": time.strftime("%Y-%m-%d"), "timing": f"CUDA graph of {REPLICAS} calls on copies of the data, median "
-                                       "replay after a read-only L2 flush"})
+                              "date": time.strftime("%Y-%m-%d"),
+                              "timing": f"CUDA graph of {REPLICAS} calls on copies of the data, median replay after a "
+                                        "read-only L2 flush; expand summing the split-K planes of its shrink's config"})
     t0 = time.perf_counter()
     bar = tqdm(unique, desc="tuning ATMM", disable=not progress)
-    for key, (op, t, s, dim, rank, widths, r) in bar:
+    for key, (op, t, s, dim, rank, widths, r, k_in) in bar:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
-        cases = [_case(op, t, s, dim, r, widths, dtype, dev) for _ in range(REPLICAS)]
+        planes = 1
+        if op == "expand":                 # as served: after the shrink this table picks for the same batch
+            shrink = table.entries.get(shape_key("shrink", t, s, k_in, len(widths) * r))
+            planes = shrink.split_k if shrink is not None else 1
+        cases = [_case(op, t, s, dim, r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
         best, best_t = None, float("inf")
         for cfg in search_space(op, t, s, rank):
             try:
@@ -239,8 +246,9 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
     return table
 
 
-def _case(op, tokens, segments, dim, r, widths, dtype, dev):
-    """A closure running one op on random data of the given shape, for timing."""
+def _case(op, tokens, segments, dim, r, widths, dtype, dev, planes: int = 1):
+    """A closure running one op on random data of the given shape, for timing (expand: reading ``planes``
+    split-K planes of v)."""
     from vlora.kernels import atmm
 
     ns = len(widths)
@@ -258,7 +266,7 @@ def _case(op, tokens, segments, dim, r, widths, dtype, dev):
         x = torch.randn(tokens, dim, dtype=dtype, device=dev)
         rtot = torch.full((segments,), ns * r, dtype=torch.int32, device=dev)
         return lambda cfg: atmm.lora_shrink(x, w, a_off, rtot, meta, ns * r, cfg, aligned=True)
-    v = torch.randn(1, tokens, ns * r, dtype=torch.float32, device=dev)
+    v = torch.randn(planes, tokens, ns * r, dtype=torch.float32, device=dev)
     y = torch.zeros(tokens, sum(widths), dtype=dtype, device=dev)
     b_off = torch.stack([a_off + ns * r * 4096 + sum(widths[:j]) * r for j in range(ns)], dim=1)
     vcol = torch.tensor([[j * r for j in range(ns)]] * segments, dtype=torch.int32, device=dev)
