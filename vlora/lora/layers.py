@@ -9,7 +9,7 @@ wait for the base projection: they run on a side stream while it runs, and
 the main stream waits for them only where their result is added. Both are
 bound by memory bandwidth, and a decode step's small LoRA launches otherwise
 pay their launch, ramp-up and tail latency one after another, 8 per layer.
-Two overlap modes (``VLORA_LORA_OVERLAP``):
+Three modes (``VLORA_LORA_OVERLAP``):
 
 * ``shrink``: ``v = x·A`` on the side stream, the expand ``y += s·v·B`` after
   the projection on the main stream;
