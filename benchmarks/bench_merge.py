@@ -119,7 +119,8 @@ def main() -> None:
         "merge_over_floor": med(merges) / floor, "unmerge_over_floor": med(unmerges) / floor,
         "merge_plus_unmerge_over_floor": (med(merges) + med(unmerges)) / (2 * floor),
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
-        "tile": rec.tile, "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep,
+        "tile": next((sr.tile for sr in rec.slices.values()), None),
+        "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ With the batch-dependent arguments unspecialised (:func:`vlora.kernels.compiles.
 a function of its tile config, and a LoRA config is a function of the tuning table's bucketed key (tokens,
 segments, the group's size, rank): this module walks every key the engine's limits allow and launches each
 distinct variant once on a one-token problem. Attention's variants are the decode split (one per power of
-two of parts) and the prefill kernel; the fused merge kernels', when the mode policy merges, one per K tile
-of the ranks allowed. The rest (norms, RoPE, activations, skinny GEMMs, decode attention)
+two of parts) and the prefill kernel; the fused merge kernels', when the mode policy merges, one per
+:func:`vlora.kernels.merge.variant` of the ranks allowed. The rest (norms, RoPE, activations, skinny GEMMs, decode attention)
 runs in every decode graph capture.
 """
 
@@ -174,9 +174,9 @@ def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, 
         prebuild_lora(items, dtype, runner.device, workers)
         _launch_items(items, dtype, runner.device)
         launches += len(items)
-        if merges:
-            weights = next(iter(runner.modes.weights.values()))
-            launches += build_merge(weights.dtype, runner.device, runner.adapters.max_rank)
+    if merges:                          # the merge kernels read the stacked weights, not the tiling table
+        weights = next(iter(runner.modes.weights.values()))
+        launches += build_merge(weights.dtype, runner.device, runner.adapters.max_rank)
     torch.cuda.synchronize(runner.device)
     out = {"launches": launches, "seconds": round(time.perf_counter() - t0, 2)} | compiles.since(mark)
     out.pop("kernels")

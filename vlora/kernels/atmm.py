@@ -215,6 +215,11 @@ def expand_hoisted(cfg: TileConfig, max_rank: int | None) -> bool:
     return bool(cfg.hoist) and max_rank is not None and max_rank <= cfg.block_k
 
 
+def shrink_output(x: torch.Tensor, r_max: int, cfg: TileConfig) -> torch.Tensor:
+    """An uninitialised buffer for :func:`lora_shrink`'s output, v [split_k, T, r_max] fp32."""
+    return torch.empty(cfg.split_k, x.shape[0], max(r_max, 1), dtype=torch.float32, device=x.device)
+
+
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
@@ -227,11 +232,11 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
     assert a_off.dtype == torch.int64 and rtot.dtype == torch.int32
-    shape = (cfg.split_k, x.shape[0], max(r_max, 1))
     if out is None:
-        v = torch.empty(shape, dtype=torch.float32, device=x.device)
+        v = shrink_output(x, r_max, cfg)
     else:
-        assert out.dtype == torch.float32 and tuple(out.shape) == shape and out.is_contiguous()
+        assert (out.dtype == torch.float32 and out.is_contiguous()
+                and tuple(out.shape) == (cfg.split_k, x.shape[0], max(r_max, 1)))
         v = out
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:

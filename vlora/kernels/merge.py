@@ -38,7 +38,6 @@ import triton.language as tl
 
 from vlora.kernels import compiles
 
-EXC, PENDING = 0, 15
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
@@ -81,7 +80,8 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 
 # Arguments that differ between the slices of one model are not specialised on. The rank is: A's rows are R
 # elements long, and only a known multiple of 16 lets its loads vectorise (unspecialised, the unmerge of a
-# rank-64 adapter on an H100 took 25.4 ms instead of 19.5). The variants are then one per (K tile, rank a
+# rank-64 adapter took 25.4 ms instead of 18.3 on an H100, best tiles of two sweeps on 2026-11-22:
+# benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json and earlier/). The variants are then one per (K tile, rank a
 # multiple of 16 or not) and dtype, which the engine builds at start-up (vlora.engine.warmup.build_merge).
 @compiles.jit(ints=("row0", "capacity", "tiles_o", "tiles_i"))
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
@@ -191,10 +191,11 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
     return triton.cdiv(out, bm), triton.cdiv(inn, bn)
 
 
-# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives; (64, 128, 8)
-# had the fastest merge + unmerge for Llama-2-7B shapes at rank 64 on both an H100 (2026-11-21, 62.1 + 16.8 ms in
-# the sweep, benchmarks/results/merge-nvidia-h100-80gb-hbm3.json) and an H200 (2026-11-22, 63.0 + 16.3 ms).
-TILE = (64, 128, 8)
+# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives with the slots
+# (1 or 2); on an H100 on 2026-11-22 (32, 128, 4) with 2 slots had the fastest merge + unmerge for Llama-2-7B shapes
+# at rank 64: 38.0 + 18.4 ms in the sweep, against 43.2 + 16.3 ms for (64, 128, 8)
+# (benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json). Not swept on an H200 since the slots.
+TILE = (32, 128, 4)
 SLOTS = 2                    # exception slots per tile row: 0, 1 (the first) or 2 (the first and the last)
 
 

@@ -28,6 +28,8 @@ import os
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from vlora.kernels.reference import lora_add_
 from vlora.lora.batch import LoRABatch
@@ -36,11 +38,14 @@ OVERLAP_MODES = ("off", "shrink", "full")
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def overlap_mode() -> str:
+def _overlap_mode() -> str:
     mode = os.environ.get("VLORA_LORA_OVERLAP", "full")
     if mode not in OVERLAP_MODES:
         raise ValueError(f"VLORA_LORA_OVERLAP must be one of {OVERLAP_MODES}, got {mode!r}")
     return mode
+
+
+OVERLAP = _overlap_mode()          # read once: every projection of every forward pass asks
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -50,27 +55,30 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[index]
 
 
-def lora_linear(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, lora: LoRABatch | None,
-                layer: int, group: str) -> torch.Tensor:
-    """``base(x)`` plus, on the rows of every segment, ``scaling * (x @ A) @ B`` of the segment's adapter.
+def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer: int, group: str,
+                linear: Callable = F.linear) -> torch.Tensor:
+    """``linear(x, proj.weight, proj.bias)`` plus, on the rows of every segment, ``scaling * (x @ A) @ B`` of the
+    segment's adapter.
 
-    Shape: x [T, in]; ``base(x)`` [T, out_packed] (a fresh tensor: the delta is added in place).
+    Shape: x [T, in]; the projection's output [T, out_packed] (a fresh tensor: the delta is added in place).
     """
-    if lora is None or lora.kernel is None or not x.is_cuda or overlap_mode() == "off":
-        return add_lora(base(x), x, lora, layer, group)
-    mode = overlap_mode()
+    if lora is None or lora.kernel is None or not x.is_cuda or OVERLAP == "off":
+        return add_lora(linear(x, proj.weight, proj.bias), x, lora, layer, group)
+    from vlora.kernels.atmm import shrink_output
+
     passes = []
     while lora is not None:                                 # the batch, then its second pass (mixed mode)
         passes.append(lora)
         lora = lora.extra
     passes = [p for p in passes if p.meta.max_len > 0]
     if not passes:
-        return base(x)
+        return linear(x, proj.weight, proj.bias)
     main = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
-    vs = [_v_buffer(x, p, group) for p in passes]           # allocated on the main stream (see the module doc)
+    # allocated on the main stream (see the module doc)
+    vs = [shrink_output(x, p.kernel[group].r_max, p.kernel[group].shrink_cfg) for p in passes]
     delta = None
-    if mode == "full":
+    if OVERLAP == "full":
         k0 = passes[0].kernel[group]
         delta = torch.zeros(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
     side.wait_stream(main)
@@ -79,7 +87,7 @@ def lora_linear(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, l
             _shrink(x, p, layer, group, v)
             if delta is not None:
                 _expand(delta, v, p, layer, group)
-    y = base(x)
+    y = linear(x, proj.weight, proj.bias)
     main.wait_stream(side)
     if delta is not None:
         y += delta
@@ -87,11 +95,6 @@ def lora_linear(base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, l
         for p, v in zip(passes, vs):
             _expand(y, v, p, layer, group)
     return y
-
-
-def _v_buffer(x: torch.Tensor, lora: LoRABatch, group: str) -> torch.Tensor:
-    k = lora.kernel[group]
-    return torch.empty(k.shrink_cfg.split_k, x.shape[0], max(k.r_max, 1), dtype=torch.float32, device=x.device)
 
 
 def _shrink(x: torch.Tensor, lora: LoRABatch, layer: int, group: str, out: torch.Tensor | None = None):

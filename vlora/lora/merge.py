@@ -47,8 +47,8 @@ class MergeRecord:
     exc_index: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)  # int64 flat indices
     exc_bits: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)   # original bit patterns
     kernel: bool = False              # made by the fused Triton path (its records in ``slices``)
-    slices: dict = field(default_factory=dict)   # (group, j) -> vlora.kernels.merge.SliceRestore
-    tile: tuple[int, int, int] | None = None  # the fused path's tile: unmerge recomputes ΔW with the same one
+    slices: dict = field(default_factory=dict)   # (group, j) -> vlora.kernels.merge.SliceRestore (with its tile:
+    #                                              unmerge recomputes ΔW with the same one)
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
@@ -138,7 +138,7 @@ def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]],
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
     kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
-    (default 1/64 of the slice's elements; overflow is finished on the host, still exact); staged: this
+    (default 1/1024 of the slice's elements; overflow is finished on the host, still exact); staged: this
     adapter's :func:`stage_factors`, if kept from before.
     """
     rec = MergeRecord(adapter, adapter.scaling if scale is None else scale, kernel=_use_kernel(weights, kernel))
@@ -230,8 +230,6 @@ def _uniform(starts: list[int]) -> bool:
 def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None) -> None:
     from vlora.kernels import merge as kernels
 
-    rec.tile = kernels.TILE
-
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
     for group, w in weights.items():
         row0 = 0
@@ -240,7 +238,7 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 10)
-                sr, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap, rec.tile)
+                sr, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap)
                 if pending:                                      # no room for some: finish the rest here
                     more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, sr.codes)
                     sr.exc_index, sr.exc_bits = torch.cat([sr.exc_index, more_idx]), torch.cat([sr.exc_bits,

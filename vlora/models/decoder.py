@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, i = self.cfg, self.index
         x = self.attn_norm(h)
-        qkv = lora_linear(lambda t: F.linear(t, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        qkv = lora_linear(x, self.qkv, fb.lora, i, "qkv")
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -148,13 +148,13 @@ class DecoderLayer(nn.Module):
         v_cache[blk, off] = v
         attn = self._attention(q, k, v, fb, k_cache, v_cache)
         o_in = attn.reshape(-1, cfg.q_size)
-        h = h + lora_linear(lambda t: F.linear(t, self.o.weight, self.o.bias), o_in, fb.lora, i, "o")
+        h = h + lora_linear(o_in, self.o, fb.lora, i, "o")
 
         x = self.mlp_norm(h)
-        gu = lora_linear(lambda t: F.linear(t, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up")
         gate, up = gu.chunk(2, dim=-1)
         m = self.act(gate) * up
-        return h + lora_linear(lambda t: F.linear(t, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+        return h + lora_linear(m, self.down, fb.lora, i, "down")
 
     def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: tuple, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
@@ -165,16 +165,16 @@ class DecoderLayer(nn.Module):
         from vlora.kernels.gemv import linear
 
         cfg, i = self.cfg, self.index
-        qkv = lora_linear(lambda t: linear(t, self.qkv.weight, self.qkv.bias), x, fb.lora, i, "qkv")
+        qkv = lora_linear(x, self.qkv, fb.lora, i, "qkv", linear)
         q = rope_and_cache(qkv, *rope, fb.slot_mapping, k_cache, v_cache,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
         o_in = attn.view(-1, cfg.q_size)
-        x = add_rmsnorm_(h, lora_linear(lambda t: linear(t, self.o.weight, self.o.bias), o_in, fb.lora, i, "o"),
+        x = add_rmsnorm_(h, lora_linear(o_in, self.o, fb.lora, i, "o", linear),
                          self.mlp_norm.weight, self.mlp_norm.eps)
-        gu = lora_linear(lambda t: linear(t, self.gate_up.weight, self.gate_up.bias), x, fb.lora, i, "gate_up")
+        gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up", linear)
         m = silu_mul(gu)
-        d = lora_linear(lambda t: linear(t, self.down.weight, self.down.bias), m, fb.lora, i, "down")
+        d = lora_linear(m, self.down, fb.lora, i, "down", linear)
         return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
 
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
