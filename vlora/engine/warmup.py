@@ -7,8 +7,8 @@ a function of its tile config, and a LoRA config is a function of the tuning tab
 segments, the group's size, rank): this module walks every key the engine's limits allow and launches each
 distinct variant once on a one-token problem. Attention's variants are the decode split (one per power of
 two of parts) and the prefill kernel; the fused merge kernels', when the mode policy merges, one per
-:func:`vlora.kernels.merge.variant` of the ranks allowed. The rest (norms, RoPE, activations, skinny GEMMs, decode attention)
-runs in every decode graph capture.
+:func:`vlora.kernels.merge.variant` of the ranks allowed. The rest (norms, RoPE, activations, skinny GEMMs,
+decode attention) runs in every decode graph capture.
 """
 
 from __future__ import annotations

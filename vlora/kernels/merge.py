@@ -81,8 +81,9 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 # Arguments that differ between the slices of one model are not specialised on. The rank is: A's rows are R
 # elements long, and only a known multiple of 16 lets its loads vectorise (unspecialised, the unmerge of a
 # rank-64 adapter took 25.4 ms instead of 18.3 on an H100, best tiles of two sweeps on 2026-11-22:
-# benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json and earlier/). The variants are then one per (K tile, rank a
-# multiple of 16 or not) and dtype, which the engine builds at start-up (vlora.engine.warmup.build_merge).
+# benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json and earlier/). The variants are then one
+# per (K tile, rank a multiple of 16 or not, rank 1) and dtype, which the engine builds at start-up
+# (vlora.engine.warmup.build_merge).
 @compiles.jit(ints=("row0", "capacity", "tiles_o", "tiles_i"))
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
