@@ -14,6 +14,8 @@
     python benchmarks/bench_memory.py --tiny --out /tmp/mem                # CPU smoke run
     python benchmarks/bench_memory.py --cpu-pressure --parts dynamic --out /tmp/mem   # CPU: a pool too small for
                                                                            # the sessions (swapper overheads)
+    python benchmarks/bench_memory.py --pressure --parts dynamic --session-rate 2 --out /tmp/mem  # GPU: sessions
+                                                  # whose histories overflow the pool (FastLibra's loaded regime)
 """
 
 from __future__ import annotations
@@ -105,7 +107,9 @@ def dynamic(args, tmp: Path, res: dict) -> None:
                                  turns=args.turns, think_s=args.think_s, first_range=args.first_range,
                                  next_range=args.next_range, output_range=args.output_range, seed=1)
     res["dynamic_workload"] = {"phases": args.phases, "adapters": args.dyn_adapters, "session_rate": args.session_rate,
-                               "turns": args.turns, "requests": len(specs), "first_range": args.first_range}
+                               "turns": args.turns, "requests": len(specs), "first_range": args.first_range,
+                               "next_range": args.next_range, "output_range": args.output_range,
+                               "think_s": args.think_s, "kv_gb": args.dyn_kv_gb, "host_kv_gb": args.host_kv_gb}
     out = {}
     dirs = None
     for policy in args.policies:
@@ -198,6 +202,11 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (smoke run)")
     p.add_argument("--cpu-pressure", action="store_true",
                    help="tiny random model on the CPU, dynamic part with a 90-block pool the sessions overflow")
+    p.add_argument("--pressure", action="store_true",
+                   help="GPU dynamic part with long histories and more sessions than the KV pool holds, so cached "
+                        "KV competes for pages (FastLibra's loaded regime); the default setting fits in the pool")
+    p.add_argument("--session-rate", dest="session_rate_override", type=float, default=None,
+                   help="sessions started per second (dynamic part)")
     p.add_argument("--parts", default="throughput,dynamic")
     p.add_argument("--policies", default="fastlibra,unified,lru-fixed", type=lambda t: t.split(","),
                    help="memory policies of the dynamic part")
@@ -223,6 +232,11 @@ def main() -> None:
             (512, 1536)
         args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 100, [8, 16], 90.0, 4096
         args.max_batched_tokens = 4096
+        if args.pressure:
+            args.phases, args.session_rate, args.turns = [(15.0, 8), (15.0, 32), (15.0, 8)], 2.0, 4
+            args.first_range, args.next_range, args.max_wall_s, args.host_kv_gb = (1024, 2048), (64, 256), 120.0, 32.0
+    if args.session_rate_override is not None:
+        args.session_rate = args.session_rate_override
     args.adapter_fraction = 0.15
     res = {"benchmark": "memory", "device": gpu_name() if args.device == "cuda" else platform.processor() or "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "model": args.model}

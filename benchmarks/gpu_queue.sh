@@ -5,7 +5,7 @@
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
 # PART: tests | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid | vision | memory-throughput |
-#       memory-dynamic | policies-<skew-low|skew-high|retrieval|video>.
+#       memory-dynamic | pressure-<session rate> | policies-<skew-low|skew-high|retrieval|video>.
 # Each part writes into /tmp/vlora-queue/<part>/ and its log beside it.
 set -uo pipefail
 cmd=${1:?start or wait}; out=${2:?output dir}; secs=${3:?seconds}; shift 3
@@ -31,6 +31,9 @@ run_part() {   # one part, its results in $q/$1
                    cp "$dir/$gpu.json" "vlora/kernels/configs/$gpu.json" ;;
         vision)  timeout 600 python3 benchmarks/bench_vision.py --out "$dir" ;;
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;
+        pressure-*) timeout 560 python3 benchmarks/bench_memory.py --pressure --parts dynamic \
+                        --session-rate "${part#pressure-}" --policies fastlibra,lru-fixed --out "$dir" 2>&1 \
+                        | grep -v Warning ;;
         policies-*) timeout 600 bash benchmarks/gpu_policies.sh "$dir" "${part#policies-}" ;;
         *) echo "unknown part $part" >&2; return 2 ;;
     esac
