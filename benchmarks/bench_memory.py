@@ -232,9 +232,12 @@ def main() -> None:
             (512, 1536)
         args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 100, [8, 16], 90.0, 4096
         args.max_batched_tokens = 4096
-        if args.pressure:
-            args.phases, args.session_rate, args.turns = [(15.0, 8), (15.0, 32), (15.0, 8)], 2.0, 4
-            args.first_range, args.next_range, args.max_wall_s, args.host_kv_gb = (1024, 2048), (64, 256), 120.0, 32.0
+        if args.pressure:      # chat sessions idle between turns hold more history than the KV pool (not the
+            # GPU and host together); running requests fit in the pool, so what a miss costs is prefill compute
+            args.phases, args.session_rate, args.turns, args.think_s = [(20.0, 41), (20.0, 75), (20.0, 41)], 1.0, 5, \
+                (5.0, 15.0)
+            args.first_range, args.dyn_kv_gb, args.host_kv_gb, args.max_wall_s = (1024, 2048), 24.0, 48.0, 150.0
+            args.ranks = [16, 64]
     if args.session_rate_override is not None:
         args.session_rate = args.session_rate_override
     args.adapter_fraction = 0.15
