@@ -6,7 +6,8 @@
 2. A dynamic-popularity multi-turn workload (FastLibra's setting: chat sessions on a shifting hot set of
    adapters, in real time) on engines with prefix caching: the unified pool with the dependency tree and
    FastLibra's cost-model swapper (fastlibra), the unified pool with LRU eviction (unified), and LRU with
-   fixed separate pools for adapters and KV (lru-fixed, cached KV discarded). Target: mean TTFT -50% at the same request rate. Pool occupancy (running KV, cached KV,
+   fixed separate pools for adapters and KV (lru-fixed, cached KV discarded), each in a process of its own.
+   Target: mean TTFT -50% at the same request rate. Pool occupancy (running KV, cached KV,
    adapters) over time plotted for both. Per policy also preemptions, prompt tokens computed (and computed again
    after a preemption) and admissions stopped for want of pages.
 
@@ -25,6 +26,7 @@ import gc
 import json
 import platform
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -165,10 +167,36 @@ def dynamic(args, tmp: Path, res: dict) -> None:
             f"stopped for pages, swapper {m['swapper']}, kernel builds {m['compiles']}")
         free(llm)
     res["dynamic"] = out
+    compare(res)
+
+
+def compare(res: dict) -> None:
+    out = res["dynamic"]
     base = out.get("lru-fixed", {}).get("ttft_mean_s")
     for policy, m in out.items():
         if base and m["ttft_mean_s"] and policy != "lru-fixed":
             res[f"ttft_change_{policy}_vs_lru_fixed"] = m["ttft_mean_s"] / base - 1
+
+
+def dynamic_per_process(args, res: dict) -> None:
+    """The dynamic part with each policy in a process of its own: an engine's pinned host memory (adapter store,
+    host KV tier) is only sure to be returned when its process ends, and two 7B engines' worth does not fit."""
+    out = {}
+    for policy in args.policies:
+        sub = args.out / f"policy-{policy}"
+        cmd = [sys.executable, __file__, "--parts", "dynamic", "--policies", policy, "--out", str(sub),
+               "--one-process"] + [f for f in ("--pressure", "--tiny", "--cpu-pressure")
+                                   if getattr(args, f[2:].replace("-", "_"))]
+        if args.session_rate_override is not None:
+            cmd += ["--session-rate", str(args.session_rate_override)]
+        if subprocess.run(cmd).returncode:
+            log(f"{policy}: failed")
+            continue
+        sub_res = json.loads(next(sub.glob("memory-*.json")).read_text())
+        res["dynamic_workload"] = sub_res["dynamic_workload"]
+        out[policy] = sub_res["dynamic"][policy]
+    res["dynamic"] = out
+    compare(res)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -208,6 +236,8 @@ def main() -> None:
     p.add_argument("--session-rate", dest="session_rate_override", type=float, default=None,
                    help="sessions started per second (dynamic part)")
     p.add_argument("--parts", default="throughput,dynamic")
+    p.add_argument("--one-process", action="store_true",
+                   help="run every policy of the dynamic part in this process (default: one process per policy)")
     p.add_argument("--policies", default="fastlibra,unified,lru-fixed", type=lambda t: t.split(","),
                    help="memory policies of the dynamic part")
     args = p.parse_args()
@@ -216,7 +246,8 @@ def main() -> None:
     if args.cpu_pressure:
         args.tiny = True
     if args.tiny:
-        args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:tiny-llama", "cpu", 0.05, 0.01, 0.01
+        args.model, args.device = "random:tiny-llama", "cpu"
+        args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = 0.05, 0.01, 0.01
         args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 16, 8, 32, 8
         args.phases, args.session_rate, args.turns, args.first_range = [(3.0, 2), (3.0, 6)], 1.0, 3, (32, 96)
         args.dyn_adapters, args.ranks, args.max_wall_s, args.max_model_len = 12, [4, 8], 30.0, 1024
@@ -226,7 +257,8 @@ def main() -> None:
             args.phases, args.session_rate, args.turns, args.first_range = [(6.0, 3), (6.0, 8)], 8.0, 4, (96, 192)
             args.think_s, args.next_range, args.output_range, args.ranks = (0.3, 1.0), (16, 48), (8, 24), [8]
     else:
-        args.model, args.device, args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = "random:llama-2-7b", "cuda", 20.0, 8.0, 24.0
+        args.model, args.device = "random:llama-2-7b", "cuda"
+        args.kv_gb, args.dyn_kv_gb, args.host_kv_gb = 20.0, 8.0, 24.0
         args.counts, args.requests, args.batch, args.input_len, args.output_len = [5, 100, 1000], 384, 64, 256, 64
         args.phases, args.session_rate, args.turns, args.first_range = [(20.0, 8), (20.0, 32), (20.0, 8)], 0.75, 4, \
             (512, 1536)
@@ -247,8 +279,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if "throughput" in parts:
             throughput(args, Path(tmp), res)
-        if "dynamic" in parts:
+        if "dynamic" in parts and (args.one_process or len(args.policies) == 1):
             dynamic(args, Path(tmp), res)
+        elif "dynamic" in parts:
+            dynamic_per_process(args, res)
     args.out.mkdir(parents=True, exist_ok=True)
     name = res["device"] if args.device == "cuda" else "cpu"
     (args.out / f"memory-{name}.json").write_text(json.dumps(res, indent=1))
@@ -257,7 +291,8 @@ def main() -> None:
     for row in res.get("throughput", []):
         print(f"adapters {row['adapters']:5d}: {row['throughput_tok_s']:.0f} tok/s ({row['vs_first']:.1%} of 5)")
     for key in (k for k in res if k.startswith("ttft_change_")):
-        print(f"dynamic multi-turn, {key[len('ttft_change_'):-len('_vs_lru_fixed')]}: mean TTFT {res[key]:+.1%} vs LRU fixed pools (target -50%)")
+        policy = key[len("ttft_change_"):-len("_vs_lru_fixed")]
+        print(f"dynamic multi-turn, {policy}: mean TTFT {res[key]:+.1%} vs LRU fixed pools (target -50%)")
 
 
 if __name__ == "__main__":
