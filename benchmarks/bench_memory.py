@@ -187,8 +187,9 @@ def dynamic_per_process(args, res: dict) -> None:
         cmd = [sys.executable, __file__, "--parts", "dynamic", "--policies", policy, "--out", str(sub),
                "--one-process"] + [f for f in ("--pressure", "--tiny", "--cpu-pressure")
                                    if getattr(args, f[2:].replace("-", "_"))]
-        if args.session_rate_override is not None:
-            cmd += ["--session-rate", str(args.session_rate_override)]
+        for flag, value in (("--session-rate", args.session_rate_override), ("--host-kv-gb", args.host_kv_override)):
+            if value is not None:
+                cmd += [flag, str(value)]
         if subprocess.run(cmd).returncode:
             log(f"{policy}: failed")
             continue
@@ -235,6 +236,8 @@ def main() -> None:
                         "KV competes for pages (FastLibra's loaded regime); the default setting fits in the pool")
     p.add_argument("--session-rate", dest="session_rate_override", type=float, default=None,
                    help="sessions started per second (dynamic part)")
+    p.add_argument("--host-kv-gb", dest="host_kv_override", type=float, default=None,
+                   help="host memory for swapped-out KV (fastlibra; 0: blocks leaving the GPU are dropped)")
     p.add_argument("--parts", default="throughput,dynamic")
     p.add_argument("--one-process", action="store_true",
                    help="run every policy of the dynamic part in this process (default: one process per policy)")
@@ -272,6 +275,8 @@ def main() -> None:
             args.ranks = [16, 64]
     if args.session_rate_override is not None:
         args.session_rate = args.session_rate_override
+    if args.host_kv_override is not None:
+        args.host_kv_gb = args.host_kv_override
     args.adapter_fraction = 0.15
     res = {"benchmark": "memory", "device": gpu_name() if args.device == "cuda" else platform.processor() or "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "model": args.model}

@@ -32,8 +32,8 @@ run_part() {   # one part, its results in $q/$1
         vision)  timeout 600 python3 benchmarks/bench_vision.py --out "$dir" ;;
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;
         pressure-*) timeout 560 python3 benchmarks/bench_memory.py --pressure --parts dynamic \
-                        --session-rate "${part#pressure-}" --policies fastlibra,lru-fixed --out "$dir" 2>&1 \
-                        | grep -v Warning ;;
+                        --session-rate "${part#pressure-}" --policies "${POLICIES:-fastlibra,lru-fixed}" \
+                        ${HOST_KV_GB:+--host-kv-gb $HOST_KV_GB} --out "$dir" 2>&1 | grep -v Warning ;;
         policies-*) timeout 600 bash benchmarks/gpu_policies.sh "$dir" "${part#policies-}" ;;
         *) echo "unknown part $part" >&2; return 2 ;;
     esac
