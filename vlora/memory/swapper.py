@@ -36,18 +36,10 @@ budget; past it the least valuable host leaves are forgotten. Adapters always
 stay in the host store, so swapping one out only frees its pages.
 
 Host memory for KV is one buffer of page-sized slots (pinned on CUDA, and
-then allocated at start-up: pinning gigabytes stalls for seconds). The monitor's
-swap-outs (busy watermark, down to ``high - reserve``) run on a copy stream of
-their own, beside the next iterations: their pages return to the pool when the
-copy's event has completed (:meth:`CacheSwapper.collect`), and count as
-reclaimable until then. On the H100 the copies had run on the compute stream,
-and at 2 sessions/s of the pressure workload they made every decode step 15%
-slower (``docs/memory.md``). Swap-outs that make room on demand, and swap-ins
-(a request needs its KV this iteration), stay on the current stream without
-waiting: the iteration that next writes a freed page, or reads a page brought
-back, is queued after the copy on the same stream; a swap-in first makes that
-stream wait for the copy stream, since the host slot it reads may still be
-being written.
+then allocated at start-up: pinning gigabytes stalls for seconds). Copies in both directions are issued on the
+current stream without waiting: the iteration that next writes a freed page,
+or reads a page brought back, is queued after the copy on the same stream, so
+the host never stalls on a swap.
 """
 
 from __future__ import annotations
@@ -64,15 +56,13 @@ from vlora.memory.pinned import pinned_empty
 
 
 class CacheSwapper:
-    def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, reserve: float = 0.05,
-                 interval_s: float = 0.1, decay_s: float = 1.0, host_kv_bytes: int = 4 << 30,
-                 link_bytes_per_s: float = 25e9, clock=time.monotonic):
+    def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
+                 decay_s: float = 1.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
+                 clock=time.monotonic):
         if not 0 < low < high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
-        if not 0 <= reserve < high - low:
-            raise ValueError(f"reserve must be in [0, high - low), got {reserve}")
         self.pool, self.tree, self.store, self.lookup = pool, tree, store, lookup   # lookup: name -> adapter | None
-        self.high, self.low, self.reserve, self.interval_s, self.decay_s = high, low, reserve, interval_s, decay_s
+        self.high, self.low, self.interval_s, self.decay_s = high, low, interval_s, decay_s
         self.host_kv_bytes, self.link = host_kv_bytes, link_bytes_per_s
         self.clock = tree.time = clock
         tree.swapper = self
@@ -88,12 +78,6 @@ class CacheSwapper:
         self.swapped_out = self.swapped_in = self.dropped = 0
         self.batch = max(1, pool.num_pages // 256)     # pages reclaimed at least per ranking
         self.adapters_out = self.adapters_in = 0
-        # the monitor's swap-outs: a copy stream, and pages whose copies may still be reading them
-        self.stream = torch.cuda.Stream(pool.buf.device) if pool.buf.is_cuda else None
-        self._async = False                            # swap-outs now go to the copy stream
-        self._copying: list[int] = []                  # pages of copies issued since the last event
-        self._inflight: deque[tuple[torch.cuda.Event, list[int]]] = deque()
-        self.swapped_out_async = 0
 
     # -- the cost model -------------------------------------------------------------------------------
     def batch_size(self) -> float:
@@ -202,14 +186,8 @@ class CacheSwapper:
             self.tree._remove(node)
             self.dropped += 1
             return
-        if self._async:                               # the page returns when the copy is done (collect)
-            with torch.cuda.stream(self.stream):
-                self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
-            self._copying.append(node.page)
-            self.swapped_out_async += 1
-        else:
-            self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
-            self.pool.free([node.page])
+        self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
+        self.pool.free([node.page])
         self.tree.num_pages -= 1
         node.page, node.host = None, slot
         self.host_nodes.add(node)
@@ -223,8 +201,6 @@ class CacheSwapper:
         if node.host is None:             # making room swapped out a block and forgot this one for its slot
             return False
         page = self.pool.allocate(1)[0]
-        if self._inflight:                # the host slot may still be being written by the copy stream
-            torch.cuda.current_stream().wait_event(self._inflight[-1][0])
         self.pool.kv[page].view(-1).copy_(self.host_buf[node.host], non_blocking=True)
         node.page = page
         self.forget(node)
@@ -251,26 +227,18 @@ class CacheSwapper:
         least ``batch`` pages go at once. One ranking serves the whole call (ranking walked the tree once per
         level of every chain, most of the CPU time of a busy engine): a block whose last GPU child leaves joins
         the candidates then, and so does an adapter whose last GPU block leaves."""
-        got = 0
-        if not self._async:               # on demand: finished (or, if short, running) copies' pages first
-            before = self.pool.num_free
-            self.collect(need=before + pages)
-            got = self.pool.num_free - before
-            if got >= pages:
-                return got
-            pages -= got
-        start = self._released()
+        start = self.pool.num_free
         pages = max(pages, self.batch)
         now, lora = self.clock(), self._lora_eval()
         order = itertools.count()
         heap = [(e, next(order), kind, what) for e, kind, what in self._out_candidates()]
         heapq.heapify(heap)
-        while heap and self._released() - start < pages:
+        while heap and self.pool.num_free - start < pages:
             _, _, kind, what = heapq.heappop(heap)
             parent = what.parent if kind == 0 else None
-            free = self._released()
+            free = self.pool.num_free
             self._move_out(kind, what)
-            if parent is None or self._released() == free:      # an adapter, or a block that could not go
+            if parent is None or self.pool.num_free == free:      # an adapter, or a block that could not go
                 continue
             if parent.parent is self.tree.root:            # the adapter's last GPU block went: it may go too
                 cand = self._adapter_candidate(parent.key, now, lora) if self.store is not None else None
@@ -278,38 +246,7 @@ class CacheSwapper:
                     heapq.heappush(heap, (cand[0], next(order), 1, parent.key))
             elif parent.page is not None and parent.refs == 0 and not self.tree.has_gpu_child(parent):
                 heapq.heappush(heap, (self.eval(parent, now), next(order), 0, parent))   # a new leaf
-        return got + self._released() - start
-
-    def _released(self) -> int:
-        """Free pages, counting those of swap-outs issued on the copy stream in this call."""
-        return self.pool.num_free + len(self._copying)
-
-    def _reclaim_async(self, pages: int) -> None:
-        """The monitor's swap-outs: issued on the copy stream after the work queued so far (which wrote the KV)."""
-        self._async = self.stream is not None
-        if self._async:
-            self.stream.wait_stream(torch.cuda.current_stream())
-        try:
-            self.reclaim(pages)
-        finally:
-            self._async = False
-            if self._copying:
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self._inflight.append((event, self._copying))
-                self._copying = []
-
-    @property
-    def inflight_pages(self) -> int:
-        """Pages still being copied to the host: reclaimable, :meth:`collect` frees them."""
-        return sum(len(pages) for _, pages in self._inflight)
-
-    def collect(self, need: int = 0) -> None:
-        """Return the pages of finished copies to the pool; wait for copies until ``need`` pages are free."""
-        while self._inflight and (self._inflight[0][0].query() or self.pool.num_free < need):
-            event, pages = self._inflight.popleft()
-            event.synchronize()
-            self.pool.free(pages)
+        return self.pool.num_free - start
 
     def _move_out(self, kind: int, what) -> None:
         if kind == 0:
@@ -327,14 +264,11 @@ class CacheSwapper:
         """Called every engine step: record the batch size; every ``interval_s`` balance the pool."""
         now = self.clock()
         self._batches.append((now, batch_size))
-        self.collect()
         if now - self._last_tick < self.interval_s:
             return
         self._last_tick = now
         if self.usage() > self.high:
-            pages = math.ceil((self.usage() - self.high + self.reserve) * self.pool.num_pages) - self.inflight_pages
-            if pages > 0:
-                self._reclaim_async(pages)
+            self.reclaim(math.ceil((self.usage() - self.high) * self.pool.num_pages))
         elif self.usage() < self.low:
             self._fill()
 
@@ -363,6 +297,5 @@ class CacheSwapper:
         return pages <= self.pool.num_free and self.pool.num_free - pages >= (1 - self.high) * self.pool.num_pages
 
     def stats(self) -> dict:
-        return {"swapped_out": self.swapped_out, "swapped_out_async": self.swapped_out_async,
-                "swapped_in": self.swapped_in, "host_blocks": len(self.host_nodes),
+        return {"swapped_out": self.swapped_out, "swapped_in": self.swapped_in, "host_blocks": len(self.host_nodes),
                 "host_dropped": self.dropped, "adapters_out": self.adapters_out, "adapters_in": self.adapters_in}
