@@ -67,6 +67,7 @@ def _serve(pool, tree, adapter, tokens) -> bool:
 
 def _invariants(pool, tree, swapper):
     pool.check()
+    tree.check()
     assert pool.kv_pages == tree.num_pages == len(tree.pages())
     for n in tree._nodes():
         if n.parent is None or n.parent is tree.root:

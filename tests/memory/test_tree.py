@@ -77,6 +77,7 @@ def test_random_workloads_keep_pages_consistent(tmp_path_factory, jobs, num_bloc
     assert got == want and again == want
     pool, tree = llm.engine.pool, llm.engine.prefix_cache
     pool.check()
+    tree.check()
     assert pool.kv_pages == tree.num_pages == len(tree.pages()) == len(set(tree.pages()))
     tree.clear()
     assert pool.num_free == pool.num_pages

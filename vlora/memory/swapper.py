@@ -187,6 +187,7 @@ class CacheSwapper:
             self.dropped += 1
             return
         self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
+        self.tree.lost_page(node)
         self.pool.free([node.page])
         self.tree.num_pages -= 1
         node.page, node.host = None, slot
@@ -203,6 +204,7 @@ class CacheSwapper:
         page = self.pool.allocate(1)[0]
         self.pool.kv[page].view(-1).copy_(self.host_buf[node.host], non_blocking=True)
         node.page = page
+        self.tree.gained_page(node)
         self.forget(node)
         self.tree.num_pages += 1
         self.swapped_in += 1

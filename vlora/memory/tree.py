@@ -39,6 +39,7 @@ class Node:
     host: object = None               # the block's KV in host memory while it is swapped out (page is None)
     visits: int = 0                   # requests that used this node (the swapper's frequency)
     used_at: float = 0.0              # wall clock of the last use (the swapper's recency)
+    gpu_children: int = 0             # children on the GPU (a GPU node with none is a leaf that may leave)
 
 
 class PrefixTree:
@@ -54,6 +55,26 @@ class PrefixTree:
         self.requests = 0                 # matches made (the denominator of the visit frequencies)
         self.swapper = None               # set by a CacheSwapper: host blocks on a path come back through it
         self.time = time.monotonic
+        self._leaves: dict[Node, None] = {}   # GPU nodes with no GPU child, kept as pages come and go (an
+        #                                       ordered set: ranking them walked the whole GPU tree each time)
+        self._unpinned = 0                    # GPU nodes no running request uses (reclaimable, per admission)
+
+    def gained_page(self, node: Node) -> None:
+        """``node`` has just been given a page (cached, or brought back from host memory)."""
+        node.parent.gpu_children += 1
+        self._leaves.pop(node.parent, None)
+        if node.gpu_children == 0:
+            self._leaves[node] = None
+        self._unpinned += node.refs == 0
+
+    def lost_page(self, node: Node) -> None:
+        """``node``'s page is about to go (freed, or swapped out); ``node.parent`` is still set."""
+        self._leaves.pop(node, None)
+        self._unpinned -= node.refs == 0
+        parent = node.parent
+        parent.gpu_children -= 1
+        if parent.gpu_children == 0 and parent.page is not None:
+            self._leaves[parent] = None
 
     def _adapter(self, name: str | None, create: bool) -> Node | None:
         node = self.root.children.get(name)
@@ -82,7 +103,7 @@ class PrefixTree:
             path.append(node)
         now = next(self._clock)
         for n in path:                    # pinned first: room made for the host part cannot take them
-            n.refs += 1
+            self._pin(n, 1)
         on_host = sum(n.page is None for n in path)
         if on_host:                       # one request for room; as many as fit come back, the rest is recomputed
             self.pool.make_room(on_host, partial=True)
@@ -90,7 +111,7 @@ class PrefixTree:
         for k, n in enumerate(path):
             if n.page is None and not self.swapper.swap_in(n, room_made=True):   # no page for it: stop here
                 for rest in path[k:]:
-                    rest.refs -= 1
+                    self._pin(rest, -1)
                 break
             n.last_use = now
             n.visits += 1
@@ -119,7 +140,12 @@ class PrefixTree:
 
     def reclaimable(self) -> int:
         """GPU pages of unpinned blocks: what eviction (or a swapper) could free, leaves first."""
-        return sum(1 for n in self.gpu_nodes() if n.refs == 0)
+        return self._unpinned
+
+    def _pin(self, node: Node, delta: int) -> None:
+        if node.page is not None and (node.refs == 0 or node.refs + delta == 0):
+            self._unpinned -= delta
+        node.refs += delta
 
     def release(self, adapter: str | None, tokens: list[int], pages: list[int], num_matched: int) -> None:
         """A request is done with ``pages`` (its block table; the KV of ``tokens`` is in them): unpin its first
@@ -133,13 +159,15 @@ class PrefixTree:
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if i < num_matched:
-                child.refs -= 1
+                self._pin(child, -1)
             elif child is None:
                 child = node.children[key] = Node(key, node, pages[i], visits=1, used_at=self.time())
+                self.gained_page(child)
                 self.num_pages += 1
             elif child.page is None:               # swapped out meanwhile: take this copy, free the host one
                 self.swapper.forget(child)
                 child.page = pages[i]
+                self.gained_page(child)
                 self.num_pages += 1
             else:
                 drop.append(pages[i])             # computed twice (another request cached it meanwhile)
@@ -165,7 +193,7 @@ class PrefixTree:
 
     @staticmethod
     def has_gpu_child(node: Node) -> bool:
-        return any(c.page is not None for c in node.children.values())
+        return node.gpu_children > 0
 
     def gpu_nodes(self, start: Node | None = None):
         """KV nodes on the GPU under ``start`` (default: everywhere). The walk stops at host blocks: everything
@@ -178,9 +206,9 @@ class PrefixTree:
             if n.page is not None or n.parent is None or n.parent is self.root:
                 stack.extend(n.children.values())
 
-    def gpu_leaves(self):
+    def gpu_leaves(self) -> list[Node]:
         """KV nodes on the GPU none of whose children is (they may leave the GPU without breaking a path)."""
-        return [n for n in self.gpu_nodes() if not self.has_gpu_child(n)]
+        return list(self._leaves)
 
     def drop_adapter(self, adapter: str | None) -> None:
         """``adapter`` left the pool: its cached KV goes to host memory (with a swapper) or is forgotten; none
@@ -205,6 +233,9 @@ class PrefixTree:
         if node is not None:
             assert all(n.refs == 0 for n in self._nodes(node)), "cached KV in use"
             pages = [n.page for n in self._nodes(node) if n.page is not None]
+            for n in self._nodes(node):
+                self._leaves.pop(n, None)
+            self._unpinned -= len(pages)
             self.num_pages -= len(pages)
             if pages:
                 self.pool.free(pages)
@@ -214,6 +245,8 @@ class PrefixTree:
 
     def _remove(self, leaf: Node) -> None:
         """Forget a KV leaf (its children, if any, are host blocks: forgotten with it)."""
+        if leaf.page is not None:
+            self.lost_page(leaf)
         del leaf.parent.children[leaf.key]
         if self.swapper is not None:
             for n in self._nodes(leaf):
@@ -228,6 +261,14 @@ class PrefixTree:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
+
+    def check(self) -> None:
+        """Assert the incremental bookkeeping matches a walk: GPU-children counts and the set of GPU leaves."""
+        for n in self._nodes():
+            assert n.gpu_children == sum(c.page is not None for c in n.children.values()), "GPU-children count"
+        walked = {n for n in self.gpu_nodes() if not any(c.page is not None for c in n.children.values())}
+        assert walked == set(self._leaves), "GPU leaves"
+        assert self._unpinned == sum(1 for n in self.gpu_nodes() if n.refs == 0), "unpinned GPU blocks"
 
     def pages(self) -> list[int]:
         return [n.page for n in self._nodes() if n.page is not None]
