@@ -189,7 +189,6 @@ class CacheSwapper:
         self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
         self.tree.lost_page(node)
         self.pool.free([node.page])
-        self.tree.num_pages -= 1
         node.page, node.host = None, slot
         self.host_nodes.add(node)
         self.swapped_out += 1
@@ -206,7 +205,6 @@ class CacheSwapper:
         node.page = page
         self.tree.gained_page(node)
         self.forget(node)
-        self.tree.num_pages += 1
         self.swapped_in += 1
         return True
 

@@ -61,6 +61,7 @@ class PrefixTree:
 
     def gained_page(self, node: Node) -> None:
         """``node`` has just been given a page (cached, or brought back from host memory)."""
+        self.num_pages += 1
         node.parent.gpu_children += 1
         self._leaves.pop(node.parent, None)
         if node.gpu_children == 0:
@@ -69,6 +70,7 @@ class PrefixTree:
 
     def lost_page(self, node: Node) -> None:
         """``node``'s page is about to go (freed, or swapped out); ``node.parent`` is still set."""
+        self.num_pages -= 1
         self._leaves.pop(node, None)
         self._unpinned -= node.refs == 0
         parent = node.parent
@@ -163,12 +165,10 @@ class PrefixTree:
             elif child is None:
                 child = node.children[key] = Node(key, node, pages[i], visits=1, used_at=self.time())
                 self.gained_page(child)
-                self.num_pages += 1
             elif child.page is None:               # swapped out meanwhile: take this copy, free the host one
                 self.swapper.forget(child)
                 child.page = pages[i]
                 self.gained_page(child)
-                self.num_pages += 1
             else:
                 drop.append(pages[i])             # computed twice (another request cached it meanwhile)
             child.last_use = now
@@ -247,13 +247,11 @@ class PrefixTree:
         """Forget a KV leaf (its children, if any, are host blocks: forgotten with it)."""
         if leaf.page is not None:
             self.lost_page(leaf)
+            self.pool.free([leaf.page])
         del leaf.parent.children[leaf.key]
         if self.swapper is not None:
             for n in self._nodes(leaf):
                 self.swapper.forget(n)
-        if leaf.page is not None:
-            self.num_pages -= 1
-            self.pool.free([leaf.page])
 
     def _nodes(self, start: Node | None = None):
         stack = [start or self.root]
