@@ -45,6 +45,29 @@ def copy_bandwidth(device, nbytes=1 << 30) -> float:
     return 2 * nbytes / best
 
 
+# (BM, BN, warps), slots, the unmerge's walk (rows per strip, stages; rows = BM is one tile per program)
+SWEEP = [((32, 128, 4), 2, (32, 1)), ((32, 128, 4), 2, (256, 3)), ((32, 128, 4), 2, (256, 2)),
+         ((32, 128, 4), 2, (512, 3)), ((32, 128, 4), 2, (128, 3)), ((64, 128, 8), 2, (256, 3)),
+         ((32, 128, 4), 1, (256, 3)), ((32, 256, 8), 2, (256, 3))]
+
+
+def kernels_walk() -> tuple[int, int]:
+    from vlora.kernels import merge as kernels
+    return kernels.UNMERGE_WALK
+
+
+def merge_plain(weights, widths, staged, scale) -> None:
+    """Every staged slice merged by the fused kernel writing no restore record (the cost-of-exactness baseline)."""
+    from vlora.kernels import merge as kernels
+    for group, w in weights.items():
+        row0 = 0
+        for j, width in enumerate(widths[group]):
+            if (group, j) in staged:
+                a, b = staged[(group, j)]
+                kernels.merge_slice_(w, row0, a, b, scale, 1, restore=False)
+            row0 += width
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=32)
@@ -98,18 +121,27 @@ def main() -> None:
     sweep = []
     if args.sweep and dev.type == "cuda":
         from vlora.kernels import merge as kernels
-        for tile in [(64, 128, 4), (64, 128, 8), (32, 128, 4), (32, 256, 4), (64, 256, 8)]:
-            for slots in (1, 2):
-                kernels.TILE, kernels.SLOTS = tile, slots
-                cycles(1)                                   # compiles this tile's kernels
-                m, u, _ = cycles(3)
-                sweep.append({"tile": tile, "slots": slots, "merge_ms": med(m) * 1e3, "unmerge_ms": med(u) * 1e3})
-                print(f"tile {tile} slots {slots}: merge {med(m) * 1e3:.2f} ms, unmerge {med(u) * 1e3:.2f} ms",
-                      flush=True)
+        for tile, slots, walk in SWEEP:
+            kernels.TILE, kernels.SLOTS, kernels.UNMERGE_WALK = tile, slots, walk
+            cycles(1)                                   # compiles this tile's kernels
+            m, u, _ = cycles(3)
+            sweep.append({"tile": tile, "slots": slots, "unmerge_walk": walk, "merge_ms": med(m) * 1e3,
+                          "unmerge_ms": med(u) * 1e3})
+            print(f"tile {tile} slots {slots} unmerge walk {walk}: merge {med(m) * 1e3:.2f} ms, unmerge "
+                  f"{med(u) * 1e3:.2f} ms", flush=True)
         best = min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])
-        kernels.TILE, kernels.SLOTS = tuple(best["tile"]), best["slots"]
+        kernels.TILE, kernels.SLOTS, kernels.UNMERGE_WALK = (tuple(best["tile"]), best["slots"],
+                                                             tuple(best["unmerge_walk"]))
     merges, unmerges, rec = cycles(args.repeats)
     exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
+    plain_ms = None
+    if rec.kernel:                        # the cost of exactness: the same merge writing no restore record
+        plain = []
+        for _ in range(args.repeats):
+            plain.append(timed(lambda: merge_plain(weights, widths, staged, rec.scale), dev)[0])
+            for k in weights:
+                weights[k].copy_(original[k])
+        plain_ms = med(plain) * 1e3
     res = {
         "benchmark": "merge", "device": gpu_name() if dev.type == "cuda" else platform.processor() or "cpu",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
@@ -121,6 +153,7 @@ def main() -> None:
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
         "tile": next((sr.tile for sr in rec.slices.values()), None),
         "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep,
+        "unmerge_walk": list(kernels_walk()), "merge_without_restore_ms": plain_ms,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -135,6 +168,9 @@ def main() -> None:
           f"from the pool")
     print(f"restore record {rec.restore_bytes() / 2**20:.1f} MiB ({rec.restore_bytes() / touched:.1%} of the "
           f"weights), {rec.num_exceptions()} exceptions; bitwise exact: {exact}")
+    if plain_ms is not None:
+        print(f"the same merge writing no restore record (not undoable exactly): {plain_ms:.2f} ms, "
+              f"{plain_ms * 1e-3 / floor:.2f}x its floor; exactness adds {res['merge_ms'] - plain_ms:.2f} ms")
     if not exact:
         raise SystemExit("unmerge did not restore the weights bit for bit")
 

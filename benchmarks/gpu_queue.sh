@@ -4,7 +4,7 @@
 #   benchmarks/gpu_queue.sh start OUTDIR SECONDS PART...   start the queue, then wait as `wait` does
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
-# PART: tests | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid | vision | memory-throughput |
+# PART: tests (env TESTS_K, TESTS_PATH: a subset) | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid | vision | memory-throughput |
 #       memory-dynamic | pressure-<session rate> | policies-<skew-low|skew-high|retrieval|video>.
 # Each part writes into /tmp/vlora-queue/<part>/ and its log beside it.
 set -uo pipefail
@@ -16,7 +16,8 @@ run_part() {   # one part, its results in $q/$1
     local part=$1 dir=$q/$1
     mkdir -p "$dir"
     case $part in
-        tests)   timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server tests ;;
+        tests)   timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server \
+                     ${TESTS_K:+-k "$TESTS_K"} ${TESTS_PATH:-tests} ;;
         merge)   timeout 480 python3 benchmarks/bench_merge.py --sweep --out "$dir" ;;
         decode)  timeout 900 bash benchmarks/gpu_decode.sh "$dir" --no-tests ;;
         e2e)     timeout 600 python3 benchmarks/bench_e2e.py --skip-peft --out "$dir" ;;

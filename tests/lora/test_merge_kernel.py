@@ -65,10 +65,51 @@ def test_fused_merge_equals_torch_merge(tmp_path, dtype):
         assert (diff <= ulp).all(), g
 
 
+@pytest.mark.parametrize("walk", [(16, 1), (48, 2)])         # a strip of one tile; of three (the last partial)
+def test_unmerge_walks_and_ranks_above_one_k_tile_are_exact(monkeypatch, walk):
+    """The unmerge's strip walk, with A hoisted (rank 8) and re-read per tile (rank 80, over the K tile of 64)."""
+    from vlora.kernels import merge as kernels
+
+    monkeypatch.setattr(kernels, "UNMERGE_WALK", walk)
+    g = torch.Generator().manual_seed(3)
+    for r in (8, 80):
+        w = (torch.randn(2, 70, 64, generator=g) * 0.02).to(torch.bfloat16)
+        orig = w.clone()
+        a = (torch.randn(2, 64, r, generator=g) * 0.05).to(torch.bfloat16)
+        b = (torch.randn(2, r, 50, generator=g) * 0.05).to(torch.bfloat16)
+        sr, pending = kernels.merge_slice_(w, 10, a, b, 2.0, 1 << 12, tile=(16, 32, 4))
+        delta = 2.0 * torch.einsum("lir,lro->loi", a.double(), b.double())
+        assert not pending and torch.allclose(w[:, 10:60].double() - orig[:, 10:60].double(), delta, atol=2e-3,
+                                              rtol=0.02)
+        kernels.unmerge_slice_(w, 10, a, b, 2.0, sr)
+        layer, rest = sr.exc_index // (50 * 64), sr.exc_index % (50 * 64)
+        w[:, 10:60].view(torch.int16)[layer, rest // 64, rest % 64] = sr.exc_bits
+        assert torch.equal(w.view(torch.int16), orig.view(torch.int16)), r
+
+
+def test_merge_without_restore_record_merges_the_same():
+    """``restore=False`` (the benchmarks' cost-of-exactness baseline) writes the same merged weights."""
+    from vlora.kernels.merge import merge_slice_
+
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(2, 40, 64, generator=g) * 0.02).to(torch.bfloat16)
+    a = (torch.randn(2, 64, 8, generator=g) * 0.05).to(torch.bfloat16)
+    b = (torch.randn(2, 8, 40, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = w.clone()
+    merge_slice_(w, 0, a, b, 1.5, 1 << 12, tile=(16, 32, 4))
+    assert merge_slice_(w2, 0, a, b, 1.5, 1 << 12, tile=(16, 32, 4), restore=False) == (None, False)
+    assert torch.equal(w, w2)
+
+
 @pytest.mark.gpu
-def test_gpu_fused_merge_is_exact_on_7b_shapes():
-    """One Llama-2-7B-sized layer stack slice (4 layers) in bf16, rank 64: exact after 5 cycles."""
+@pytest.mark.parametrize("walk", [(32, 1), (256, 3)])
+def test_gpu_fused_merge_is_exact_on_7b_shapes(monkeypatch, walk):
+    """One Llama-2-7B-sized layer stack slice (4 layers) in bf16, rank 64: exact after 5 cycles, the unmerge a tile
+    per program or walking strips (its ΔW must equal the merge's bit for bit)."""
+    from vlora.kernels import merge as kernels
     from vlora.kernels.merge import merge_slice_, unmerge_slice_
+
+    monkeypatch.setattr(kernels, "UNMERGE_WALK", walk)
 
     w = (torch.randn(4, 11008, 4096, device="cuda") * 0.02).to(torch.bfloat16)
     orig = w.clone()

@@ -88,13 +88,16 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, ORD_T: tl.constexpr):
+                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
     w = tl.load(w_ptr + w_off, mask=mask, other=0.0)        # issued first: in flight while ΔW is computed
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
     merged = (w.to(tl.float32) + d).to(w.dtype)
+    if not RESTORE:                                          # the benchmarks' cost-of-exactness baseline
+        tl.store(w_ptr + w_off, merged, mask=mask)
+        return
     naive = (merged.to(tl.float32) - d).to(w.dtype)
     # restore code: the distance from round(W' - ΔW) to W in units in the last place, as the difference of the
     # bit patterns (for two floats of one sign it counts the representable values between them)
@@ -140,28 +143,60 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
     tl.store(codes_ptr + c_off, packed, mask=c_mask)
 
 
-@compiles.jit(ints=("row0", "tiles_o", "tiles_i"))
+# The unmerge walks a strip of ROWS rows of one column tile, BM rows at a time, software-pipelined (STAGES), with A's
+# tile loaded once per strip when the rank fits one K tile (one tile per program re-read it from L2 for every
+# [BM, BN] of weights: 16 KB per 8 KB at rank 64 and (32, 128) tiles). ΔW is the same product of the same tiles
+# as the merge's (one dot of [BM, BK] by [BK, BN]), so the restore stays bit for bit (the GPU tests check it).
+# On an H100 on 2026-11-22 this took the unmerge of a rank-64 adapter from 19.9-20.0 to 14.8 ms (Llama-2-7B
+# shapes, benchmarks/results/h100-2026-11-22-merge/). The merge stays one tile per program: walking strips made
+# it slower (44 -> 62-66 ms in the same run).
+@compiles.jit(ints=("row0", "tiles_i", "strips"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, row0, R, IN, OUT, stride_wl,
-                    stride_wo, scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    SLOTS: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr):
-    l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
-                                                                    tiles_o, tiles_i, BM, BN)
-    mask = o_mask[:, None] & i_mask[None, :]
-    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)        # issued first: in flight while ΔW is computed
-    packed = tl.load(codes_ptr + c_off, mask=c_mask, other=8 | (8 << 4)).to(tl.int32)
-    nib = tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN))
-    d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    naive = (w.to(tl.float32) - d).to(w.dtype)
-    step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
-    restored = (naive.to(INT_T, bitcast=True).to(ORD_T) + step).to(INT_T)
-    if SLOTS > 0:
-        col = tl.arange(0, BN)[None, :]
-        srow = (((l.to(tl.int64) * OUT + offs_o) * tiles_i + tl.program_id(0) % tiles_i) * SLOTS)
-        for j in tl.static_range(SLOTS):
-            sc = tl.load(slot_col_ptr + srow + j, mask=o_mask, other=-1).to(tl.int32)     # -1: empty
-            sb = tl.load(slot_bits_ptr + srow + j, mask=o_mask, other=0)
-            restored = tl.where(col == sc[:, None], sb[:, None], restored)
-    tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
+                    stride_wo, scale, tiles_i, strips, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    ROWS: tl.constexpr, STAGES: tl.constexpr, HOIST: tl.constexpr, SLOTS: tl.constexpr,
+                    IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr):
+    pid = tl.program_id(0)
+    l = pid // (tiles_i * strips)
+    rest = pid % (tiles_i * strips)
+    ti = rest % tiles_i
+    o_begin = (rest // tiles_i) * ROWS
+    offs_i = ti * BN + tl.arange(0, BN)
+    i_mask = offs_i < IN
+    half = ti * (BN // 2) + tl.arange(0, BN // 2)
+    col = tl.arange(0, BN)[None, :]
+    offs_k = tl.arange(0, BK)
+    if HOIST:
+        at = tl.load(a_ptr + l.to(tl.int64) * IN * R + offs_i[None, :] * R + offs_k[:, None],
+                     mask=(offs_k < R)[:, None] & i_mask[None, :], other=0.0)
+    for o0 in tl.range(o_begin, tl.minimum(o_begin + ROWS, OUT), BM, num_stages=STAGES):
+        offs_o = o0 + tl.arange(0, BM)
+        o_mask = offs_o < OUT
+        mask = o_mask[:, None] & i_mask[None, :]
+        w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
+        w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
+        c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + half[None, :]
+        packed = tl.load(codes_ptr + c_off, mask=o_mask[:, None] & (half < IN // 2)[None, :],
+                         other=8 | (8 << 4)).to(tl.int32)
+        nib = tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN))
+        if HOIST:
+            bt = tl.load(b_ptr + l.to(tl.int64) * R * OUT + offs_k[None, :] * OUT + offs_o[:, None],
+                         mask=o_mask[:, None] & (offs_k < R)[None, :], other=0.0)
+            if IEEE:
+                d = tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee") * scale
+            else:
+                d = tl.dot(bt, at) * scale
+        else:
+            d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
+        naive = (w.to(tl.float32) - d).to(w.dtype)
+        step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
+        restored = (naive.to(INT_T, bitcast=True).to(ORD_T) + step).to(INT_T)
+        if SLOTS > 0:
+            srow = ((l.to(tl.int64) * OUT + offs_o) * tiles_i + ti) * SLOTS
+            for j in tl.static_range(SLOTS):
+                sc = tl.load(slot_col_ptr + srow + j, mask=o_mask, other=-1).to(tl.int32)     # -1: empty
+                sb = tl.load(slot_bits_ptr + srow + j, mask=o_mask, other=0)
+                restored = tl.where(col == sc[:, None], sb[:, None], restored)
+        tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
 
 
 def _ieee(w: torch.Tensor) -> bool:
@@ -198,6 +233,7 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
 # (benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json). Not swept on an H200 since the slots.
 TILE = (32, 128, 4)
 SLOTS = 2                    # exception slots per tile row: 0, 1 (the first) or 2 (the first and the last)
+UNMERGE_WALK = (256, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
 
 
 @dataclass
@@ -217,12 +253,15 @@ class SliceRestore:
 
 
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
-                 tile: tuple[int, int, int] | None = None, slots: int | None = None) -> tuple[SliceRestore, bool]:
+                 tile: tuple[int, int, int] | None = None, slots: int | None = None,
+                 restore: bool = True) -> tuple[SliceRestore | None, bool]:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
     products in IEEE fp32). ``capacity``: length of the overflow list. Returns (the slice's restore record,
     pending): ``pending`` when some exceptions found no room and were left unmerged with code 15.
+    ``restore=False`` writes no restore record (returns None; not undoable exactly): the benchmarks time it for
+    the cost of exactness.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
@@ -233,9 +272,12 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     bm, bn, num_warps = tile
     to, ti = _tiles(out, inn, bm, bn)
     int_t = INT_OF[w.dtype]
-    codes = torch.empty(L, out, inn // 2, dtype=torch.uint8, device=w.device)
-    slot_cols = torch.empty(L, out, ti, slots, dtype=torch.int16, device=w.device)
-    slot_bits = torch.empty(L, out, ti, slots, dtype=int_t, device=w.device)
+    record = (L, out, inn // 2), (L, out, ti, slots)
+    if not restore:                                         # nothing is written to them
+        record = (1,), (1,)
+    codes = torch.empty(record[0], dtype=torch.uint8, device=w.device)
+    slot_cols = torch.empty(record[1], dtype=torch.int16, device=w.device)
+    slot_bits = torch.empty(record[1], dtype=int_t, device=w.device)
     count = torch.zeros(1, dtype=torch.int32, device=w.device)
     exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
     exc_bits = torch.empty(max(capacity, 1), dtype=int_t, device=w.device)
@@ -243,7 +285,9 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
                                   exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
                                   BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
-                                  **_consts(w))
+                                  RESTORE=restore, **_consts(w))
+    if not restore:
+        return None, False
     n = int(count.item())
     keep = min(n, capacity)
     rec = SliceRestore(codes, slot_cols, slot_bits, exc_idx[:keep].clone(), exc_bits[:keep].clone(), slots, tile)
@@ -257,8 +301,12 @@ def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor,
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
     bm, bn, num_warps = rec.tile
-    to, ti = _tiles(out, inn, bm, bn)
+    rows, stages = UNMERGE_WALK
+    rows = max(bm, rows // bm * bm)
+    tiles_i, strips = triton.cdiv(inn, bn), triton.cdiv(out, rows)
     bk = k_tile(r)
-    _unmerge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), rec.codes, rec.slot_cols, rec.slot_bits,
-                                    row0, r, inn, out, w.stride(0), w.stride(1), scale, to, ti, BM=bm, BN=bn,
-                                    BK=bk, SLOTS=rec.slots, IEEE=_ieee(w), num_warps=num_warps, **_consts(w))
+    _unmerge_kernel[(L * tiles_i * strips,)](w, a.contiguous(), b.contiguous(), rec.codes, rec.slot_cols,
+                                             rec.slot_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale,
+                                             tiles_i, strips, BM=bm, BN=bn, BK=bk, ROWS=rows, STAGES=stages,
+                                             HOIST=r <= bk, SLOTS=rec.slots, IEEE=_ieee(w), num_warps=num_warps,
+                                             **_consts(w))
