@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from vlora.kernels import merge as kernels
 from vlora.kernels.tuning import gpu_name
 from vlora.lora.adapter import ModelShape
 from vlora.lora.merge import group_widths, merge_, stage_factors, stage_from_pool, unmerge_
@@ -51,14 +52,8 @@ SWEEP = [((32, 128, 4), 2, (32, 1)), ((32, 128, 4), 2, (256, 3)), ((32, 128, 4),
          ((32, 128, 4), 1, (256, 3)), ((32, 256, 8), 2, (256, 3))]
 
 
-def kernels_walk() -> tuple[int, int]:
-    from vlora.kernels import merge as kernels
-    return kernels.UNMERGE_WALK
-
-
 def merge_plain(weights, widths, staged, scale) -> None:
     """Every staged slice merged by the fused kernel writing no restore record (the cost-of-exactness baseline)."""
-    from vlora.kernels import merge as kernels
     for group, w in weights.items():
         row0 = 0
         for j, width in enumerate(widths[group]):
@@ -120,7 +115,6 @@ def main() -> None:
 
     sweep = []
     if args.sweep and dev.type == "cuda":
-        from vlora.kernels import merge as kernels
         for tile, slots, walk in SWEEP:
             kernels.TILE, kernels.SLOTS, kernels.UNMERGE_WALK = tile, slots, walk
             cycles(1)                                   # compiles this tile's kernels
@@ -153,7 +147,7 @@ def main() -> None:
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
         "tile": next((sr.tile for sr in rec.slices.values()), None),
         "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep,
-        "unmerge_walk": list(kernels_walk()), "merge_without_restore_ms": plain_ms,
+        "unmerge_walk": list(kernels.UNMERGE_WALK) if rec.kernel else None, "merge_without_restore_ms": plain_ms,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
     args.out.mkdir(parents=True, exist_ok=True)

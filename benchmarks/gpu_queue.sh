@@ -4,8 +4,9 @@
 #   benchmarks/gpu_queue.sh start OUTDIR SECONDS PART...   start the queue, then wait as `wait` does
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
-# PART: tests (env TESTS_K, TESTS_PATH: a subset) | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid | vision | memory-throughput |
-#       memory-dynamic | pressure-<session rate> | policies-<skew-low|skew-high|retrieval|video>.
+# PART: tests (env TESTS_K, TESTS_PATH: a subset) | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid |
+#       vision | memory-throughput | memory-dynamic | pressure-<session rate> |
+#       policies-<skew-low|skew-high|retrieval|video>.
 # Each part writes into /tmp/vlora-queue/<part>/ and its log beside it.
 set -uo pipefail
 cmd=${1:?start or wait}; out=${2:?output dir}; secs=${3:?seconds}; shift 3

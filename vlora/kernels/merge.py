@@ -42,6 +42,14 @@ INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32
 
 
 @triton.jit
+def _dot(bt, at, IEEE: tl.constexpr):
+    """B's tile [BM, BK] times A's [BK, BN], fp32; the one product both kernels compute ΔW with."""
+    if IEEE:
+        return tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+    return tl.dot(bt, at)
+
+
+@triton.jit
 def _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale,
                 BK: tl.constexpr, IEEE: tl.constexpr):
     """scale * sum_k B[l, k, o] * A[l, i, k] for the tile's (o, i), fp32."""
@@ -54,10 +62,7 @@ def _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, sca
         k_mask = k < R
         bt = tl.load(b_base + k[None, :] * OUT + offs_o[:, None], mask=o_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + offs_i[None, :] * R + k[:, None], mask=k_mask[:, None] & i_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(bt, at)
+        acc += _dot(bt, at, IEEE)
     return acc * scale
 
 
@@ -147,9 +152,9 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
 # tile loaded once per strip when the rank fits one K tile (one tile per program re-read it from L2 for every
 # [BM, BN] of weights: 16 KB per 8 KB at rank 64 and (32, 128) tiles). ΔW is the same product of the same tiles
 # as the merge's (one dot of [BM, BK] by [BK, BN]), so the restore stays bit for bit (the GPU tests check it).
-# On an H100 on 2026-11-22 this took the unmerge of a rank-64 adapter from 19.9-20.0 to 14.8 ms (Llama-2-7B
-# shapes, benchmarks/results/h100-2026-11-22-merge/). The merge stays one tile per program: walking strips made
-# it slower (44 -> 62-66 ms in the same run).
+# On an H100 on 2026-11-22 this took the unmerge of a rank-64 adapter from 20.0 to 14.7 ms in the sweep, 15.0 ms
+# in the timed cycles (Llama-2-7B shapes, benchmarks/results/h100-2026-11-22-merge/). The merge stays one tile per
+# program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design, attempts/ there).
 @compiles.jit(ints=("row0", "tiles_i", "strips"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, row0, R, IN, OUT, stride_wl,
                     stride_wo, scale, tiles_i, strips, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -181,10 +186,7 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr,
         if HOIST:
             bt = tl.load(b_ptr + l.to(tl.int64) * R * OUT + offs_k[None, :] * OUT + offs_o[:, None],
                          mask=o_mask[:, None] & (offs_k < R)[None, :], other=0.0)
-            if IEEE:
-                d = tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee") * scale
-            else:
-                d = tl.dot(bt, at) * scale
+            d = _dot(bt, at, IEEE) * scale
         else:
             d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
         naive = (w.to(tl.float32) - d).to(w.dtype)
