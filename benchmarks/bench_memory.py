@@ -187,7 +187,8 @@ def dynamic_per_process(args, res: dict) -> None:
         cmd = [sys.executable, __file__, "--parts", "dynamic", "--policies", policy, "--out", str(sub),
                "--one-process"] + [f for f in ("--pressure", "--tiny", "--cpu-pressure")
                                    if getattr(args, f[2:].replace("-", "_"))]
-        for flag, value in (("--session-rate", args.session_rate_override), ("--host-kv-gb", args.host_kv_override)):
+        for flag, value in (("--session-rate", args.session_rate_override), ("--host-kv-gb", args.host_kv_override),
+                            ("--kv-gb", args.kv_override)):
             if value is not None:
                 cmd += [flag, str(value)]
         if subprocess.run(cmd).returncode:
@@ -238,6 +239,8 @@ def main() -> None:
                    help="sessions started per second (dynamic part)")
     p.add_argument("--host-kv-gb", dest="host_kv_override", type=float, default=None,
                    help="host memory for swapped-out KV (fastlibra; 0: blocks leaving the GPU are dropped)")
+    p.add_argument("--kv-gb", dest="kv_override", type=float, default=None,
+                   help="GPU pool of the dynamic part, GB (KV and adapters; lru-fixed splits it)")
     p.add_argument("--parts", default="throughput,dynamic")
     p.add_argument("--one-process", action="store_true",
                    help="run every policy of the dynamic part in this process (default: one process per policy)")
@@ -277,6 +280,8 @@ def main() -> None:
         args.session_rate = args.session_rate_override
     if args.host_kv_override is not None:
         args.host_kv_gb = args.host_kv_override
+    if args.kv_override is not None:
+        args.dyn_kv_gb = args.kv_override
     args.adapter_fraction = 0.15
     res = {"benchmark": "memory", "device": gpu_name() if args.device == "cuda" else platform.processor() or "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__, "model": args.model}

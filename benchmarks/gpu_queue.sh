@@ -5,7 +5,7 @@
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
 # PART: tests (env TESTS_K, TESTS_PATH: a subset) | merge | decode | e2e | e2e-overlap | lora-kernels | tune-grid |
-#       vision | memory-throughput | memory-dynamic | pressure-<session rate> |
+#       vision | memory-throughput | memory-dynamic | pressure-<session rate> (env KV_GB, HOST_KV_GB) |
 #       policies-<skew-low|skew-high|retrieval|video>.
 # Each part writes into /tmp/vlora-queue/<part>/ and its log beside it.
 set -uo pipefail
@@ -35,7 +35,7 @@ run_part() {   # one part, its results in $q/$1
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;
         pressure-*) timeout 560 python3 benchmarks/bench_memory.py --pressure --parts dynamic \
                         --session-rate "${part#pressure-}" --policies "${POLICIES:-fastlibra,lru-fixed}" \
-                        ${HOST_KV_GB:+--host-kv-gb $HOST_KV_GB} --out "$dir" 2>&1 | grep -v Warning ;;
+                        ${HOST_KV_GB:+--host-kv-gb $HOST_KV_GB} ${KV_GB:+--kv-gb $KV_GB} --out "$dir" 2>&1 | grep -v Warning ;;
         policies-*) timeout 600 bash benchmarks/gpu_policies.sh "$dir" "${part#policies-}" ;;
         *) echo "unknown part $part" >&2; return 2 ;;
     esac
