@@ -39,6 +39,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime as dt  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
@@ -348,6 +349,16 @@ def atmm_fn(c: Case, cs: TileConfig, ce: TileConfig):
     return fn
 
 
+def expand_key(cfg: TileConfig, planes: int) -> str:
+    """An expand candidate's key in ``cand_us``: its config, and the planes of v it reads when more than one."""
+    return cfg_str(cfg) if planes == 1 else f"{cfg_str(cfg)}@{planes}p"
+
+
+def with_planes(v: torch.Tensor, planes: int) -> torch.Tensor:
+    """v as ``planes`` planes of a split-K shrink: v, then zeros."""
+    return torch.cat([v.unsqueeze(0), v.new_zeros(planes - 1, *v.shape)])
+
+
 def shrink_fn(c: Case, cs: TileConfig):
     return lambda: lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, c.spec.r_max, cs, aligned=True)
 
@@ -411,7 +422,7 @@ class Checker:
         return err
 
     def v(self, c: Case, v: torch.Tensor, what: str) -> dict:
-        # planes of a split-K shrink sum to v; only segment rows and each segment's R_s columns are defined
+        # the shrink returns one plane (its split-K parts summed); only segment rows and R_s columns are defined
         vv = v.float().sum(0) if v.dim() == 3 else v.float()
         got = torch.zeros_like(c.v_ref32)
         for s0, n, r in zip(c.meta.starts.tolist(), c.meta.lens.tolist(), c.rtot_t.tolist()):
@@ -547,14 +558,15 @@ def main() -> None:
             err = chk.v(c, op(), f"shrink candidate {cfg_str(cfg)}")
             rec["cand_us"]["shrink"][cfg_str(cfg)] = op.time_us() if err["rel"] <= TOL else None
             op.close()
-        for cfg in cand_e:
+        for cfg, planes in itertools.product(cand_e, sorted({s_.planes for s_ in cand_s})):
+            # as after a shrink handing over this many planes (their sum: v, then zeros)
             try:
-                t_us, err = run_y_op(c, replicas(c, lambda r: expand_fn(r, cfg, r.v_ref32.unsqueeze(0))), dev,
-                                    bench, chk, f"expand candidate {cfg_str(cfg)}")
+                t_us, err = run_y_op(c, replicas(c, lambda r: expand_fn(r, cfg, with_planes(r.v_ref32, planes))),
+                                     dev, bench, chk, f"expand candidate {expand_key(cfg, planes)}")
             except Exception as e:
                 log(f"  expand {cfg_str(cfg)} unavailable: {type(e).__name__}: {str(e)[:120]}")
                 t_us, err = None, {"rel": float("nan")}
-            rec["cand_us"]["expand"][cfg_str(cfg)] = t_us if err["rel"] <= TOL else None
+            rec["cand_us"]["expand"][expand_key(cfg, planes)] = t_us if err["rel"] <= TOL else None
         # 3. torch loop over segments
         rec["us"]["loop"], rec["err"]["loop"] = run_y_op(c, replicas(c, loop_fn), dev, bench, chk, "torch loop")
         # 4. torch gather-bmm
@@ -578,10 +590,11 @@ def main() -> None:
 
     # the static pair: lowest geometric mean of (shrink alone + expand alone) over the grid
     ok_s = [cfg for cfg in cand_s if all(r["cand_us"]["shrink"].get(cfg_str(cfg)) for r in recs)]
-    ok_e = [cfg for cfg in cand_e if all(r["cand_us"]["expand"].get(cfg_str(cfg)) for r in recs)]
+    ok_e = [cfg for cfg in cand_e if all(r["cand_us"]["expand"].get(expand_key(cfg, s_.planes))
+                                         for r in recs for s_ in ok_s)]
     if not ok_s or not ok_e:
         die("no static candidate ran correctly on every case", chk)
-    pairs = {(s_, e_): geomean([r["cand_us"]["shrink"][cfg_str(s_)] + r["cand_us"]["expand"][cfg_str(e_)]
+    pairs = {(s_, e_): geomean([r["cand_us"]["shrink"][cfg_str(s_)] + r["cand_us"]["expand"][expand_key(e_, s_.planes)]
                                 for r in recs]) for s_ in ok_s for e_ in ok_e}
     static_s, static_e = min(pairs, key=pairs.get)
     log(f"static tiling: shrink {cfg_str(static_s)} expand {cfg_str(static_e)} "

@@ -28,8 +28,8 @@ run_part() {   # one part, its results in $q/$1
         lora-kernels) timeout 500 python3 benchmarks/bench_lora_kernels.py --out "$dir" ;;
         tune-grid) gpu=$(python3 -c "from vlora.kernels.tuning import gpu_name; print(gpu_name())")
                    cp "vlora/kernels/configs/$gpu.json" "$dir/$gpu.json"
-                   timeout 400 python3 -m vlora.cli tune --preset bench-grid --tokens 1,256,1024,4096,8192 \
-                       --ranks 16,64 --merge --budget-s 240 --output "$dir/$gpu.json" 2>&1 | tail -3
+                   timeout 560 python3 -m vlora.cli tune --preset bench-grid --tokens 1,256,1024,4096,8192 \
+                       --ranks 16,64 --merge --budget-s 480 --output "$dir/$gpu.json" 2>&1 | tail -3
                    cp "$dir/$gpu.json" "vlora/kernels/configs/$gpu.json" ;;
         vision)  timeout 600 python3 benchmarks/bench_vision.py --out "$dir" ;;
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from vlora.kernels import atmm
 from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref
 
@@ -102,7 +103,8 @@ def defined(v, segs):
     return out
 
 
-CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig(16, 32, 16, split_k=3, m_loop=2)]
+CONFIGS = [TileConfig(16, 16, 16), TileConfig(32, 16, 32, split_k=2), TileConfig(16, 32, 16, split_k=3, m_loop=2),
+           TileConfig(16, 16, 16, split_k=2, reduce=1)]
 
 
 @pytest.mark.parametrize("dist", ["identical", "uniform", "zipf", "distinct"])
@@ -148,14 +150,39 @@ def test_shrink_writes_every_covered_entry_of_a_poisoned_output():
     a_off = torch.tensor([a["a_off"] for _, _, a in segs], dtype=torch.int64)
     rtot = torch.tensor([a["rtot"] for _, _, a in segs], dtype=torch.int32)
     r_max = int(rtot.max())
-    for split in (1, 3):
+    for split, reduce in ((1, 0), (3, 0), (3, 1)):
         poison = torch.full((split, x.shape[0], r_max), float("nan"))
-        v = lora_shrink(x, w, a_off, rtot, meta, r_max, TileConfig(16, 16, 16, split_k=split), out=poison)
+        cfg = TileConfig(16, 16, 16, split_k=split, reduce=reduce)
+        v = lora_shrink(x, w, a_off, rtot, meta, r_max, cfg, out=poison)
         ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
+        assert v.shape == (cfg.planes, x.shape[0], r_max) and v.data_ptr() == poison.data_ptr()   # planes of out
         for (s, n, a) in segs:
             got = v[:, s:s + n, :a["rtot"]].sum(0).double()
             assert torch.isfinite(got).all()                       # every defined entry was written
             torch.testing.assert_close(got, ref[s:s + n, :a["rtot"]], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_parts_are_summed_in_the_kernel_and_leave_the_counters_at_zero(split):
+    """The last part of a tile to finish sums the planes into plane 0 (in plane order: the same bits call after
+    call) and sets the tile's counter back to 0 for the next launch."""
+    w, x, segs = make_case("zipf", 6, [7, 33, 2, 0], ranks=[16, 8, 4], dtype=torch.float32, device="cpu", seed=3)
+    meta, starts, lens = metas(segs, "cpu")
+    a_off = torch.tensor([a["a_off"] for _, _, a in segs], dtype=torch.int64)
+    rtot = torch.tensor([a["rtot"] for _, _, a in segs], dtype=torch.int32)
+    r_max = int(rtot.max())
+    ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
+    outs = []
+    for _ in range(3):
+        planes = torch.full((split, x.shape[0], r_max), float("nan"))
+        v = lora_shrink(x, w, a_off, rtot, meta, r_max, TileConfig(16, 16, 16, split_k=split, reduce=1), out=planes)
+        assert v.shape[0] == 1 and int(atmm.tile_counts(x.device, 1).abs().sum()) == 0
+        for s, n, a in segs:
+            torch.testing.assert_close(v[0, s:s + n, :a["rtot"]].double(), ref[s:s + n, :a["rtot"]], rtol=1e-4,
+                                       atol=1e-4)
+        outs.append(v[0].clone())
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=0, atol=0, equal_nan=True)
 
 
 def test_delora_pair_is_a_second_pass_with_negative_scale():
@@ -199,7 +226,8 @@ def test_no_segments_is_a_no_op():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_bf16_within_benchmark_tolerance(dist, dtype):
     w, x, segs = make_case(dist, 9, [1, 7, 64, 130, 3], ranks=[16, 64, 8, 32], dtype=dtype, device="cuda", seed=3)
-    for cfg in (TileConfig(16, 32, 64), TileConfig(64, 64, 32, split_k=4, num_warps=8)):
+    for cfg in (TileConfig(16, 32, 64), TileConfig(64, 64, 32, split_k=4, num_warps=8),
+                TileConfig(64, 64, 32, split_k=4, num_warps=8, reduce=1)):
         v, v_ref, y, y_ref, *_ = run_both(segs, w, x, cfg, TileConfig(cfg.block_m, 64, 16), "cuda")
         assert (v.double() - v_ref).norm() / v_ref.norm() <= 1e-2
         assert (y.double() - y_ref).norm() / y_ref.norm() <= 1e-2

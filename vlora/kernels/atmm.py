@@ -45,20 +45,28 @@ class TileConfig:
     n_loop: int = 1            # expand: N tiles each program walks (decode: a few rows, a long strip of B)
     hoist: int = 0             # expand: v loaded once (block_k covers the rank), the strip walked as the innermost,
     #                            software-pipelined loop (1); or a K loop inside every tile of the strip (0)
+    reduce: int = 0            # shrink, split_k > 1: the last part of a tile sums the planes (1), or the expand sums
+    #                            them, once per column tile (0; what tables of 9 fields were tuned with)
 
     def as_list(self) -> list[int]:
         return [self.block_m, self.block_n, self.block_k, self.split_k, self.num_warps, self.num_stages, self.m_loop,
-                self.n_loop, self.hoist]
+                self.n_loop, self.hoist, self.reduce]
+
+    @property
+    def planes(self) -> int:
+        """Planes of v a shrink with this config hands to the expand."""
+        return self.split_k if self.split_k > 1 and not self.reduce else 1
 
 
 # Arguments that change with the batch are not specialised on (v's strides follow T and the batch's largest rank,
 # the row-tile count its longest segment, the offset rows are views [layer] of [L, S] tables): the variants left
 # are the tile configs', which vlora.engine.warmup builds at start-up.
-@compiles.jit(ints=("stride_vk", "stride_vm", "m_tiles"), pointers=("a_off_ptr", "rtot_ptr"))
-def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr,
+@compiles.jit(ints=("stride_vk", "stride_vm", "m_tiles"), pointers=("a_off_ptr", "rtot_ptr", "count_ptr"))
+def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr, count_ptr,
                    K, stride_xm, stride_vk, stride_vm, m_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr):
+                   SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+                   ALIGNED: tl.constexpr):
     pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -94,10 +102,21 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
                 acc += tl.dot(xt, at, input_precision="ieee")
             else:
                 acc += tl.dot(xt, at)
-        # split-K partials go to their own plane (no atomics, no zero fill); expand sums the planes
-        v_ptrs = (v_ptr + pid_k * stride_vk + (start + offs_m)[:, None].to(tl.int64) * stride_vm
-                  + offs_n[None, :])
-        tl.store(v_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+        # split-K partials go to their own plane (no zero fill, no atomics on data); with REDUCE the last part of
+        # a tile to finish sums the planes, in plane order (the same bits whichever finishes last), into plane 0
+        v_rows = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + offs_n[None, :]
+        v_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(v_rows + pid_k * stride_vk, acc, mask=v_mask)
+        if REDUCE:
+            tl.debug_barrier()                  # every thread's partial issued before the tile's count moves
+            tile = pid0 * tl.num_programs(1) + pid_n
+            done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_K - 1:
+                total = tl.load(v_rows, mask=v_mask, other=0.0, cache_modifier=".cg")    # from L2, not L1
+                for p in tl.static_range(1, SPLIT_K):
+                    total += tl.load(v_rows + p * stride_vk, mask=v_mask, other=0.0, cache_modifier=".cg")
+                tl.store(v_rows, total, mask=v_mask)
+                tl.atomic_xchg(count_ptr + tile, 0)                  # ready for the next launch
 
 
 @compiles.jit(ints=("stride_vk", "stride_vm", "m_progs"), pointers=("b_off_ptr", "vcol_ptr"))
@@ -216,17 +235,41 @@ def expand_hoisted(cfg: TileConfig, max_rank: int | None) -> bool:
 
 
 def shrink_output(x: torch.Tensor, r_max: int, cfg: TileConfig) -> torch.Tensor:
-    """An uninitialised buffer for :func:`lora_shrink`'s output, v [split_k, T, r_max] fp32."""
+    """An uninitialised buffer for :func:`lora_shrink`: [split_k, T, r_max] fp32, one plane per split-K part."""
     return torch.empty(cfg.split_k, x.shape[0], max(r_max, 1), dtype=torch.float32, device=x.device)
+
+
+_counts: dict[str, list[torch.Tensor]] = {}      # device -> its counter buffers, the newest last (captured CUDA
+#                                                   graphs may still point at the older ones: they are kept)
+
+
+def tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per shrink tile, for the split-K parts of a tile to find the last of them (which
+    sets its counter back to 0). One buffer per device, so split-K shrinks of one device must not run at the same
+    time on two streams (the engine runs every LoRA kernel of an iteration on one stream). It is allocated, or
+    grown, outside CUDA-graph capture only: a buffer made during capture would never be zeroed (the engine's
+    start-up launches every kernel variant before it captures)."""
+    bufs = _counts.setdefault(str(device), [])
+    if not bufs or bufs[-1].numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("lora_shrink: a split-K shrink of this size must run once before CUDA-graph capture")
+        size = max(tiles, 1 << 16, 2 * bufs[-1].numel() if bufs else 0)
+        bufs.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
 
-    Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s);
-    returns v [split_k, T, r_max] fp32, whose planes sum to x @ A^T on segment rows (other entries
-    are left as allocated: uninitialised, or ``out``'s contents).
+    Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s); ``out`` (or a fresh
+    :func:`shrink_output`) [split_k, T, r_max] fp32, one plane per part. Returns the ``cfg.planes`` planes whose
+    sum is x @ A^T on segment rows: all of them, or with ``cfg.reduce`` plane 0 alone ([1, T, r_max]), into
+    which the last part of each tile to finish adds the others up (other entries are left as allocated:
+    uninitialised, or ``out``'s contents). Summed here, the expand reads one plane instead of split_k of them
+    for every column tile: on an H100 that re-reading made the pair 1.5x the sum of the two kernels alone at
+    1,024 tokens (``benchmarks/results/h100-2026-11-22/after-retune``); for a few decode rows the sum costs
+    more than it saves. The tuner picks.
     ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads).
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
@@ -240,17 +283,19 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
         v = out
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:
-        return v
+        return v[:cfg.planes]
     cfg = fit_shared(cfg, x.element_size(), x.element_size())
     m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
     grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
-    _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, x.shape[1], x.stride(0), v.stride(0),
+    reduce = cfg.split_k > 1 and bool(cfg.reduce)
+    counts = tile_counts(x.device, grid[0] * grid[1]) if reduce else v
+    _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, counts, x.shape[1], x.stride(0), v.stride(0),
                          v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         SPLIT_K=cfg.split_k, IEEE=x.dtype == torch.float32,
+                         SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,
                          EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
                          ALIGNED=aligned and x.shape[1] % 16 == 0,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return v
+    return v[:cfg.planes]
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.Tensor, vcol: torch.Tensor,
@@ -258,7 +303,7 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
                 max_rank: int | None = None) -> torch.Tensor:
     """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
 
-    Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P split-K planes, summed here);
+    Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P planes from :func:`lora_shrink`, summed here);
     b_off [S, NS] int64 (-1 = slice absent); vcol [S, NS] int32. Returns y.
     ``aligned``: the caller guarantees b_off multiples of 16 and vcol multiples of 8. ``max_rank``: an upper
     bound of the segments' ranks; a ``hoist`` config runs hoisted only when it is known and fits ``block_k``.

@@ -95,21 +95,23 @@ def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, n
         split = 1
         while programs * split < 2 * num_sms and split < 8 and dim // (split * 2) >= 256:
             split *= 2
-        return TileConfig(bm, bn, 256 if per_seg <= 64 else 128, split, 4, 3)
+        # planes summed in the shrink for long batches (one plane re-read per column tile, not split of them)
+        return TileConfig(bm, bn, 256 if per_seg <= 64 else 128, split, 4, 3, reduce=int(split > 1 and tokens >= 1024))
     bm = 16 if per_seg <= 1024 else 32
     return TileConfig(bm, 128, 16, 1, 4, 2, 4 if per_seg >= 1024 else 1)
 
 
 def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
     """Pruned by expert rules: M tile no larger than a segment needs, shrink's N tile fit to the rank,
-    expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension),
-    M-tile walking only for long segments, N-strip walking only for short ones."""
+    expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension; its planes summed
+    by the shrink or by the expand), M-tile walking only for long segments, N-strip walking only for short ones."""
     per_seg = max(1, tokens // max(1, segments))
     bms = [m for m in (16, 32, 64) if m <= max(16, pow2_bucket(per_seg))]
     if op == "shrink":
         bn = min(128, max(16, pow2_bucket(rank)))
-        return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3)
-                for bm, bk, split in itertools.product(bms, (128, 256), (1, 2, 4, 8))]
+        return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3, reduce=reduce)
+                for bm, bk, split, reduce in itertools.product(bms, (128, 256), (1, 2, 4, 8), (0, 1))
+                if split > 1 or not reduce]
     loops = [1, 4] if per_seg >= 256 else [1]
     strips = (1, 2, 4, 8) if per_seg <= 16 else (1,)    # decode: few rows, walk a long strip of B
     space = [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
@@ -208,9 +210,7 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             continue
         jobs.append(("shrink", t, s, k_in, len(widths) * r, widths, r, k_in))
         jobs.append(("expand", t, s, sum(widths), r, widths, r, k_in))
-    # large token counts first: they matter most and tune slowest; a group's shrink before its expand, which
-    # reads the shrink's split-K planes
-    jobs.sort(key=lambda j: -j[1])
+    jobs.sort(key=lambda j: -j[1])          # large token counts first: they matter most and tune slowest
     seen, unique = set(), []
     for j in jobs:
         key = shape_key(j[0], j[1], j[2], j[3], j[4])
@@ -221,34 +221,60 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
                               "triton": __import__("triton").__version__, "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"),
                               "timing": f"CUDA graph of {REPLICAS} calls on copies of the data, median replay after a "
-                                        "read-only L2 flush; expand summing the split-K planes of its shrink's config"})
+                                        "read-only L2 flush; a shrink with the expand that reads its planes"})
     t0 = time.perf_counter()
+    shrinks: dict[str, dict[int, tuple[float, TileConfig]]] = {}   # shrink key -> planes -> fastest (s, config)
     bar = tqdm(unique, desc="tuning ATMM", disable=not progress)
     for key, (op, t, s, dim, rank, widths, r, k_in) in bar:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
-        planes = 1
-        if op == "expand":                 # as served: after the shrink this table picks for the same batch
-            shrink = table.entries.get(shape_key("shrink", t, s, k_in, len(widths) * r))
-            planes = shrink.split_k if shrink is not None else 1
-        cases = [_case(op, t, s, dim, r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
-        best, best_t = None, float("inf")
-        for cfg in search_space(op, t, s, rank):
-            try:
-                sec = time_cuda([lambda c=c: c(cfg) for c in cases])
-            except Exception:            # e.g. out of shared memory for this tile: not a candidate
-                continue
-            if sec < best_t:
-                best, best_t = cfg, sec
-        if best is not None:
-            table.entries[key] = best
-            bar.set_postfix_str(f"{key} {best_t * 1e6:.1f}us")
+        if op == "shrink":
+            cases = [_case(op, t, s, dim, r, widths, dtype, dev) for _ in range(REPLICAS)]
+            fastest = shrinks.setdefault(key, {})
+            for cfg in search_space(op, t, s, rank):
+                sec = _time(cases, cfg)
+                if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
+                    fastest[cfg.planes] = (sec, cfg)
+            if fastest:
+                table.entries[key] = min(fastest.values(), key=lambda f: f[0])[1]    # until its expand is tuned
+                bar.set_postfix_str(f"{key} {min(fastest.values(), key=lambda f: f[0])[0] * 1e6:.1f}us")
+            continue
+        # the expand reads the planes of the shrink of the same batch: the pair is chosen together, from the
+        # fastest shrink handing over one plane and the fastest handing over several (a shrink key another
+        # group's expand chose for already keeps its choice)
+        skey = shape_key("shrink", t, s, k_in, len(widths) * r)
+        options = shrinks.get(skey) or {}
+        if len(options) > 2:
+            several = min((o for p, o in options.items() if p > 1), key=lambda o: o[0])
+            options = {p: o for p, o in options.items() if p == 1 or o is several}
+        best = None
+        for planes, (s_sec, s_cfg) in sorted(options.items()) or [(1, (0.0, None))]:
+            cases = [_case(op, t, s, dim, r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
+            for cfg in search_space(op, t, s, rank):
+                sec = s_sec + _time(cases, cfg)
+                if best is None or sec < best[0]:
+                    best = (sec, planes, s_cfg, cfg)
+        if best is not None and best[3] is not None and best[0] < float("inf"):
+            sec, planes, s_cfg, cfg = best
+            table.entries[key] = cfg
+            if s_cfg is not None:
+                table.entries[skey] = s_cfg
+                shrinks[skey] = {planes: options[planes]}
+            bar.set_postfix_str(f"{key} pair {sec * 1e6:.1f}us")
     return table
+
+
+def _time(cases, cfg: TileConfig) -> float:
+    """Seconds per call of ``cfg`` on the cases; inf where it cannot run (e.g. out of shared memory)."""
+    try:
+        return time_cuda([lambda c=c: c(cfg) for c in cases])
+    except Exception:
+        return float("inf")
 
 
 def _case(op, tokens, segments, dim, r, widths, dtype, dev, planes: int = 1):
     """A closure running one op on random data of the given shape, for timing (expand: reading ``planes``
-    split-K planes of v)."""
+    planes of v, as a shrink handing over that many leaves them)."""
     from vlora.kernels import atmm
 
     ns = len(widths)
