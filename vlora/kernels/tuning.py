@@ -104,7 +104,8 @@ def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, n
 def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileConfig]:
     """Pruned by expert rules: M tile no larger than a segment needs, shrink's N tile fit to the rank,
     expand's K tile no larger than the rank, split-K only for shrink (K is the long dimension; its planes summed
-    by the shrink or by the expand), M-tile walking only for long segments, N-strip walking only for short ones."""
+    by the shrink or by the expand), M-tile walking only for long segments, N-strip walking for short ones or
+    with v hoisted."""
     per_seg = max(1, tokens // max(1, segments))
     bms = [m for m in (16, 32, 64) if m <= max(16, pow2_bucket(per_seg))]
     if op == "shrink":
@@ -117,9 +118,12 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
     space = [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
              for bm, bn, bk, loop, strip in itertools.product(bms, (64, 128, 256), (16, 32), loops, strips)
              if bk <= max(16, pow2_bucket(rank))]
-    if per_seg <= 16:                                   # decode: v hoisted, the strip pipelined (K tile = the rank)
-        space += [TileConfig(bm, bn, max(16, pow2_bucket(rank)), 1, 4, stages, 1, strip, hoist=1)
-                  for bm, bn, strip, stages in itertools.product(bms, (64, 128), (2, 4, 8), (2, 3))]
+    # v hoisted, the strip pipelined (K tile = the rank): decode, and prefill too (on an H100 on 2026-11-22 a
+    # hoisted 16x64 expand walking 8 tiles was the best static one for 1,024-token prefills, which the tuner
+    # had not tried: benchmarks/results/h100-2026-11-22-atmm/)
+    hoisted = ((2, 4, 8), (2, 3)) if per_seg <= 16 else ((4, 8), (3,))
+    space += [TileConfig(bm, bn, max(16, pow2_bucket(rank)), 1, 4, stages, 1, strip, hoist=1)
+              for bm, bn, strip, stages in itertools.product(bms, (64, 128), *hoisted)]
     return space
 
 
