@@ -653,7 +653,7 @@ def main() -> None:
                                   "expand": [c_.as_list() for c_ in cand_e]},
                    "selection": "lowest geomean over the grid of (shrink alone + expand alone) time",
                    "pair_geomean_us": {f"{cfg_str(a)}|{cfg_str(b)}": v for (a, b), v in sorted(pairs.items(), key=lambda kv: kv[1])}},
-        "tile_config_fields": ["block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"],
+        "tile_config_fields": [f.name for f in dataclasses.fields(TileConfig)],
         "gather_cap_bytes": GATHER_CAP_BYTES,
         "summary": summary, "cases": recs, "failures": chk.failures,
         "runtime_s": time.perf_counter() - t_start,
@@ -715,7 +715,7 @@ def print_report(recs: list[dict], summary: dict, result: dict, json_path: Path,
     print(f"torch {result['torch']}, triton {result['triton']}; copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s;"
           f" table {'found' if result['table']['found'] else 'absent (heuristic)'}: {result['table']['path']}")
     print(f"static tiling: shrink {cfg_str(TileConfig(*st['shrink']))}, expand {cfg_str(TileConfig(*st['expand']))}"
-          f" (block_m x block_n x block_k x split_k x warps x stages)")
+          f" ({' x '.join(f.name for f in dataclasses.fields(TileConfig))})")
     print(f"results: {json_path}; {plot_note}")
     srcs = {"table": "T", "heuristic": "H"}
     hdr = (f"{'case':<32} {'S':>4} {'floor':>8} {'ATMM':>8} {'static':>8} {'loop':>8} {'gather':>8} "

@@ -9,7 +9,7 @@ from vlora.kernels import tuning
 from vlora.kernels.atmm import TileConfig
 
 
-def fake_tune(monkeypatch, plane_cost_us: float, reduce_cost_us: float) -> tuning.TilingTable:
+def fake_tune(monkeypatch, plane_cost_us: float, reduce_cost_us: float, groups=None) -> tuning.TilingTable:
     """Tune one packed group of one bucket where a shrink costs 10 µs / split (+ ``reduce_cost_us`` when it sums
     its planes) and an expand 5 µs + ``plane_cost_us`` per plane it reads."""
     def case(op, tokens, segments, dim, r, widths, dtype, dev, planes=1):
@@ -24,7 +24,7 @@ def fake_tune(monkeypatch, plane_cost_us: float, reduce_cost_us: float) -> tunin
     monkeypatch.setattr(tuning, "_case", case)
     monkeypatch.setattr(tuning, "_time", timed)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake gpu")
-    return tuning.tune({"h": (4096, (4096,))}, token_buckets=(1024,), segment_buckets=(1,), ranks=(64,),
+    return tuning.tune(groups or {"h": (4096, (4096,))}, token_buckets=(1024,), segment_buckets=(1,), ranks=(64,),
                        progress=False)
 
 
@@ -36,6 +36,14 @@ def test_shrink_and_expand_are_chosen_as_a_pair(monkeypatch, plane_cost_us, redu
     shrink = table.entries[tuning.shape_key("shrink", 1024, 1, 4096, 64)]
     assert shrink.split_k == 8 and shrink.planes == planes
     assert tuning.shape_key("expand", 1024, 1, 4096, 64) in table.entries
+
+
+def test_a_shrink_whose_expand_another_group_chose_is_paired_with_that_expand(monkeypatch):
+    """o (4096 -> 4096) and down (11008 -> 4096) share their expand key: down's shrink is chosen for the expand
+    o's pair settled on (one plane), not as the fastest alone (eight planes)."""
+    table = fake_tune(monkeypatch, 2.0, 1.0, groups={"o": (4096, (4096,)), "down": (11008, (4096,))})
+    for k_in in (4096, 11008):
+        assert table.entries[tuning.shape_key("shrink", 1024, 1, k_in, 64)].planes == 1
 
 
 def test_split_k_configs_come_with_and_without_the_sum_in_the_shrink():

@@ -267,9 +267,8 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     sum is x @ A^T on segment rows: all of them, or with ``cfg.reduce`` plane 0 alone ([1, T, r_max]), into
     which the last part of each tile to finish adds the others up (other entries are left as allocated:
     uninitialised, or ``out``'s contents). Summed here, the expand reads one plane instead of split_k of them
-    for every column tile: on an H100 that re-reading made the pair 1.6x the sum of the two kernels alone at
-    1,024 tokens (``benchmarks/results/h100-2026-11-22/after-retune``); for a few decode rows the sum costs
-    more than it saves. The tuner picks.
+    for every column tile it computes; an expand with v hoisted reads them once per strip, and for a few decode
+    rows the sum costs more than it saves. The tuner picks (``benchmarks/results/h100-2026-11-22-atmm``).
     ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads).
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"

@@ -203,24 +203,15 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
     """Profile every config of the search space on every bucket; returns the best-per-key table."""
     from tqdm import tqdm
 
-    from vlora.kernels import atmm
-
     dev = torch.device("cuda")
-    jobs = []
+    pairs = []              # one (shrink, expand) pair per group and bucket; groups may share either key
     for (_, (k_in, widths)), t, s, r in itertools.product(groups.items(), token_buckets, segment_buckets, ranks):
         if s > t:
             continue
         if s > 1 and t // s == 0:
             continue
-        jobs.append(("shrink", t, s, k_in, len(widths) * r, widths, r, k_in))
-        jobs.append(("expand", t, s, sum(widths), r, widths, r, k_in))
-    jobs.sort(key=lambda j: -j[1])          # large token counts first: they matter most and tune slowest
-    seen, unique = set(), []
-    for j in jobs:
-        key = shape_key(j[0], j[1], j[2], j[3], j[4])
-        if key not in seen:
-            seen.add(key)
-            unique.append((key, j))
+        pairs.append((t, s, r, k_in, widths))
+    pairs.sort(key=lambda j: -j[0])          # large token counts first: they matter most and tune slowest
     table = TilingTable(meta={"gpu": torch.cuda.get_device_name(), "dtype": str(dtype).removeprefix("torch."),
                               "triton": __import__("triton").__version__, "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"),
@@ -228,43 +219,46 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
                                         "read-only L2 flush; a shrink with the expand that reads its planes"})
     t0 = time.perf_counter()
     shrinks: dict[str, dict[int, tuple[float, TileConfig]]] = {}   # shrink key -> planes -> fastest (s, config)
-    bar = tqdm(unique, desc="tuning ATMM", disable=not progress)
-    for key, (op, t, s, dim, rank, widths, r, k_in) in bar:
+    expands: dict[str, TileConfig] = {}                              # expand keys chosen already
+    done: set[tuple[str, str]] = set()
+    bar = tqdm(pairs, desc="tuning ATMM", disable=not progress)
+    for t, s, r, k_in, widths in bar:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
-        if op == "shrink":
-            cases = [_case(op, t, s, dim, r, widths, dtype, dev) for _ in range(REPLICAS)]
-            fastest = shrinks.setdefault(key, {})
-            for cfg in search_space(op, t, s, rank):
+        skey = shape_key("shrink", t, s, k_in, len(widths) * r)
+        ekey = shape_key("expand", t, s, sum(widths), r)
+        if (skey, ekey) in done:
+            continue
+        done.add((skey, ekey))
+        if skey not in shrinks:
+            cases = [_case("shrink", t, s, k_in, r, widths, dtype, dev) for _ in range(REPLICAS)]
+            fastest = shrinks[skey] = {}
+            for cfg in search_space("shrink", t, s, len(widths) * r):
                 sec = _time(cases, cfg)
                 if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
                     fastest[cfg.planes] = (sec, cfg)
-            if fastest:
-                table.entries[key] = min(fastest.values(), key=lambda f: f[0])[1]    # until its expand is tuned
-                bar.set_postfix_str(f"{key} {min(fastest.values(), key=lambda f: f[0])[0] * 1e6:.1f}us")
-            continue
         # the expand reads the planes of the shrink of the same batch: the pair is chosen together, from the
-        # fastest shrink handing over one plane and the fastest handing over several (a shrink key another
-        # group's expand chose for already keeps its choice)
-        skey = shape_key("shrink", t, s, k_in, len(widths) * r)
-        options = shrinks.get(skey) or {}
+        # fastest shrink handing over one plane and the fastest handing over several. A key another pair chose
+        # already keeps its choice (a shrink key is shared by groups of one input width, an expand key by groups
+        # of one output width: o and down).
+        options = shrinks[skey]
         if len(options) > 2:
             several = min((o for p, o in options.items() if p > 1), key=lambda o: o[0])
             options = {p: o for p, o in options.items() if p == 1 or o is several}
+        space = [expands[ekey]] if ekey in expands else search_space("expand", t, s, r)
         best = None
-        for planes, (s_sec, s_cfg) in sorted(options.items()) or [(1, (0.0, None))]:
-            cases = [_case(op, t, s, dim, r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
-            for cfg in search_space(op, t, s, rank):
+        for planes, (s_sec, s_cfg) in sorted(options.items()):
+            cases = [_case("expand", t, s, sum(widths), r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
+            for cfg in space:
                 sec = s_sec + _time(cases, cfg)
-                if best is None or sec < best[0]:
+                if sec < float("inf") and (best is None or sec < best[0]):
                     best = (sec, planes, s_cfg, cfg)
-        if best is not None and best[3] is not None and best[0] < float("inf"):
-            sec, planes, s_cfg, cfg = best
-            table.entries[key] = cfg
-            if s_cfg is not None:
-                table.entries[skey] = s_cfg
-                shrinks[skey] = {planes: options[planes]}
-            bar.set_postfix_str(f"{key} pair {sec * 1e6:.1f}us")
+        if best is None:
+            continue
+        sec, planes, s_cfg, e_cfg = best
+        table.entries[skey], table.entries[ekey] = s_cfg, e_cfg
+        shrinks[skey], expands[ekey] = {planes: options[planes]}, e_cfg
+        bar.set_postfix_str(f"{skey} + {ekey} {sec * 1e6:.1f}us")
     return table
 
 
