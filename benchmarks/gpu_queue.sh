@@ -17,7 +17,8 @@ run_part() {   # one part, its results in $q/$1
     local part=$1 dir=$q/$1
     mkdir -p "$dir"
     case $part in
-        tests)   timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server \
+        tests)   find tests -name __pycache__ -prune -exec rm -rf {} +     # stale ones broke collection once
+                 timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server \
                      ${TESTS_K:+-k "$TESTS_K"} ${TESTS_PATH:-tests} ;;
         merge)   timeout 480 python3 benchmarks/bench_merge.py --sweep --out "$dir" ;;
         decode)  timeout 900 bash benchmarks/gpu_decode.sh "$dir" --no-tests ;;
@@ -35,7 +36,8 @@ run_part() {   # one part, its results in $q/$1
         memory-*) timeout 600 bash benchmarks/gpu_memory.sh "$dir" "${part#memory-}" ;;
         pressure-*) timeout 560 python3 benchmarks/bench_memory.py --pressure --parts dynamic \
                         --session-rate "${part#pressure-}" --policies "${POLICIES:-fastlibra,lru-fixed}" \
-                        ${HOST_KV_GB:+--host-kv-gb $HOST_KV_GB} ${KV_GB:+--kv-gb $KV_GB} --out "$dir" 2>&1 | grep -v Warning ;;
+                        ${HOST_KV_GB:+--host-kv-gb $HOST_KV_GB} ${KV_GB:+--kv-gb $KV_GB} --out "$dir" 2>&1 \
+                        | grep -v Warning ;;
         policies-*) timeout 600 bash benchmarks/gpu_policies.sh "$dir" "${part#policies-}" ;;
         *) echo "unknown part $part" >&2; return 2 ;;
     esac

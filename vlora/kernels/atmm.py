@@ -287,7 +287,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
     grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
     reduce = cfg.split_k > 1 and bool(cfg.reduce)
-    counts = tile_counts(x.device, grid[0] * grid[1]) if reduce else v
+    counts = tile_counts(x.device, grid[0] * grid[1]) if reduce else v      # v: a pointer the kernel never uses
     _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, counts, x.shape[1], x.stride(0), v.stride(0),
                          v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,

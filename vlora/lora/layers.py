@@ -83,7 +83,7 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
         delta = torch.zeros(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        vs = [_shrink(x, p, layer, group, v) for p, v in zip(passes, vs)]      # plane 0 of each: the sum
+        vs = [_shrink(x, p, layer, group, v) for p, v in zip(passes, vs)]      # the planes each hands over
         if delta is not None:
             for p, v in zip(passes, vs):
                 _expand(delta, v, p, layer, group)
