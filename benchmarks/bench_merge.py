@@ -52,15 +52,56 @@ SWEEP = [((32, 128, 4), 2, (32, 1)), ((32, 128, 4), 2, (256, 3)), ((32, 128, 4),
          ((32, 128, 4), 1, (256, 3)), ((32, 256, 8), 2, (256, 3))]
 
 
-def merge_plain(weights, widths, staged, scale) -> None:
-    """Every staged slice merged by the fused kernel writing no restore record (the cost-of-exactness baseline)."""
+def merge_plain(weights, widths, staged, scale, restore=False, **kw) -> dict:
+    """Every staged slice merged by the fused kernel; by default writing no restore record (the cost-of-exactness
+    baseline). Returns the slices' records (with ``restore``)."""
+    recs = {}
     for group, w in weights.items():
         row0 = 0
         for j, width in enumerate(widths[group]):
             if (group, j) in staged:
                 a, b = staged[(group, j)]
-                kernels.merge_slice_(w, row0, a, b, scale, 1, restore=False)
+                cap = max(4096, w.shape[0] * width * w.shape[2] >> 10)
+                recs[(group, j)] = (row0, kernels.merge_slice_(w, row0, a, b, scale, cap, restore=restore, **kw)[0])
             row0 += width
+    return recs
+
+
+def unmerge_plain(weights, staged, scale, recs) -> None:
+    """The fused unmerge kernel of every slice, without the host's scatter of the overflow list."""
+    for (group, j), (row0, sr) in recs.items():
+        a, b = staged[(group, j)]
+        kernels.unmerge_slice_(weights[group], row0, a, b, scale, sr)
+
+
+BREAKDOWN = [  # name, merge_slice_ keywords (the restore record's parts added one at a time)
+    ("no record", dict(restore=False)), ("no record, tile 64x128x4", dict(restore=False, tile=(64, 128, 4))),
+    ("no record, tile 128x128x8", dict(restore=False, tile=(128, 128, 8))),
+    ("no record, tile 64x256x8", dict(restore=False, tile=(64, 256, 8))),
+    ("codes", dict(restore=True, slots=0, overflow=False)), ("codes + 1 slot", dict(restore=True, slots=1,
+                                                                                   overflow=False)),
+    ("codes + 2 slots", dict(restore=True, slots=2, overflow=False)), ("all (exact)", dict(restore=True, slots=2))]
+
+
+def breakdown(weights, original, widths, staged, scale, med, dev) -> list[dict]:
+    """Time the merge with the parts of its restore record added one at a time, and the unmerge of each record
+    (only the last is exact): where the cost of exactness goes."""
+    rows = []
+    for name, kw in BREAKDOWN:
+        ms, ums = [], []
+        for i in range(4):                              # the first compiles
+            t, recs = timed(lambda: merge_plain(weights, widths, staged, scale, **kw), dev)
+            ms.append(t)
+            if kw["restore"]:
+                ums.append(timed(lambda: unmerge_plain(weights, staged, scale, recs), dev)[0])
+            del recs
+            for k in weights:
+                weights[k].copy_(original[k])
+        row = {"variant": name, "merge_ms": med(ms[1:]) * 1e3, "unmerge_ms": med(ums[1:]) * 1e3 if ums else None}
+        rows.append(row)
+        print(f"breakdown {name:28} merge {row['merge_ms']:7.2f} ms" +
+              (f", unmerge kernels {row['unmerge_ms']:7.2f} ms" if ums else ""), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -72,6 +113,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time the fused kernels' tile alternatives first and "
                    "report with the fastest")
+    p.add_argument("--breakdown", action="store_true", help="time the merge with the restore record's parts "
+                   "added one at a time first (GPU)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,6 +156,8 @@ def main() -> None:
             unmerges.append(t)
         return merges, unmerges, rec
 
+    parts = breakdown(weights, original, widths, staged, adapter.scaling, med, dev) if (
+        args.breakdown) else []
     sweep = []
     if args.sweep and dev.type == "cuda":
         for tile, slots, walk in SWEEP:
@@ -146,7 +191,7 @@ def main() -> None:
         "merge_plus_unmerge_over_floor": (med(merges) + med(unmerges)) / (2 * floor),
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
         "tile": next((sr.tile for sr in rec.slices.values()), None),
-        "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep,
+        "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep, "breakdown": parts,
         "unmerge_walk": list(kernels.UNMERGE_WALK) if rec.kernel else None, "merge_without_restore_ms": plain_ms,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }

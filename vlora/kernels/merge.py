@@ -93,7 +93,8 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True):
+                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True,
+                  OVERFLOW: tl.constexpr = True):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
@@ -133,7 +134,7 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
             over = over & (col != last[:, None])
         rem = rem & over
     n_over = tl.sum(tl.sum(rem.to(tl.int32), axis=1), axis=0)
-    if n_over > 0:                                           # rare: more exceptions in a row than slots
+    if OVERFLOW and n_over > 0:        # rare: more exceptions in a row than slots (OVERFLOW=False: a breakdown only)
         pos = tl.atomic_add(count_ptr + tl.zeros((BM, BN), dtype=tl.int32), 1, mask=rem)
         stored = rem & (pos < capacity)
         flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
@@ -256,14 +257,15 @@ class SliceRestore:
 
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
                  tile: tuple[int, int, int] | None = None, slots: int | None = None,
-                 restore: bool = True) -> tuple[SliceRestore | None, bool]:
+                 restore: bool = True, overflow: bool = True) -> tuple[SliceRestore | None, bool]:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
     products in IEEE fp32). ``capacity``: length of the overflow list. Returns (the slice's restore record,
     pending): ``pending`` when some exceptions found no room and were left unmerged with code 15.
     ``restore=False`` writes no restore record (returns None; not undoable exactly): the benchmarks time it for
-    the cost of exactness.
+    the cost of exactness. ``overflow=False`` drops what the slots cannot hold (not exact): only
+    ``bench_merge.py --breakdown`` uses it, to time the parts of the record apart.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
@@ -287,7 +289,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
                                   exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
                                   BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
-                                  RESTORE=restore, **_consts(w))
+                                  RESTORE=restore, OVERFLOW=overflow, **_consts(w))
     if not restore:
         return None, False
     n = int(count.item())
