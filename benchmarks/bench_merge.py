@@ -47,9 +47,9 @@ def copy_bandwidth(device, nbytes=1 << 30) -> float:
 
 
 # (BM, BN, warps), slots, the unmerge's walk (rows per strip, stages; rows = BM is one tile per program)
-SWEEP = [((32, 128, 4), 2, (32, 1)), ((32, 128, 4), 2, (256, 3)), ((32, 128, 4), 2, (256, 2)),
-         ((32, 128, 4), 2, (512, 3)), ((32, 128, 4), 2, (128, 3)), ((64, 128, 8), 2, (256, 3)),
-         ((32, 128, 4), 1, (256, 3)), ((32, 256, 8), 2, (256, 3))]
+SWEEP = [((32, 128, 4), 2, (256, 3)), ((32, 128, 4), 1, (256, 3)), ((64, 128, 4), 2, (256, 3)),
+         ((64, 128, 4), 1, (256, 3)), ((64, 128, 4), 2, (512, 3)), ((64, 128, 4), 2, (128, 2)),
+         ((64, 64, 4), 2, (256, 3)), ((64, 128, 8), 2, (256, 3))]
 
 
 def merge_plain(weights, widths, staged, scale, restore=False, **kw) -> dict:
@@ -147,14 +147,18 @@ def main() -> None:
     del from_pool, preg, pool
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
 
-    def cycles(repeats):
+    def cycles(repeats, reuse=False):
+        """Merge + unmerge ``repeats`` times; with ``reuse`` every merge after the first reuses its record (as a
+        switch back to the adapter unmerged last does), and the first is not counted."""
         merges, unmerges, rec = [], [], None
-        for _ in range(repeats):
-            t, rec = timed(lambda: merge_(weights, widths, adapter, staged=staged), dev)
+        for _ in range(repeats + reuse):
+            t, rec = timed(lambda: merge_(weights, widths, adapter, staged=staged, reuse=rec if reuse else None),
+                           dev)
             merges.append(t)
             t, _ = timed(lambda: unmerge_(weights, widths, rec), dev)
             unmerges.append(t)
-        return merges, unmerges, rec
+        assert rec.reused == (reuse and repeats > 0)
+        return merges[reuse:], unmerges[reuse:], rec
 
     parts = breakdown(weights, original, widths, staged, adapter.scaling, med, dev) if (
         args.breakdown) else []
@@ -172,6 +176,7 @@ def main() -> None:
         kernels.TILE, kernels.SLOTS, kernels.UNMERGE_WALK = (tuple(best["tile"]), best["slots"],
                                                              tuple(best["unmerge_walk"]))
     merges, unmerges, rec = cycles(args.repeats)
+    reused = cycles(args.repeats, reuse=rec.kernel) if rec.kernel else None
     exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     plain_ms = None
     if rec.kernel:                        # the cost of exactness: the same merge writing no restore record
@@ -189,9 +194,12 @@ def main() -> None:
         "merge_ms": med(merges) * 1e3, "unmerge_ms": med(unmerges) * 1e3,
         "merge_over_floor": med(merges) / floor, "unmerge_over_floor": med(unmerges) / floor,
         "merge_plus_unmerge_over_floor": (med(merges) + med(unmerges)) / (2 * floor),
+        "merge_reusing_record_ms": med(reused[0]) * 1e3 if reused else None,
+        "unmerge_after_reuse_ms": med(reused[1]) * 1e3 if reused else None,
+        "reused_pair_over_floor": (med(reused[0]) + med(reused[1])) / (2 * floor) if reused else None,
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
         "tile": next((sr.tile for sr in rec.slices.values()), None),
-        "slots": next((sr.slots for sr in rec.slices.values()), None), "tile_sweep": sweep, "breakdown": parts,
+        "slots": kernels.SLOTS if rec.kernel else None, "tile_sweep": sweep, "breakdown": parts,
         "unmerge_walk": list(kernels.UNMERGE_WALK) if rec.kernel else None, "merge_without_restore_ms": plain_ms,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }
@@ -202,6 +210,9 @@ def main() -> None:
     print(f"{'op':8} {'ms':>9} {'x floor':>8}")
     print(f"{'merge':8} {res['merge_ms']:9.2f} {res['merge_over_floor']:8.2f}")
     print(f"{'unmerge':8} {res['unmerge_ms']:9.2f} {res['unmerge_over_floor']:8.2f}")
+    if reused:
+        print(f"{'merge, reusing its record':26} {res['merge_reusing_record_ms']:9.2f}, then unmerge "
+              f"{res['unmerge_after_reuse_ms']:.2f} ms: {res['reused_pair_over_floor']:.2f}x floor")
     print(f"merge + unmerge {res['merge_plus_unmerge_over_floor']:.2f}x floor (fused kernel: {rec.kernel}); "
           f"staging the adapter's factors once: {stage_s * 1e3:.1f} ms from the host, {stage_pool_s * 1e3:.1f} ms "
           f"from the pool")

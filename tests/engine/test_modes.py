@@ -68,3 +68,36 @@ def test_mode_policies_change_speed_not_answers(tmp_path, policy):
     if policy != "vlora":
         assert orch.decisions[Mode.MIXED] == 0                 # only V-LoRA's policy uses deLoRA
     assert llm.engine.runner.modes.num_switches >= 1
+
+
+def test_switching_back_reuses_the_restore_record(tmp_path, monkeypatch):
+    """With the fused merge (forced on this CPU), merging the adapter unmerged last reuses its restore record;
+    another adapter gets a record of its own (the kept one freed first); the base weights come back bit for bit
+    each time and the answers do not change; unregistering drops the kept record."""
+    from vlora.lora import merge
+
+    monkeypatch.setattr(merge, "_use_kernel", lambda weights, kernel: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4)
+    eng, modes = llm.engine, llm.engine.runner.modes
+    base = {g: t.clone() for g, t in eng.model.stacked.items()}
+    eng.merge_adapter("a8")
+    only_a8 = [o.token_ids for o in llm.generate(PROMPTS, ["a8"] * 4, SP)]
+    first = modes.record
+    for name in ("a4", "a8", "a8", "a4"):
+        eng.unmerge_adapter()
+        assert all(torch.equal(t, base[g]) for g, t in eng.model.stacked.items())
+        eng.merge_adapter(name)
+    assert modes.num_reused == 1 and modes.record is not first      # a8 once; a4 came after a8, not a4
+    eng.unmerge_adapter()
+    eng.merge_adapter("a4")
+    assert modes.num_reused == 2
+    eng.unmerge_adapter()
+    eng.merge_adapter("a8")
+    assert [o.token_ids for o in llm.generate(PROMPTS, ["a8"] * 4, SP)] == only_a8
+    eng.unmerge_adapter()
+    assert modes.kept is not None and modes.kept.adapter.name == "a8"
+    llm.unregister_adapter("a8")
+    assert modes.kept is None
+    assert all(torch.equal(t, base[g]) for g, t in eng.model.stacked.items())

@@ -249,6 +249,7 @@ class Engine:
         merged = self.runner.modes.merged
         if merged is not None and merged.name == name:
             self.runner.modes.unmerge()
+        self.runner.modes.forget(name)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_adapter(name)
         self.adapters.unregister(name)

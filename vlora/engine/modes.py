@@ -36,6 +36,8 @@ class ModeSwitcher:
         self.weights = model.stacked
         self.widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
         self.record: MergeRecord | None = None
+        self.kept: MergeRecord | None = None      # the last unmerged adapter's record, for its next merge
+        self.num_reused = 0
         self.num_switches = 0
         self.last_switch_s = 0.0
         self._staged: dict[str, tuple[PackedAdapter, dict]] = {}     # fused path: factors of recent merges
@@ -51,7 +53,12 @@ class ModeSwitcher:
         t0 = time.perf_counter()
         if self.record is not None:
             unmerge_(self.weights, self.widths, self.record)
-        self.record = merge_(self.weights, self.widths, adapter, staged=self._factors(adapter))
+            self.kept, self.record = (self.record if self.record.kernel else None), None
+        reuse, self.kept = self.kept, None
+        if reuse is not None and reuse.adapter is not adapter:
+            reuse = None                              # freed before the new record is made: one record at most
+        self.record = merge_(self.weights, self.widths, adapter, staged=self._factors(adapter), reuse=reuse)
+        self.num_reused += self.record is reuse
         return self._switched(t0)
 
     def _factors(self, adapter: PackedAdapter) -> dict | None:
@@ -73,13 +80,21 @@ class ModeSwitcher:
         return staged
 
     def unmerge(self) -> float:
-        """Restore the base weights bit for bit; returns seconds taken."""
+        """Restore the base weights bit for bit; returns seconds taken. The record is kept: merging the same
+        adapter next writes only the weights (``merge_``'s ``reuse``); merging another frees it first, so at
+        most one record is held, as while an adapter is merged."""
         if self.record is None:
             return 0.0
         t0 = time.perf_counter()
         unmerge_(self.weights, self.widths, self.record)
-        self.record = None
+        self.kept, self.record = (self.record if self.record.kernel else None), None
         return self._switched(t0)
+
+    def forget(self, name: str) -> None:
+        """Drop what is kept of adapter ``name`` (its record, its staged factors): it is being unregistered."""
+        if self.kept is not None and self.kept.adapter.name == name:
+            self.kept = None
+        self._staged.pop(name, None)
 
     def _switched(self, t0: float) -> float:
         first = next(iter(self.weights.values()))

@@ -155,12 +155,13 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
 # as the merge's (one dot of [BM, BK] by [BK, BN]), so the restore stays bit for bit (the GPU tests check it).
 # On an H100 on 2026-11-22 this took the unmerge of a rank-64 adapter from 20.0 to 14.7 ms in the sweep, 15.0 ms
 # in the timed cycles (Llama-2-7B shapes, benchmarks/results/h100-2026-11-22-merge/). The merge stays one tile per
-# program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design, attempts/ there).
+# program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design, attempts/ there). The slots
+# are not read here: the merge hands every exception over in its list, which the host scatters back (reading
+# the slots cost the unmerge 4 ms of its 14.7: benchmarks/results/h100-2026-11-22-merge/breakdown/).
 @compiles.jit(ints=("row0", "tiles_i", "strips"))
-def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, row0, R, IN, OUT, stride_wl,
-                    stride_wo, scale, tiles_i, strips, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    ROWS: tl.constexpr, STAGES: tl.constexpr, HOIST: tl.constexpr, SLOTS: tl.constexpr,
-                    IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr):
+def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale, tiles_i, strips,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
+                    HOIST: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr):
     pid = tl.program_id(0)
     l = pid // (tiles_i * strips)
     rest = pid % (tiles_i * strips)
@@ -169,7 +170,6 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr,
     offs_i = ti * BN + tl.arange(0, BN)
     i_mask = offs_i < IN
     half = ti * (BN // 2) + tl.arange(0, BN // 2)
-    col = tl.arange(0, BN)[None, :]
     offs_k = tl.arange(0, BK)
     if HOIST:
         at = tl.load(a_ptr + l.to(tl.int64) * IN * R + offs_i[None, :] * R + offs_k[:, None],
@@ -191,14 +191,8 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr,
         else:
             d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
         naive = (w.to(tl.float32) - d).to(w.dtype)
-        step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)
+        step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)     # exceptions: from the list
         restored = (naive.to(INT_T, bitcast=True).to(ORD_T) + step).to(INT_T)
-        if SLOTS > 0:
-            srow = ((l.to(tl.int64) * OUT + offs_o) * tiles_i + ti) * SLOTS
-            for j in tl.static_range(SLOTS):
-                sc = tl.load(slot_col_ptr + srow + j, mask=o_mask, other=-1).to(tl.int32)     # -1: empty
-                sb = tl.load(slot_bits_ptr + srow + j, mask=o_mask, other=0)
-                restored = tl.where(col == sc[:, None], sb[:, None], restored)
         tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
 
 
@@ -241,18 +235,22 @@ UNMERGE_WALK = (256, 3)      # the unmerge's strip: rows (a multiple of BM) and 
 
 @dataclass
 class SliceRestore:
-    """What the unmerge of one slice needs besides ΔW: codes, per-row slots, the overflow list."""
+    """What the unmerge of one slice needs besides ΔW: the codes and the exceptions' original bits."""
 
     codes: torch.Tensor          # uint8 [L, out, in/2]: two 4-bit codes a byte
-    slot_cols: torch.Tensor      # int16 [L, out, tiles_i, SLOTS]: column in the tile, -1 = empty
-    slot_bits: torch.Tensor      # original bits of those elements
-    exc_index: torch.Tensor      # int64 flat indices into the slice [L, out, in] (overflow list)
-    exc_bits: torch.Tensor
-    slots: int
-    tile: tuple[int, int, int]
+    exc_index: torch.Tensor      # int64 flat indices into the stacked weights [L, out_packed, in]
+    exc_bits: torch.Tensor       # their original bit patterns
+    tile: tuple[int, int, int]   # the merge's tile: the unmerge and a merge that reuses this record compute ΔW with it
+    from_slots: int = 0          # how many of the exceptions the row slots held (the rest: the kernel's list, host)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.slot_cols, self.slot_bits, self.exc_index, self.exc_bits]
+        return [self.codes, self.exc_index, self.exc_bits]
+
+
+def stacked_index(idx: torch.Tensor, w: torch.Tensor, row0: int, out: int) -> torch.Tensor:
+    """Flat indices into the slice ``w[:, row0:row0 + out]`` (shape [L, out, in]) -> flat indices into ``w``."""
+    per_layer = out * w.shape[2]
+    return idx + (idx // per_layer) * ((w.shape[1] - out) * w.shape[2]) + row0 * w.shape[2]
 
 
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
@@ -262,10 +260,12 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
     products in IEEE fp32). ``capacity``: length of the overflow list. Returns (the slice's restore record,
-    pending): ``pending`` when some exceptions found no room and were left unmerged with code 15.
-    ``restore=False`` writes no restore record (returns None; not undoable exactly): the benchmarks time it for
-    the cost of exactness. ``overflow=False`` drops what the slots cannot hold (not exact): only
-    ``bench_merge.py --breakdown`` uses it, to time the parts of the record apart.
+    pending): ``pending`` when some exceptions found no room and were left unmerged with code 15 (the caller
+    merges them and adds them to the record's list). The slots are gathered into the record's list here (one
+    pass over them), so the unmerge reads codes only. ``restore=False`` writes no restore record (returns None;
+    not undoable exactly): a merge that reuses a record, and the benchmarks' cost-of-exactness baseline.
+    ``overflow=False`` drops what the slots cannot hold (not exact): only ``bench_merge.py --breakdown`` uses it,
+    to time the parts of the record apart.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
@@ -294,14 +294,23 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
         return None, False
     n = int(count.item())
     keep = min(n, capacity)
-    rec = SliceRestore(codes, slot_cols, slot_bits, exc_idx[:keep].clone(), exc_bits[:keep].clone(), slots, tile)
+    idx, bits = exc_idx[:keep], exc_bits[:keep]
+    from_slots = 0
+    if slots:                                    # slot (layer, row, column tile, j) -> flat index of its element
+        flat_cols = slot_cols.view(-1)
+        where = (flat_cols >= 0).nonzero().squeeze(1)
+        from_slots = where.numel()
+        row, t = where // (ti * slots), (where // slots) % ti
+        idx = torch.cat([row * inn + t * bn + flat_cols[where].long(), idx])
+        bits = torch.cat([slot_bits.view(-1)[where], bits])
+    del slot_cols, slot_bits
+    rec = SliceRestore(codes, stacked_index(idx, w, row0, out), bits.clone(), tile, from_slots)
     return rec, n > capacity
 
 
 def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
                    rec: SliceRestore) -> None:
-    """Undo :func:`merge_slice_` except for the overflow list and pending elements (code 0 or 15 and no slot),
-    which the caller restores from ``rec.exc_index`` / ``rec.exc_bits``."""
+    """Undo :func:`merge_slice_` bit for bit: the kernel (ΔW, codes), then the exceptions' bits scattered back."""
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
     bm, bn, num_warps = rec.tile
@@ -309,8 +318,9 @@ def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor,
     rows = max(bm, rows // bm * bm)
     tiles_i, strips = triton.cdiv(inn, bn), triton.cdiv(out, rows)
     bk = k_tile(r)
-    _unmerge_kernel[(L * tiles_i * strips,)](w, a.contiguous(), b.contiguous(), rec.codes, rec.slot_cols,
-                                             rec.slot_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale,
-                                             tiles_i, strips, BM=bm, BN=bn, BK=bk, ROWS=rows, STAGES=stages,
-                                             HOIST=r <= bk, SLOTS=rec.slots, IEEE=_ieee(w), num_warps=num_warps,
-                                             **_consts(w))
+    _unmerge_kernel[(L * tiles_i * strips,)](w, a.contiguous(), b.contiguous(), rec.codes, row0, r, inn, out,
+                                             w.stride(0), w.stride(1), scale, tiles_i, strips, BM=bm, BN=bn, BK=bk,
+                                             ROWS=rows, STAGES=stages, HOIST=r <= bk, IEEE=_ieee(w),
+                                             num_warps=num_warps, **_consts(w))
+    if rec.exc_index.numel():
+        w.view(INT_OF[w.dtype]).view(-1)[rec.exc_index] = rec.exc_bits

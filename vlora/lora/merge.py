@@ -49,6 +49,8 @@ class MergeRecord:
     kernel: bool = False              # made by the fused Triton path (its records in ``slices``)
     slices: dict = field(default_factory=dict)   # (group, j) -> vlora.kernels.merge.SliceRestore (with its tile:
     #                                              unmerge recomputes ΔW with the same one)
+    reused: bool = False              # this merge reused an earlier record of the adapter (wrote only the weights)
+    base: tuple | None = None         # the weights' identity and version counters after the unmerge (reuse check)
 
     def restore_bytes(self) -> int:
         """Memory held to make the unmerge exact (codes + exceptions)."""
@@ -59,7 +61,7 @@ class MergeRecord:
     def num_exceptions(self) -> int:
         """Elements whose original bits are kept (the rest are restored from ΔW and their code)."""
         n = sum(t.numel() for t in self.exc_index.values())
-        return n + sum(sr.exc_index.numel() + int((sr.slot_cols >= 0).sum()) for sr in self.slices.values())
+        return n + sum(sr.exc_index.numel() for sr in self.slices.values())
 
 
 def _ordered(bits: torch.Tensor) -> torch.Tensor:
@@ -133,16 +135,24 @@ def _use_kernel(weights: dict[str, torch.Tensor], kernel: bool | None) -> bool:
 @torch.no_grad()
 def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], adapter: PackedAdapter,
            scale: float | None = None, chunk_elems: int = 1 << 26, kernel: bool | None = None,
-           capacity: int | None = None, staged: dict | None = None) -> MergeRecord:
+           capacity: int | None = None, staged: dict | None = None, reuse: MergeRecord | None = None) -> MergeRecord:
     """W += s·(A·B)^T for every targeted slice of every layer, in place; returns the restore record.
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
     kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
     (default 1/1024 of the slice's elements; overflow is finished on the host, still exact); staged: this
-    adapter's :func:`stage_factors`, if kept from before.
+    adapter's :func:`stage_factors`, if kept from before. reuse: the record of an earlier merge of this adapter,
+    unmerged since. A restore record depends only on the base weights, the adapter and the scale, so when those
+    are unchanged (:func:`can_reuse`) the merge writes the weights alone and returns ``reuse`` again (fused path
+    only; otherwise ``reuse`` is ignored).
     """
     rec = MergeRecord(adapter, adapter.scaling if scale is None else scale, kernel=_use_kernel(weights, kernel))
     if rec.kernel:
+        if reuse is not None and can_reuse(reuse, weights, adapter, rec.scale):
+            reuse.factors = {}
+            _merge_fused(reuse, weights, widths, capacity, staged, reuse=reuse)
+            reuse.reused, reuse.base = True, None
+            return reuse
         _merge_fused(rec, weights, widths, capacity, staged)
         return rec
     for group, j, w in _slices(weights, widths):
@@ -223,11 +233,25 @@ def stage_from_pool(adapter: PackedAdapter, buf: torch.Tensor, weights: dict[str
     return staged
 
 
+def _fingerprint(weights: dict[str, torch.Tensor]) -> tuple:
+    """Which tensors the weights are and how often torch wrote them in place (Triton's writes are not counted,
+    so it is taken after an unmerge's last, torch-side, write)."""
+    return tuple((g, w.data_ptr(), w._version) for g, w in weights.items())
+
+
+def can_reuse(rec: MergeRecord, weights: dict[str, torch.Tensor], adapter: PackedAdapter, scale: float) -> bool:
+    """Whether merging ``adapter`` at ``scale`` into ``weights`` may reuse ``rec``: the fused path's record of
+    the same adapter and scale, unmerged since (exactly: the weights are the ones it restored), with no write
+    to them through torch after that."""
+    return rec.kernel and rec.adapter is adapter and rec.scale == scale and rec.base == _fingerprint(weights)
+
+
 def _uniform(starts: list[int]) -> bool:
     return len({y - x for x, y in zip(starts, starts[1:])}) <= 1
 
 
-def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None) -> None:
+def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None,
+                 reuse: MergeRecord | None = None) -> None:
     from vlora.kernels import merge as kernels
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
@@ -237,10 +261,17 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
             if (group, j) in staged:
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
+                if reuse is not None:                 # the same ΔW (same kernel tile) on the same base weights
+                    sr = reuse.slices[(group, j)]
+                    kernels.merge_slice_(w, row0, a, b, rec.scale, 1, tile=sr.tile, restore=False)
+                    rec.slices[(group, j)] = sr
+                    row0 += width
+                    continue
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 10)
                 sr, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap)
                 if pending:                                      # no room for some: finish the rest here
                     more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, sr.codes)
+                    more_idx = kernels.stacked_index(more_idx, w, row0, width)
                     sr.exc_index, sr.exc_bits = torch.cat([sr.exc_index, more_idx]), torch.cat([sr.exc_bits,
                                                                                                  more_bits])
                 rec.slices[(group, j)] = sr
@@ -268,6 +299,7 @@ def unmerge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]
     """Undo ``merge_`` exactly: afterwards the weights are bitwise what they were before it."""
     if rec.kernel:
         _unmerge_fused(rec, weights, widths)
+        rec.base = _fingerprint(weights)
         return
     for group, j, w in _slices(weights, widths):
         key = (group, j)
@@ -297,11 +329,6 @@ def _unmerge_fused(rec: MergeRecord, weights, widths) -> None:
             if sr is not None:
                 a, b = rec.factors[(group, j)]
                 unmerge_slice_(w, row0, a, b, rec.scale, sr)
-                if sr.exc_index.numel():
-                    sl = w[:, row0:row0 + width]
-                    per_layer = width * w.shape[2]
-                    layer, rest = sr.exc_index // per_layer, sr.exc_index % per_layer
-                    sl.view(_INT[w.dtype])[layer, rest // w.shape[2], rest % w.shape[2]] = sr.exc_bits
             row0 += width
 
 
