@@ -46,62 +46,23 @@ def copy_bandwidth(device, nbytes=1 << 30) -> float:
     return 2 * nbytes / best
 
 
-# (BM, BN, warps), slots, the unmerge's walk (rows per strip, stages; rows = BM is one tile per program)
-SWEEP = [((32, 128, 4), 2, (256, 3)), ((32, 128, 4), 1, (256, 3)), ((64, 128, 4), 2, (256, 3)),
-         ((64, 128, 4), 1, (256, 3)), ((64, 128, 4), 2, (512, 3)), ((64, 128, 4), 2, (128, 2)),
-         ((64, 64, 4), 2, (256, 3)), ((64, 128, 8), 2, (256, 3))]
+# (BM, BN, warps) and the unmerge's walk (rows per strip, stages; rows = BM is one tile per program)
+SWEEP = [((32, 128, 4), (256, 3)), ((64, 128, 4), (256, 3)), ((64, 128, 4), (512, 3)), ((64, 128, 4), (128, 2)),
+         ((64, 64, 4), (256, 3)), ((128, 64, 4), (256, 3)), ((64, 128, 8), (256, 3)), ((128, 128, 8), (256, 3))]
 
 
 def merge_plain(weights, widths, staged, scale, restore=False, **kw) -> dict:
     """Every staged slice merged by the fused kernel; by default writing no restore record (the cost-of-exactness
-    baseline). Returns the slices' records (with ``restore``)."""
+    baseline, and what a merge reusing its record does). Returns the slices' records (with ``restore``)."""
     recs = {}
     for group, w in weights.items():
         row0 = 0
         for j, width in enumerate(widths[group]):
             if (group, j) in staged:
                 a, b = staged[(group, j)]
-                cap = max(4096, w.shape[0] * width * w.shape[2] >> 10)
-                recs[(group, j)] = (row0, kernels.merge_slice_(w, row0, a, b, scale, cap, restore=restore, **kw)[0])
+                recs[(group, j)] = (row0, kernels.merge_slice_(w, row0, a, b, scale, restore=restore, **kw))
             row0 += width
     return recs
-
-
-def unmerge_plain(weights, staged, scale, recs) -> None:
-    """The fused unmerge kernel of every slice, without the host's scatter of the overflow list."""
-    for (group, j), (row0, sr) in recs.items():
-        a, b = staged[(group, j)]
-        kernels.unmerge_slice_(weights[group], row0, a, b, scale, sr)
-
-
-BREAKDOWN = [  # name, merge_slice_ keywords (the restore record's parts added one at a time)
-    ("no record", dict(restore=False)), ("no record, tile 64x128x4", dict(restore=False, tile=(64, 128, 4))),
-    ("no record, tile 128x128x8", dict(restore=False, tile=(128, 128, 8))),
-    ("no record, tile 64x256x8", dict(restore=False, tile=(64, 256, 8))),
-    ("codes", dict(restore=True, slots=0, overflow=False)), ("codes + 1 slot", dict(restore=True, slots=1,
-                                                                                   overflow=False)),
-    ("codes + 2 slots", dict(restore=True, slots=2, overflow=False)), ("all (exact)", dict(restore=True, slots=2))]
-
-
-def breakdown(weights, original, widths, staged, scale, med, dev) -> list[dict]:
-    """Time the merge with the parts of its restore record added one at a time, and the unmerge of each record
-    (only the last is exact): where the cost of exactness goes."""
-    rows = []
-    for name, kw in BREAKDOWN:
-        ms, ums = [], []
-        for i in range(4):                              # the first compiles
-            t, recs = timed(lambda: merge_plain(weights, widths, staged, scale, **kw), dev)
-            ms.append(t)
-            if kw["restore"]:
-                ums.append(timed(lambda: unmerge_plain(weights, staged, scale, recs), dev)[0])
-            del recs
-            for k in weights:
-                weights[k].copy_(original[k])
-        row = {"variant": name, "merge_ms": med(ms[1:]) * 1e3, "unmerge_ms": med(ums[1:]) * 1e3 if ums else None}
-        rows.append(row)
-        print(f"breakdown {name:28} merge {row['merge_ms']:7.2f} ms" +
-              (f", unmerge kernels {row['unmerge_ms']:7.2f} ms" if ums else ""), flush=True)
-    return rows
 
 
 def main() -> None:
@@ -113,8 +74,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time the fused kernels' tile alternatives first and "
                    "report with the fastest")
-    p.add_argument("--breakdown", action="store_true", help="time the merge with the restore record's parts "
-                   "added one at a time first (GPU)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,21 +119,21 @@ def main() -> None:
         assert rec.reused == (reuse and repeats > 0)
         return merges[reuse:], unmerges[reuse:], rec
 
-    parts = breakdown(weights, original, widths, staged, adapter.scaling, med, dev) if (
-        args.breakdown) else []
     sweep = []
     if args.sweep and dev.type == "cuda":
-        for tile, slots, walk in SWEEP:
-            kernels.TILE, kernels.SLOTS, kernels.UNMERGE_WALK = tile, slots, walk
+        for tile, walk in SWEEP:
+            kernels.TILE, kernels.UNMERGE_WALK = tile, walk
             cycles(1)                                   # compiles this tile's kernels
             m, u, _ = cycles(3)
-            sweep.append({"tile": tile, "slots": slots, "unmerge_walk": walk, "merge_ms": med(m) * 1e3,
-                          "unmerge_ms": med(u) * 1e3})
-            print(f"tile {tile} slots {slots} unmerge walk {walk}: merge {med(m) * 1e3:.2f} ms, unmerge "
-                  f"{med(u) * 1e3:.2f} ms", flush=True)
-        best = min(sweep, key=lambda r: r["merge_ms"] + r["unmerge_ms"])
-        kernels.TILE, kernels.SLOTS, kernels.UNMERGE_WALK = (tuple(best["tile"]), best["slots"],
-                                                             tuple(best["unmerge_walk"]))
+            mr, ur, _ = cycles(3, reuse=True)
+            row = {"tile": tile, "unmerge_walk": walk, "merge_ms": med(m) * 1e3, "unmerge_ms": med(u) * 1e3,
+                   "merge_reusing_record_ms": med(mr) * 1e3, "unmerge_after_reuse_ms": med(ur) * 1e3}
+            row["cold_plus_reused_cycle_ms"] = row["merge_ms"] + row["merge_reusing_record_ms"] + 2 * row["unmerge_ms"]
+            sweep.append(row)
+            print(f"tile {tile} unmerge walk {walk}: merge {row['merge_ms']:.2f} ms, reusing its record "
+                  f"{row['merge_reusing_record_ms']:.2f} ms, unmerge {row['unmerge_ms']:.2f} ms", flush=True)
+        best = min(sweep, key=lambda r: r["cold_plus_reused_cycle_ms"])
+        kernels.TILE, kernels.UNMERGE_WALK = tuple(best["tile"]), tuple(best["unmerge_walk"])
     merges, unmerges, rec = cycles(args.repeats)
     reused = cycles(args.repeats, reuse=rec.kernel) if rec.kernel else None
     exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
@@ -199,7 +158,7 @@ def main() -> None:
         "reused_pair_over_floor": (med(reused[0]) + med(reused[1])) / (2 * floor) if reused else None,
         "stage_factors_ms": stage_s * 1e3, "stage_from_pool_ms": stage_pool_s * 1e3, "fused_kernel": rec.kernel,
         "tile": next((sr.tile for sr in rec.slices.values()), None),
-        "slots": kernels.SLOTS if rec.kernel else None, "tile_sweep": sweep, "breakdown": parts,
+         "tile_sweep": sweep,
         "unmerge_walk": list(kernels.UNMERGE_WALK) if rec.kernel else None, "merge_without_restore_ms": plain_ms,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
     }

@@ -4,7 +4,7 @@
 #   benchmarks/gpu_queue.sh start OUTDIR SECONDS PART...   start the queue, then wait as `wait` does
 #   benchmarks/gpu_queue.sh wait  OUTDIR SECONDS           wait until the queue is done or SECONDS pass,
 #                                                          then pack every part's results into OUTDIR/queue.tar.gz
-# PART: tests (env TESTS_K, TESTS_PATH: a subset) | merge | merge-breakdown | decode | e2e | e2e-overlap |
+# PART: tests (env TESTS_K, TESTS_PATH: a subset) | merge | decode | e2e | e2e-overlap |
 #       lora-kernels (with this queue's tune-grid table, if it ran first) | tune-grid |
 #       vision | memory-throughput | memory-dynamic | pressure-<session rate> (env KV_GB, HOST_KV_GB) |
 #       policies-<skew-low|skew-high|retrieval|video>.
@@ -22,7 +22,6 @@ run_part() {   # one part, its results in $q/$1
                  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/server \
                      ${TESTS_K:+-k "$TESTS_K"} ${TESTS_PATH:-tests} ;;
         merge)   timeout 480 python3 benchmarks/bench_merge.py --sweep --out "$dir" ;;
-        merge-breakdown) timeout 480 python3 benchmarks/bench_merge.py --breakdown --out "$dir" ;;
         decode)  timeout 900 bash benchmarks/gpu_decode.sh "$dir" --no-tests ;;
         e2e)     timeout 600 python3 benchmarks/bench_e2e.py --skip-peft --out "$dir" ;;
         e2e-overlap) for m in off shrink full; do mkdir -p "$dir/$m"

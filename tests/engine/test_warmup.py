@@ -74,17 +74,19 @@ def test_compile_counter_counts_hook_calls():
 
 
 def test_merge_build_launches_every_k_tile():
-    """``build_merge`` merges and unmerges once per variant (ranks up to 64: rank 1, then K tiles 16, 32, 64,
-    each with ranks a multiple of 16 and not); on the CPU in Triton's interpreter."""
+    """``build_merge`` runs the merge's two launches, the unmerge and a merge without a record once per variant
+    (ranks up to 64: rank 1, then K tiles 16, 32, 64, each with ranks a multiple of 16 and not); on the CPU in
+    Triton's interpreter."""
     from vlora.engine.warmup import build_merge
 
-    assert build_merge(torch.float32, torch.device("cpu"), 64) == 14
-    assert build_merge(torch.float32, torch.device("cpu"), 16) == 6
+    assert build_merge(torch.float32, torch.device("cpu"), 64) == 28
+    assert build_merge(torch.float32, torch.device("cpu"), 16) == 12
 
 
 @pytest.mark.gpu
 def test_gpu_merge_after_start_up_builds_nothing():
-    """A merging policy's engine builds the merge kernels at start-up: a merge and unmerge then build none."""
+    """A merging policy's engine builds the merge kernels at start-up: merges (one reusing its record) and
+    unmerges then build none."""
     import tempfile
     from pathlib import Path
 
@@ -98,10 +100,11 @@ def test_gpu_merge_after_start_up_builds_nothing():
             llm.register_adapter(f"a{i}", write_random_adapter(Path(tmp) / f"a{i}", llm.engine.adapters.shape, r,
                                                                seed=i))
     mark = compiles.snapshot()
-    for name in ("a0", "a1"):
+    for name in ("a0", "a1", "a1"):                   # the second merge of a1 reuses its record
         llm.engine.merge_adapter(name)
         llm.engine.unmerge_adapter()
     torch.cuda.synchronize()
+    assert llm.engine.runner.modes.num_reused == 1
     assert compiles.since(mark)["compiles"] == 0, compiles.since(mark)
 
 
