@@ -131,12 +131,14 @@ def _finish_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, offset_ptr, exc_id
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
     w = tl.load(w_ptr + w_off, mask=exc, other=0.0)
     tl.store(w_ptr + w_off, (w.to(tl.float32) + d).to(w.dtype), mask=exc)
-    flat_exc = tl.reshape(exc.to(tl.int32), (BM * BN,))
-    pos = tl.load(offset_ptr + tl.program_id(0)) + tl.cumsum(flat_exc, axis=0) - 1
-    flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
-    keep = flat_exc != 0
-    tl.store(exc_idx_ptr + pos, tl.reshape(flat_idx, (BM * BN,)), mask=keep)
-    tl.store(exc_bits_ptr + pos, tl.reshape(w.to(INT_T, bitcast=True), (BM * BN,)), mask=keep)
+    # rank in the tile, row-major: the exceptions of the rows above, then a scan along the row (2-D scans in the
+    # tile's own layout, no reshape)
+    e = exc.to(tl.int32)
+    per_row = tl.sum(e, axis=1)
+    pos = tl.load(offset_ptr + tl.program_id(0)) + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + \
+        tl.cumsum(e, axis=1) - 1
+    tl.store(exc_idx_ptr + pos, (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :], mask=exc)
+    tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=exc)
 
 
 # The unmerge walks a strip of ROWS rows of one column tile, BM rows at a time, software-pipelined (STAGES), with A's
