@@ -46,7 +46,7 @@ def copy_bandwidth(device, nbytes=1 << 30) -> float:
     return 2 * nbytes / best
 
 
-# (BM, BN, warps) and the unmerge's walk (rows per strip, stages; rows = BM is one tile per program)
+# (BM, BN, warps) and the unmerge's walk (rows per strip, stages; rows = BM is one tile per program); 2 slots
 SWEEP = [((32, 128, 4), (256, 3)), ((64, 128, 4), (256, 3)), ((64, 128, 4), (512, 3)), ((64, 128, 4), (128, 2)),
          ((64, 64, 4), (256, 3)), ((128, 64, 4), (256, 3)), ((64, 128, 8), (256, 3)), ((128, 128, 8), (256, 3))]
 
@@ -60,7 +60,9 @@ def merge_plain(weights, widths, staged, scale, restore=False, **kw) -> dict:
         for j, width in enumerate(widths[group]):
             if (group, j) in staged:
                 a, b = staged[(group, j)]
-                recs[(group, j)] = (row0, kernels.merge_slice_(w, row0, a, b, scale, restore=restore, **kw))
+                cap = max(4096, w.shape[0] * width * w.shape[2] >> 10)
+                recs[(group, j)] = (row0, kernels.merge_slice_(w, row0, a, b, scale, cap, restore=restore,
+                                                               **kw)[0])
             row0 += width
     return recs
 

@@ -138,21 +138,22 @@ def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...
 
 
 def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
-    """Merge (with and without a record) and unmerge a small weight once per variant the ranks up to ``max_rank``
-    make of the fused merge kernels (:func:`vlora.kernels.merge.variant`). Returns the launches."""
+    """Merge (with and without a record) and unmerge a zero adapter into a small zero weight once per variant the
+    ranks up to ``max_rank`` make of the fused merge kernels (:func:`vlora.kernels.merge.variant`). Returns the
+    launches."""
     from vlora.kernels.merge import merge_slice_, unmerge_slice_, variant
 
     ranks = {}
     for r in range(1, max_rank + 1):
         ranks.setdefault(variant(r), r)
     for r in ranks.values():
-        w = torch.full((1, 64, 128), 1e-30, dtype=dtype, device=device)   # far below ΔW: every element an exception,
-        a = torch.ones(1, 128, r, dtype=dtype, device=device)              # so the second launch runs too
-        b = torch.ones(1, r, 64, dtype=dtype, device=device)
-        rec = merge_slice_(w, 0, a, b, 1.0)
+        w = torch.zeros(1, 64, 128, dtype=dtype, device=device)
+        a = torch.zeros(1, 128, r, dtype=dtype, device=device)
+        b = torch.zeros(1, r, 64, dtype=dtype, device=device)
+        rec, _ = merge_slice_(w, 0, a, b, 1.0, 16)
         unmerge_slice_(w, 0, a, b, 1.0, rec)
-        merge_slice_(w, 0, a, b, 1.0, restore=False)                       # a merge that reuses its record
-    return 4 * len(ranks)
+        merge_slice_(w, 0, a, b, 1.0, 16, restore=False)          # a merge that reuses its record
+    return 3 * len(ranks)
 
 
 @torch.inference_mode()

@@ -6,24 +6,25 @@ the weights' dtype, fp32 accumulation), reads the weight tile once, writes the
 merged tile once, and writes the tile's restore codes: ``c = bits(W) -
 bits(round(W' - ΔW))``, the difference of the bit patterns read as integers
 (for two floats of one sign, the number of representable values between them),
-in 4 bits per element, ``c + 8`` for ``c`` in [-8, 6]. Code 15 marks an
-exception (``c`` out of range, or a sign change: where ``|W|`` is far below
-``|ΔW|``, about 0.2% of the elements for the benchmark's random 7B-shaped model at rank 64).
-The first kernel leaves an exception as it was and counts the tile's
-exceptions; a second launch over the same tiles, after a prefix sum of the
-counts, merges them and writes each one's flat index and original bits into
-the slice's list, at its tile's offset plus its rank in the tile (a scan over
-the tile's mask). No atomics, and the first kernel keeps no per-row state.
+in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. Code 0 marks an
+exception (``c`` out of range, or a sign change), whose original bits are kept:
 
-Unmerge recomputes the identical ΔW (the same product of the same tiles),
-applies ``round(W' - ΔW)`` and the codes, and the list is scattered back: the
-weights return bit for bit. The record depends only on the base weights, the
-adapter and the scale, so a later merge of the same adapter can reuse it and
-write the weights alone (``merge_slice_(restore=False)`` with the record's tile).
+* in the *slots* of its tile row: every row of a tile keeps its first and its
+  last exception (``SLOTS`` = 2; column in the tile, original bits), found by a
+  min- and a max-reduction along the row. No scan, no atomics: with LoRA-sized
+  ΔW about one tile row in five has an exception and one in several hundred
+  more than two;
+* the rest in one list for the slice (flat index, original bits), one atomic
+  slot per element, taken only by tiles that have such an overflow.
+
+An exception that finds no room in the list is left unmerged and marked 15
+("pending"); the host then finishes those few elements in torch
+(``vlora.lora.merge``). Unmerge recomputes the identical ΔW (same kernel, same
+tiles), applies ``round(W' - ΔW)``, the codes and the slots, and the host
+scatters the list back: the weights return bit for bit.
 
 Traffic per touched element: merge reads 2 and writes 2.5 bytes (bf16 + half a
-byte of code), unmerge the reverse; the second launch reads the codes again
-(half a byte) and touches only the exceptions.
+byte of code) plus 4 bytes per slot per tile row, unmerge the reverse.
 """
 
 from __future__ import annotations
@@ -88,17 +89,19 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 # benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json and earlier/). The variants are then one
 # per (K tile, rank a multiple of 16 or not, rank 1) and dtype, which the engine builds at start-up
 # (vlora.engine.warmup.build_merge).
-@compiles.jit(ints=("row0", "tiles_o", "tiles_i"))
-def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale,
-                  tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True):
+@compiles.jit(ints=("row0", "capacity", "tiles_o", "tiles_i"))
+def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
+                  row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
+                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True,
+                  OVERFLOW: tl.constexpr = True):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
     w = tl.load(w_ptr + w_off, mask=mask, other=0.0)        # issued first: in flight while ΔW is computed
     d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
     merged = (w.to(tl.float32) + d).to(w.dtype)
-    if not RESTORE:                          # a merge reusing its record; the benchmarks' cost-of-exactness baseline
+    if not RESTORE:                                          # the benchmarks' cost-of-exactness baseline
         tl.store(w_ptr + w_off, merged, mask=mask)
         return
     naive = (merged.to(tl.float32) - d).to(w.dtype)
@@ -107,38 +110,43 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, row0, R, IN, OUT, s
     wbits = w.to(INT_T, bitcast=True).to(ORD_T)
     nbits = naive.to(INT_T, bitcast=True).to(ORD_T)
     c = wbits - nbits
-    exc = (((wbits ^ nbits) < 0) | (c < -8) | (c > 6)) & mask
-    nib = tl.where(exc, 15, c + 8).to(tl.int32)
-    tl.store(w_ptr + w_off, tl.where(exc, w, merged), mask=mask)    # exceptions: merged by _finish_kernel
+    rem = (((wbits ^ nbits) < 0) | (c < -7) | (c > 6)) & mask
+    nib = tl.where(rem, 0, c + 8).to(tl.int32)
+    if SLOTS > 0:
+        # the first and the last exception of every tile row (a min- and a max-reduction along the rows); their
+        # original bits re-read from the row (in cache: the tile was just loaded, and is stored below)
+        col = tl.arange(0, BN)[None, :]
+        ti = tl.program_id(0) % tiles_i
+        srow = ((l.to(tl.int64) * OUT + offs_o) * tiles_i + ti) * SLOTS
+        rows = w_ptr + l.to(tl.int64) * stride_wl + (row0 + offs_o).to(tl.int64) * stride_wo + ti * BN
+        first = tl.min(tl.where(rem, col, BN), axis=1)
+        has = o_mask & (first < BN)
+        tl.store(slot_col_ptr + srow, tl.where(has, first, -1).to(tl.int16), mask=o_mask)
+        tl.store(slot_bits_ptr + srow, tl.load(rows + first, mask=has, other=0.0).to(INT_T, bitcast=True),
+                 mask=o_mask)
+        over = col != first[:, None]
+        if SLOTS > 1:
+            last = tl.max(tl.where(rem, col, -1), axis=1)
+            has = o_mask & (last > first) & (first < BN)
+            tl.store(slot_col_ptr + srow + 1, tl.where(has, last, -1).to(tl.int16), mask=o_mask)
+            tl.store(slot_bits_ptr + srow + 1, tl.load(rows + last, mask=has, other=0.0).to(INT_T, bitcast=True),
+                     mask=o_mask)
+            over = over & (col != last[:, None])
+        rem = rem & over
+    n_over = tl.sum(tl.sum(rem.to(tl.int32), axis=1), axis=0)
+    if OVERFLOW and n_over > 0:        # rare: more exceptions in a row than slots (OVERFLOW=False: a breakdown only)
+        pos = tl.atomic_add(count_ptr + tl.zeros((BM, BN), dtype=tl.int32), 1, mask=rem)
+        stored = rem & (pos < capacity)
+        flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
+        tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
+        tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
+        pending = rem & ~stored
+        nib = tl.where(pending, 15, nib)
+        merged = tl.where(pending, w, merged)                  # left as it was: the host finishes it
+    tl.store(w_ptr + w_off, merged, mask=mask)
     lo, hi = tl.split(tl.reshape(nib, (BM, BN // 2, 2)))
-    tl.store(codes_ptr + c_off, (lo | (hi << 4)).to(tl.uint8), mask=c_mask)
-    tl.store(count_ptr + tl.program_id(0), tl.sum(tl.sum(exc.to(tl.int32), axis=1), axis=0))
-
-
-# The exceptions the merge left: each program takes the merge's tile, returns at once if the tile had none,
-# else re-reads the tile's codes, recomputes ΔW (the same product), merges the exceptions and writes (flat index
-# in the slice, original bits) at its tile's offset in the list plus each one's rank in the tile.
-@compiles.jit(ints=("row0", "tiles_o", "tiles_i"))
-def _finish_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, offset_ptr, exc_idx_ptr, exc_bits_ptr, row0, R, IN,
-                   OUT, stride_wl, stride_wo, scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr):
-    if tl.load(count_ptr + tl.program_id(0)) == 0:
-        return
-    l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
-                                                                    tiles_o, tiles_i, BM, BN)
-    packed = tl.load(codes_ptr + c_off, mask=c_mask, other=0).to(tl.int32)
-    exc = (tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN)) == 15) & o_mask[:, None] & i_mask[None, :]
-    d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    w = tl.load(w_ptr + w_off, mask=exc, other=0.0)
-    tl.store(w_ptr + w_off, (w.to(tl.float32) + d).to(w.dtype), mask=exc)
-    # rank in the tile, row-major: the exceptions of the rows above, then a scan along the row (2-D scans in the
-    # tile's own layout, no reshape)
-    e = exc.to(tl.int32)
-    per_row = tl.sum(e, axis=1)
-    pos = tl.load(offset_ptr + tl.program_id(0)) + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + \
-        tl.cumsum(e, axis=1) - 1
-    tl.store(exc_idx_ptr + pos, (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :], mask=exc)
-    tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=exc)
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    tl.store(codes_ptr + c_off, packed, mask=c_mask)
 
 
 # The unmerge walks a strip of ROWS rows of one column tile, BM rows at a time, software-pipelined (STAGES), with A's
@@ -147,8 +155,9 @@ def _finish_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, count_ptr, offset_ptr, exc_id
 # as the merge's (one dot of [BM, BK] by [BK, BN]), so the restore stays bit for bit (the GPU tests check it).
 # On an H100 on 2026-11-22 this took the unmerge of a rank-64 adapter from 20.0 to 14.7 ms in the sweep, 15.0 ms
 # in the timed cycles (Llama-2-7B shapes, benchmarks/results/h100-2026-11-22-merge/). The merge stays one tile per
-# program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design, attempts/ there). The
-# exceptions come back from the record's list, scattered after the kernel.
+# program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design, attempts/ there). The slots
+# are not read here: the merge hands every exception over in its list, which the host scatters back (reading
+# the slots cost the unmerge 4 ms of its 14.7: benchmarks/results/h100-2026-11-22-merge/breakdown/).
 @compiles.jit(ints=("row0", "tiles_i", "strips"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale, tiles_i, strips,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
@@ -182,7 +191,7 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl,
         else:
             d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
         naive = (w.to(tl.float32) - d).to(w.dtype)
-        step = tl.where(nib == 15, 0, nib - 8).to(ORD_T)                    # exceptions: from the list
+        step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)     # exceptions: from the list
         restored = (naive.to(INT_T, bitcast=True).to(ORD_T) + step).to(INT_T)
         tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
 
@@ -215,12 +224,13 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
     return triton.cdiv(out, bm), triton.cdiv(inn, bn)
 
 
-# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives.
-# On an H100 on 2026-11-22 (32, 128, 4) had the fastest merge + unmerge for Llama-2-7B shapes at rank 64 with
-# the exceptions in per-row slots (38.0 + 18.4 ms in the sweep, against 43.2 + 16.3 ms for (64, 128, 8):
-# benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json); without a record (64, 128, 4) was fastest
-# (9.6 against 12.5 ms: benchmarks/results/h100-2026-11-22-merge/breakdown/). Not swept on an H200.
-TILE = (32, 128, 4)
+# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives. On an H100 on
+# 2026-11-22 (Llama-2-7B shapes, rank 64, 2 slots; benchmarks/results/h100-2026-11-22-merge/reuse/) (64, 64, 4)
+# had the fastest merge + unmerge, 38.3 + 12.1 ms in the sweep, against 47.2 + 11.5 for (32, 128, 4) and 58.8 +
+# 11.5 for (64, 128, 4). A merge that reuses its record runs the same tile without the record: 10.6-10.7 ms with
+# (64, 64, 4), 9.6-9.8 with (64, 128, 4), 12.1 with (32, 128, 4). Not swept on an H200.
+TILE = (64, 64, 4)
+SLOTS = 2                    # exception slots per tile row: 0, 1 (the first) or 2 (the first and the last)
 UNMERGE_WALK = (256, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
 
 
@@ -232,6 +242,7 @@ class SliceRestore:
     exc_index: torch.Tensor      # int64 flat indices into the stacked weights [L, out_packed, in]
     exc_bits: torch.Tensor       # their original bit patterns
     tile: tuple[int, int, int]   # the merge's tile: the unmerge and a merge that reuses this record compute ΔW with it
+    from_slots: int = 0          # how many of the exceptions the row slots held (the rest: the kernel's list, host)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.exc_index, self.exc_bits]
@@ -243,39 +254,59 @@ def stacked_index(idx: torch.Tensor, w: torch.Tensor, row0: int, out: int) -> to
     return idx + (idx // per_layer) * ((w.shape[1] - out) * w.shape[2]) + row0 * w.shape[2]
 
 
-def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
-                 tile: tuple[int, int, int] | None = None, restore: bool = True) -> SliceRestore | None:
+def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
+                 tile: tuple[int, int, int] | None = None, slots: int | None = None,
+                 restore: bool = True, overflow: bool = True) -> tuple[SliceRestore | None, bool]:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
-    products in IEEE fp32). Returns the slice's restore record. ``restore=False`` writes no restore record
-    (returns None; not undoable exactly unless a record of the same merge, made with the same ``tile``, is
-    kept): a merge that reuses a record, and the benchmarks' cost-of-exactness baseline.
+    products in IEEE fp32). ``capacity``: length of the overflow list. Returns (the slice's restore record,
+    pending): ``pending`` when some exceptions found no room and were left unmerged with code 15 (the caller
+    merges them and adds them to the record's list). The slots are gathered into the record's list here (one
+    pass over them), so the unmerge reads codes only. ``restore=False`` writes no restore record (returns None;
+    not undoable exactly): a merge that reuses a record, and the benchmarks' cost-of-exactness baseline.
+    ``overflow=False`` drops what the slots cannot hold (not exact): only ``bench_merge.py --breakdown`` uses it,
+    to time the parts of the record apart.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
     tile = tuple(tile or TILE)
+    slots = SLOTS if slots is None else slots
+    assert slots in (0, 1, 2), "slots per tile row: 0, 1 or 2"
     bm, bn, num_warps = tile
     to, ti = _tiles(out, inn, bm, bn)
-    programs = L * to * ti
     int_t = INT_OF[w.dtype]
-    codes = torch.empty((L, out, inn // 2) if restore else (1,), dtype=torch.uint8, device=w.device)
-    count = torch.empty(programs if restore else 1, dtype=torch.int32, device=w.device)
-    a, b, bk = a.contiguous(), b.contiguous(), k_tile(r)
-    args = (row0, r, inn, out, w.stride(0), w.stride(1), scale, to, ti)
-    _merge_kernel[(programs,)](w, a, b, codes, count, *args, BM=bm, BN=bn, BK=bk, IEEE=_ieee(w),
-                               num_warps=num_warps, RESTORE=restore, **_consts(w))
+    record = (L, out, inn // 2), (L, out, ti, slots)
+    if not restore:                                         # nothing is written to them
+        record = (1,), (1,)
+    codes = torch.empty(record[0], dtype=torch.uint8, device=w.device)
+    slot_cols = torch.empty(record[1], dtype=torch.int16, device=w.device)
+    slot_bits = torch.empty(record[1], dtype=int_t, device=w.device)
+    count = torch.zeros(1, dtype=torch.int32, device=w.device)
+    exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
+    exc_bits = torch.empty(max(capacity, 1), dtype=int_t, device=w.device)
+    bk = k_tile(r)
+    _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
+                                  exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
+                                  BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
+                                  RESTORE=restore, OVERFLOW=overflow, **_consts(w))
     if not restore:
-        return None
-    ends = torch.cumsum(count, 0)
-    total = int(ends[-1].item())
-    exc_idx = torch.empty(total, dtype=torch.int64, device=w.device)
-    exc_bits = torch.empty(total, dtype=int_t, device=w.device)
-    if total:
-        _finish_kernel[(programs,)](w, a, b, codes, count, ends - count, exc_idx, exc_bits, *args, BM=bm, BN=bn,
-                                    BK=bk, IEEE=_ieee(w), num_warps=num_warps, INT_T=_consts(w)["INT_T"])
-    return SliceRestore(codes, stacked_index(exc_idx, w, row0, out), exc_bits, tile)
+        return None, False
+    n = int(count.item())
+    keep = min(n, capacity)
+    idx, bits = exc_idx[:keep], exc_bits[:keep]
+    from_slots = 0
+    if slots:                                    # slot (layer, row, column tile, j) -> flat index of its element
+        flat_cols = slot_cols.view(-1)
+        where = (flat_cols >= 0).nonzero().squeeze(1)
+        from_slots = where.numel()
+        row, t = where // (ti * slots), (where // slots) % ti
+        idx = torch.cat([row * inn + t * bn + flat_cols[where].long(), idx])
+        bits = torch.cat([slot_bits.view(-1)[where], bits])
+    del slot_cols, slot_bits
+    rec = SliceRestore(codes, stacked_index(idx, w, row0, out), bits.clone(), tile, from_slots)
+    return rec, n > capacity
 
 
 def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
