@@ -19,12 +19,16 @@ exception (``c`` out of range, or a sign change), whose original bits are kept:
 
 An exception that finds no room in the list is left unmerged and marked 15
 ("pending"); the host then finishes those few elements in torch
-(``vlora.lora.merge``). Unmerge recomputes the identical ΔW (same kernel, same
-tiles), applies ``round(W' - ΔW)``, the codes and the slots, and the host
-scatters the list back: the weights return bit for bit.
+(``vlora.lora.merge``). After the launch the slots are gathered into the
+slice's list (flat indices into the stacked weights, original bits), so the
+record is codes + one list. Unmerge recomputes the identical ΔW (same tiles),
+applies ``round(W' - ΔW)`` and the codes, and scatters the list back: the
+weights return bit for bit. The record depends only on the base weights, the
+adapter and the scale, so a later merge of the same adapter may reuse it and
+run the merge without a record (``restore=False``, the record's tile).
 
 Traffic per touched element: merge reads 2 and writes 2.5 bytes (bf16 + half a
-byte of code) plus 4 bytes per slot per tile row, unmerge the reverse.
+byte of code) plus 4 bytes per slot per tile row, unmerge reads 2.5 and writes 2.
 """
 
 from __future__ import annotations
