@@ -97,8 +97,7 @@ def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexp
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
                   row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True,
-                  OVERFLOW: tl.constexpr = True):
+                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True):
     l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
                                                                     tiles_o, tiles_i, BM, BN)
     mask = o_mask[:, None] & i_mask[None, :]
@@ -138,7 +137,7 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, c
             over = over & (col != last[:, None])
         rem = rem & over
     n_over = tl.sum(tl.sum(rem.to(tl.int32), axis=1), axis=0)
-    if OVERFLOW and n_over > 0:        # rare: more exceptions in a row than slots (OVERFLOW=False: a breakdown only)
+    if n_over > 0:                                           # rare: more exceptions in a row than slots
         pos = tl.atomic_add(count_ptr + tl.zeros((BM, BN), dtype=tl.int32), 1, mask=rem)
         stored = rem & (pos < capacity)
         flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
@@ -231,8 +230,9 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
 # Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives. On an H100 on
 # 2026-11-22 (Llama-2-7B shapes, rank 64, 2 slots; benchmarks/results/h100-2026-11-22-merge/reuse/) (64, 64, 4)
 # had the fastest merge + unmerge, 38.3 + 12.1 ms in the sweep, against 47.2 + 11.5 for (32, 128, 4) and 58.8 +
-# 11.5 for (64, 128, 4). A merge that reuses its record runs the same tile without the record: 10.6-10.7 ms with
-# (64, 64, 4), 9.6-9.8 with (64, 128, 4), 12.1 with (32, 128, 4). Not swept on an H200.
+# 11.5 for (64, 128, 4). A merge that reuses its record runs the same tile without the record: 10.7-10.8 ms with
+# (64, 64, 4) (reuse/), 9.6-9.8 with (64, 128, 4) and 12.1-12.3 with (32, 128, 4) (the sweeps in
+# attempts/two-launch/, whose record-less merge is this one). Not swept on an H200.
 TILE = (64, 64, 4)
 SLOTS = 2                    # exception slots per tile row: 0, 1 (the first) or 2 (the first and the last)
 UNMERGE_WALK = (256, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
@@ -260,7 +260,7 @@ def stacked_index(idx: torch.Tensor, w: torch.Tensor, row0: int, out: int) -> to
 
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
                  tile: tuple[int, int, int] | None = None, slots: int | None = None,
-                 restore: bool = True, overflow: bool = True) -> tuple[SliceRestore | None, bool]:
+                 restore: bool = True) -> tuple[SliceRestore | None, bool]:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
@@ -269,8 +269,6 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     merges them and adds them to the record's list). The slots are gathered into the record's list here (one
     pass over them), so the unmerge reads codes only. ``restore=False`` writes no restore record (returns None;
     not undoable exactly): a merge that reuses a record, and the benchmarks' cost-of-exactness baseline.
-    ``overflow=False`` drops what the slots cannot hold (not exact): only ``bench_merge.py --breakdown`` uses it,
-    to time the parts of the record apart.
     """
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
     L, _, inn = w.shape
@@ -294,7 +292,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
                                   exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
                                   BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
-                                  RESTORE=restore, OVERFLOW=overflow, **_consts(w))
+                                  RESTORE=restore, **_consts(w))
     if not restore:
         return None, False
     n = int(count.item())
