@@ -52,8 +52,7 @@ class ModeSwitcher:
             return 0.0
         t0 = time.perf_counter()
         if self.record is not None:
-            unmerge_(self.weights, self.widths, self.record)
-            self.kept, self.record = (self.record if self.record.kernel else None), None
+            self._unmerge_keeping_record()
         reuse, self.kept = self.kept, None
         if reuse is not None and reuse.adapter is not adapter:
             reuse = None                              # freed before the new record is made: one record at most
@@ -86,9 +85,12 @@ class ModeSwitcher:
         if self.record is None:
             return 0.0
         t0 = time.perf_counter()
+        self._unmerge_keeping_record()
+        return self._switched(t0)
+
+    def _unmerge_keeping_record(self) -> None:
         unmerge_(self.weights, self.widths, self.record)
         self.kept, self.record = (self.record if self.record.kernel else None), None
-        return self._switched(t0)
 
     def forget(self, name: str) -> None:
         """Drop what is kept of adapter ``name`` (its record, its staged factors): it is being unregistered."""

@@ -297,7 +297,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
         return None, False
     n = int(count.item())
     keep = min(n, capacity)
-    idx, bits = exc_idx[:keep], exc_bits[:keep]
+    idx, bits = exc_idx[:keep], exc_bits[:keep].clone()
     from_slots = 0
     if slots:                                    # slot (layer, row, column tile, j) -> flat index of its element
         flat_cols = slot_cols.view(-1)
@@ -306,8 +306,7 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
         row, t = where // (ti * slots), (where // slots) % ti
         idx = torch.cat([row * inn + t * bn + flat_cols[where].long(), idx])
         bits = torch.cat([slot_bits.view(-1)[where], bits])
-    del slot_cols, slot_bits
-    rec = SliceRestore(codes, stacked_index(idx, w, row0, out), bits.clone(), tile, from_slots)
+    rec = SliceRestore(codes, stacked_index(idx, w, row0, out), bits, tile, from_slots)
     return rec, n > capacity
 
 

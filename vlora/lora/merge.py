@@ -262,9 +262,8 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
                 if reuse is not None:                 # the same ΔW (same kernel tile) on the same base weights
-                    sr = reuse.slices[(group, j)]
-                    kernels.merge_slice_(w, row0, a, b, rec.scale, 1, tile=sr.tile, restore=False)
-                    rec.slices[(group, j)] = sr
+                    kernels.merge_slice_(w, row0, a, b, rec.scale, 1, tile=reuse.slices[(group, j)].tile,
+                                         restore=False)
                     row0 += width
                     continue
                 cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 10)
