@@ -14,6 +14,9 @@ One slice (in = K, out = N), bf16. For every case, in one run:
 5. the floor: (read x + read/write y + read every active adapter's A and B once) / copy bandwidth
    (a 1 GiB device-to-device copy timed in the same run, bytes read + written).
 
+On Hopper the expand is launched as a programmatic dependent of the shrink (``vlora.kernels.atmm.pdl``); the
+tuned pair is then also timed with ``VLORA_PDL=off`` (``atmm_no_pdl``), one kernel after the other.
+
 Timing: each op is captured into a CUDA graph with static inputs (metadata built outside), 8 times
 on 8 copies of its data (x, y, weights), as a decode step's graph runs its launches back to back;
 the median of timed replays, each after a read-only L2 flush (see ``cold_l2_us``), divided by 8.
@@ -57,6 +60,7 @@ import triton  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vlora.kernels import atmm  # noqa: E402
 from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink  # noqa: E402
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref  # noqa: E402
 from vlora.kernels.tuning import CONFIG_DIR, TilingTable, cold_l2_us, gpu_name, shape_key  # noqa: E402
@@ -600,13 +604,22 @@ def main() -> None:
     log(f"static tiling: shrink {cfg_str(static_s)} expand {cfg_str(static_e)} "
         f"(geomean of separate timings {pairs[(static_s, static_e)]:.1f}us)")
 
-    # pass 2: the static pair and the tuned ATMM as whole ops, side by side
+    # pass 2: the static pair and the tuned ATMM as whole ops, side by side (and, where the expand is a
+    # programmatic dependent of the shrink, the tuned pair without that)
+    pdl_on = atmm.pdl(dev)
     for c, rec in zip(cases, recs):
         cs, ce = tuned[c.spec.label]["shrink"][0], tuned[c.spec.label]["expand"][0]
         static_fns = replicas(c, lambda r: atmm_fn(r, static_s, static_e))
         rec["us"]["static"], rec["err"]["static"] = run_y_op(c, static_fns, dev, bench, chk, "atmm static")
         rec["us"]["atmm"], _ = run_y_op(c, replicas(c, lambda r: atmm_fn(r, cs, ce)), dev, bench, chk,
                                         "atmm tuned (pass 2)")
+        if pdl_on:                              # the same pair launched one kernel after the other
+            atmm.PDL = "off"
+            try:
+                rec["us"]["atmm_no_pdl"], _ = run_y_op(c, replicas(c, lambda r: atmm_fn(r, cs, ce)), dev, bench,
+                                                       chk, "atmm tuned, no PDL")
+            finally:
+                atmm.PDL = "on"
         us = rec["us"]
         rec["ratio"] = {"atmm_floor": us["atmm"] / rec["floor_us"],
                         "static_floor": us["static"] / rec["floor_us"],
@@ -628,6 +641,12 @@ def main() -> None:
         "gather_over_atmm_geomean": {"value": geomean(r["ratio"]["gather_atmm"] for r in recs),
                                      "cases": sum(r["ratio"]["gather_atmm"] is not None for r in recs)},
     }
+    if pdl_on:
+        summary["no_pdl_over_pdl_geomean"] = {"value": geomean(r["us"]["atmm_no_pdl"] / r["us"]["atmm"] for r in recs)}
+        for name, sel in (("prefill_T>=1024", lambda r: r["kind"] == "prefill" and r["tokens"] >= 1024),
+                          ("decode_B>=16", lambda r: r["kind"] == "decode" and r["tokens"] >= 16)):
+            summary[f"{name}_no_pdl_over_floor_geomean"] = {
+                "value": geomean(r["us"]["atmm_no_pdl"] / r["floor_us"] for r in recs if sel(r))}
     for k, fn_ in (("prefill_T>=1024_atmm_over_floor_geomean", lambda v: v <= 1.5),
                    ("decode_B>=16_atmm_over_floor_geomean", lambda v: v <= 3),
                    ("static_over_tuned_geomean", lambda v: v >= 1.2)):
@@ -639,7 +658,7 @@ def main() -> None:
     result = {
         "benchmark": "lora_kernels", "mode": mode, "date": dt.datetime.now().isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (Triton interpreter)",
-        "gpu_name": gname, "torch": torch.__version__, "triton": triton.__version__,
+        "gpu_name": gname, "torch": torch.__version__, "triton": triton.__version__, "pdl": pdl_on,
         "dtype": str(dtype).removeprefix("torch."), "tolerance": TOL,
         "timing": (f"CUDA graph of {REPLICAS} calls on copies of the data, median of event-timed replays / "
                    f"{REPLICAS} (L2 flushed by a 256 MiB read before each), "

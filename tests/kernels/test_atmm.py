@@ -233,6 +233,58 @@ def test_gpu_bf16_within_benchmark_tolerance(dist, dtype):
         assert (y.double() - y_ref).norm() / y_ref.norm() <= 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg_s, cfg_e", [(TileConfig(16, 64, 64, split_k=4, reduce=1), TileConfig(16, 64, 64, n_loop=2, hoist=1)),
+                                          (TileConfig(32, 32, 32, split_k=2), TileConfig(32, 64, 16, m_loop=2)),
+                                          (TileConfig(16, 32, 64), TileConfig(16, 32, 64, hoist=1))],
+                         ids=["reduce-hoisted", "planes-mloop", "plain-hoisted"])
+def test_gpu_pdl_pairs_in_a_graph_match_sequential_launches(monkeypatch, cfg_s, cfg_e):
+    """The expand launched as a programmatic dependent of the shrink (Hopper) reads v only once the shrink is
+    done: several pairs back to back in one CUDA graph, each expand's y feeding the next pair's x, give the bits
+    of the same pairs launched one after the other, and the float64 reference."""
+    if not atmm.pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9 (and VLORA_PDL not off)")
+    w, x, segs = make_case("zipf", 9, [1, 7, 64, 130, 3], ranks=[16, 64, 8, 32], dtype=torch.bfloat16,
+                           device="cuda", seed=5, gaps=False)
+    assert x.shape[0] == sum(n for _, n, _ in segs) and sum(WIDTHS) > K
+    meta, starts, lens = metas(segs, "cuda")
+    a_off = torch.tensor([a["a_off"] for _, _, a in segs], dtype=torch.int64, device="cuda")
+    rtot = torch.tensor([a["rtot"] for _, _, a in segs], dtype=torch.int32, device="cuda")
+    b_off = torch.tensor([a["b_offs"] for _, _, a in segs], dtype=torch.int64, device="cuda").view(-1, 3)
+    vcol = torch.tensor([a["vcols"] for _, _, a in segs], dtype=torch.int32, device="cuda").view(-1, 3)
+    r_max = max(a["rtot"] for _, _, a in segs)
+    y0 = torch.randn(x.shape[0], sum(WIDTHS), dtype=x.dtype, device="cuda")
+
+    def chain(ys):                     # pair i reads x from y[i] (the previous expand's output) and adds into y[i+1]
+        for i in range(len(ys) - 1):
+            v = lora_shrink(ys[i][:, :K].contiguous() if i else x, w, a_off, rtot, meta, r_max, cfg_s)
+            lora_expand(ys[i + 1], v, w, b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64)
+
+    def run(mode):
+        monkeypatch.setattr(atmm, "PDL", mode)
+        ys = [y0.clone() for _ in range(5)]
+        chain(ys)                                   # eager (compiles), then captured and replayed
+        for y in ys:
+            y.copy_(y0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain(ys)
+        for _ in range(3):
+            for y in ys:
+                y.copy_(y0)
+            graph.replay()
+        torch.cuda.synchronize()
+        return ys
+
+    with_pdl, without = run("on"), run("off")
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a, b)
+    v_ref = lora_shrink_ref(x, w, a_off.tolist(), rtot.tolist(), starts, lens, r_max)
+    y_ref = lora_expand_ref(y0, v_ref, w, b_off.tolist(), vcol.tolist(), WIDTHS, starts, lens,
+                            meta.ranks.tolist(), meta.scales.tolist())
+    assert (with_pdl[1].double() - y_ref).norm() / y_ref.norm() <= 1e-2
+
+
 def test_even_k_path_matches_reference(monkeypatch):
     """K a multiple of BLOCK_K * split_k takes the unmasked-K loads."""
     import tests.kernels.test_atmm as t

@@ -17,11 +17,18 @@ the memory pool may place every adapter (and every layer) anywhere:
   ``y[rows_s, col_j : col_j + width_j] += scale_s * v[rows_s, vcol_sj : vcol_sj + r_s] @ B_sj``.
 
 Tile sizes come from :mod:`vlora.kernels.tuning` (one table lookup per call).
+
+On Hopper and later the expand is launched as a programmatic dependent of the shrink (PDL): the shrink lets
+it launch as soon as all its programs have started, and the expand's programs read their metadata and set up
+while the shrink finishes, then wait for it (``griddepcontrol.wait``: the shrink complete, its writes visible)
+before they read v. A pair's launch latency and ramp-up then overlap the shrink instead of following it.
+``VLORA_PDL=off`` launches them one after the other as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -66,7 +73,9 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
                    K, stride_xm, stride_vk, stride_vm, m_tiles,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                   ALIGNED: tl.constexpr):
+                   ALIGNED: tl.constexpr, GDC: tl.constexpr = False):
+    if GDC:                                     # the expand may launch now; it waits for this grid before reading v
+        tl.extra.cuda.gdc_launch_dependents()
     pid0 = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -124,7 +133,7 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
                    starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    M_LOOP: tl.constexpr, N_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr,
-                   ALIGNED: tl.constexpr, HOIST: tl.constexpr, STAGES: tl.constexpr):
+                   ALIGNED: tl.constexpr, HOIST: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr = False):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
     seg = pid0 // m_progs
@@ -147,6 +156,8 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
             b_off = tl.multiple_of(b_off, 16)
             vcol = tl.multiple_of(vcol, 8)
         offs_k = tl.arange(0, BLOCK_K)
+        if GDC:                                 # launched early (PDL): the shrink's v is complete from here on
+            tl.extra.cuda.gdc_wait()
         if HOIST:                               # one M tile, rank <= BLOCK_K: v once, then a pipelined strip of B
             offs_m = m_first + tl.arange(0, BLOCK_M)
             m_mask = offs_m < seg_len
@@ -209,6 +220,29 @@ def _column_tiles(widths: tuple[int, ...], block_n: int, device: str) -> tuple[t
     return (torch.tensor(tiles, dtype=torch.int32, device=dev).flatten(),
             torch.tensor(widths, dtype=torch.int32, device=dev),
             torch.tensor(cols, dtype=torch.int32, device=dev))
+
+
+def _pdl_mode() -> str:
+    mode = os.environ.get("VLORA_PDL", "on")
+    if mode not in ("on", "off"):
+        raise ValueError(f"VLORA_PDL must be 'on' or 'off', got {mode!r}")
+    return mode
+
+
+PDL = _pdl_mode()            # read once (benchmarks set it to time both)
+
+
+@lru_cache(maxsize=16)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether the expand is launched as a programmatic dependent of the shrink on ``device``: Hopper or later
+    (compute capability 9), and ``VLORA_PDL`` not ``off``."""
+    if PDL != "on" or device.type != "cuda":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 SHARED_BYTES = 232448        # per-block shared memory of Hopper (H100, H200)
@@ -292,7 +326,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
                          v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,
                          EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
-                         ALIGNED=aligned and x.shape[1] % 16 == 0,
+                         ALIGNED=aligned and x.shape[1] % 16 == 0, GDC=pdl(x.device),
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return v[:cfg.planes]
 
@@ -321,11 +355,12 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
     m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
     grid = (num_segs * m_progs, tiles.shape[0] // 2)
+    gdc = pdl(y.device)
     _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
                          meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
                          N_LOOP=cfg.n_loop,
                          SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),
-                         IEEE=y.dtype == torch.float32, HOIST=hoist, STAGES=max(1, cfg.num_stages),
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         IEEE=y.dtype == torch.float32, HOIST=hoist, STAGES=max(1, cfg.num_stages), GDC=gdc,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}))
     return y
