@@ -28,14 +28,13 @@ def fake_tune(monkeypatch, plane_cost_us: float, reduce_cost_us: float, groups=N
                        progress=False)
 
 
-@pytest.mark.parametrize("plane_cost_us, reduce_cost_us, planes", [(2.0, 1.0, 1), (0.05, 1.0, "all")])
+@pytest.mark.parametrize("plane_cost_us, reduce_cost_us, planes", [(2.0, 1.0, 1), (0.1, 1.0, 8)])
 def test_shrink_and_expand_are_chosen_as_a_pair(monkeypatch, plane_cost_us, reduce_cost_us, planes):
     """Summing the planes in the shrink costs it more; re-reading them costs the expand more: the tuner weighs
-    the pair, not the shrink alone (alone, handing over all its split-K planes always wins)."""
+    the pair, not the shrink alone (alone, handing over 8 planes always wins)."""
     table = fake_tune(monkeypatch, plane_cost_us, reduce_cost_us)
     shrink = table.entries[tuning.shape_key("shrink", 1024, 1, 4096, 64)]
-    deepest = max(c.split_k for c in tuning.search_space("shrink", 1024, 1, 64))      # the cheapest shrink alone
-    assert shrink.split_k == deepest and shrink.planes == (1 if planes == 1 else deepest)
+    assert shrink.split_k == 8 and shrink.planes == planes
     assert tuning.shape_key("expand", 1024, 1, 4096, 64) in table.entries
 
 
@@ -48,12 +47,9 @@ def test_a_shrink_whose_expand_another_group_chose_is_paired_with_that_expand(mo
 
 
 def test_split_k_configs_come_with_and_without_the_sum_in_the_shrink():
-    space = tuning.search_space("shrink", 64, 1, 64)
+    space = tuning.search_space("shrink", 1024, 1, 64)
     assert {(c.split_k, c.reduce) for c in space} == {(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (8, 0), (8, 1)}
     assert all(c.planes == (c.split_k if not c.reduce else 1) for c in space)
-    long = tuning.search_space("shrink", 1024, 1, 64)         # prefill: 128-row tiles, split-K up to 16
-    assert {(c.split_k, c.reduce) for c in long} == {(1, 0)} | {(s, r) for s in (2, 4, 8, 16) for r in (0, 1)}
-    assert max(c.block_m for c in long) == 128 and all(c.split_k >= 4 for c in long if c.block_m == 128)
 
 
 def test_tables_of_nine_fields_keep_their_planes_read_by_the_expand():

@@ -107,17 +107,12 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
     by the shrink or by the expand), M-tile walking only for long segments, N-strip walking for short ones or
     with v hoisted."""
     per_seg = max(1, tokens // max(1, segments))
-    # long segments (prefill) also get 128-row tiles: each M tile re-reads its K range of A from L2, so at
-    # 1,024 tokens 64-row shrink tiles read A 16 times, as many bytes as x itself; split-K 16 keeps such tiles'
-    # grid at one program per SM
-    long = per_seg >= 256
-    bms = [m for m in (16, 32, 64) + ((128,) if long else ()) if m <= max(16, pow2_bucket(per_seg))]
+    bms = [m for m in (16, 32, 64) if m <= max(16, pow2_bucket(per_seg))]
     if op == "shrink":
         bn = min(128, max(16, pow2_bucket(rank)))
-        splits = (1, 2, 4, 8, 16) if long else (1, 2, 4, 8)
         return [TileConfig(bm, bn, bk, split, 4 if bm * bn <= 64 * 64 else 8, 3, reduce=reduce)
-                for bm, bk, split, reduce in itertools.product(bms, (128, 256), splits, (0, 1))
-                if (split > 1 or not reduce) and not (bm == 128 and split < 4)]
+                for bm, bk, split, reduce in itertools.product(bms, (128, 256), (1, 2, 4, 8), (0, 1))
+                if split > 1 or not reduce]
     loops = [1, 4] if per_seg >= 256 else [1]
     strips = (1, 2, 4, 8) if per_seg <= 16 else (1,)    # decode: few rows, walk a long strip of B
     space = [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
@@ -127,9 +122,8 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
     # hoisted 16x64 expand walking 8 tiles was the best static one for 1,024-token prefills, which the tuner
     # had not tried: benchmarks/results/h100-2026-11-22-atmm/)
     hoisted = ((2, 4, 8), (2, 3)) if per_seg <= 16 else ((4, 8), (3,))
-    space += [TileConfig(bm, bn, max(16, pow2_bucket(rank)), 1, warps, stages, 1, strip, hoist=1)
-              for bm, bn, strip, stages in itertools.product(bms, (64, 128), *hoisted)
-              for warps in ((4, 8) if bm >= 64 else (4,))]
+    space += [TileConfig(bm, bn, max(16, pow2_bucket(rank)), 1, 4, stages, 1, strip, hoist=1)
+              for bm, bn, strip, stages in itertools.product(bms, (64, 128), *hoisted)]
     return space
 
 
