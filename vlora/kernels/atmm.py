@@ -141,14 +141,19 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
     seg_len = tl.load(lens_ptr + seg)
     sl = tl.load(tiles_ptr + 2 * pid_t)
     b_off = tl.load(b_off_ptr + seg * NS + sl)
+    n0 = tl.load(tiles_ptr + 2 * pid_t + 1)
+    width = tl.load(widths_ptr + sl)
+    col0 = tl.load(cols_ptr + sl)
+    r = tl.load(ranks_ptr + seg)
+    vcol = tl.load(vcol_ptr + seg * NS + sl)
+    scale = tl.load(scales_ptr + seg)
+    start = tl.load(starts_ptr + seg).to(tl.int64)
+    if GDC:
+        # launched early (PDL): the metadata above is the host's; from here on the shrink is complete and its v
+        # visible. Every program waits, those with no work too, so that this grid never completes before the
+        # shrink: a later launch ordered after it alone (the next PDL expand) then finds the shrink done as well.
+        tl.extra.cuda.gdc_wait()
     if (m_first < seg_len) & (b_off >= 0):
-        n0 = tl.load(tiles_ptr + 2 * pid_t + 1)
-        width = tl.load(widths_ptr + sl)
-        col0 = tl.load(cols_ptr + sl)
-        r = tl.load(ranks_ptr + seg)
-        vcol = tl.load(vcol_ptr + seg * NS + sl)
-        scale = tl.load(scales_ptr + seg)
-        start = tl.load(starts_ptr + seg).to(tl.int64)
         if ALIGNED:                             # see the shrink kernel
             n0 = tl.multiple_of(n0, BLOCK_N)
             width = tl.multiple_of(width, 16)
@@ -156,8 +161,6 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
             b_off = tl.multiple_of(b_off, 16)
             vcol = tl.multiple_of(vcol, 8)
         offs_k = tl.arange(0, BLOCK_K)
-        if GDC:                                 # launched early (PDL): the shrink's v is complete from here on
-            tl.extra.cuda.gdc_wait()
         if HOIST:                               # one M tile, rank <= BLOCK_K: v once, then a pipelined strip of B
             offs_m = m_first + tl.arange(0, BLOCK_M)
             m_mask = offs_m < seg_len
