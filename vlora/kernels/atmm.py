@@ -149,9 +149,12 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
     scale = tl.load(scales_ptr + seg)
     start = tl.load(starts_ptr + seg).to(tl.int64)
     if GDC:
-        # launched early (PDL): the metadata above is the host's; from here on the shrink is complete and its v
-        # visible. Every program waits, those with no work too, so that this grid never completes before the
-        # shrink: a later launch ordered after it alone (the next PDL expand) then finds the shrink done as well.
+        # launched early (PDL): the metadata above was written before the shrink (a plain launch) started, so it
+        # may be read before the wait; from here on every grid this one depends on is complete and its writes
+        # visible: the shrink, and under CUDA-graph capture also the kernels of other streams it waits on (their
+        # edges are captured as programmatic too). Every program waits, those with no work too, so that this grid
+        # never completes before them: a later launch ordered after it alone (the next PDL expand) then finds
+        # them done as well. No program may leave before this line.
         tl.extra.cuda.gdc_wait()
     if (m_first < seg_len) & (b_off >= 0):
         if ALIGNED:                             # see the shrink kernel
