@@ -212,7 +212,7 @@ def cmd_bench(args) -> int:
                       skewness=args.skewness, policies=policies, duration_s=args.duration,
                       num_adapters=args.num_adapters, ranks=ints(args.ranks), input_range=ints(args.input_range),
                       output_range=ints(args.output_range), trace=args.trace, ttft_slo_s=args.ttft_slo,
-                      seed=args.bench_seed)
+                      seed=args.bench_seed, repeats=args.repeats)
     engine = Engine(_engine_config(args))
     rows = run_sweep(engine, cfg, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
     path = write_report(rows, cfg, Path(args.out), default_meta(engine))
@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--trace", default=None, help="trace file (CSV or JSONL) for --workload trace")
     ben.add_argument("--ttft-slo", type=float, default=None, help="TTFT target (s) for every request: early abort")
     ben.add_argument("--bench-seed", type=int, default=0)
+    ben.add_argument("--repeats", type=int, default=1,
+                     help="runs of every (point, policy), repeat k on the workload of seed bench-seed + k")
     ben.add_argument("--out", default="bench-report", help="directory for report.md, results.json and plots")
     ben.add_argument("--quiet", action="store_true", help="no progress bars")
     ben.set_defaults(func=cmd_bench)

@@ -3,12 +3,13 @@ switches recorded, multi-turn follow-ups sent after their answers, the report wr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from vlora import SLO
 from vlora.bench import workloads as W
 from vlora.bench.harness import run_workload
-from vlora.bench.sweep import SweepConfig, default_meta, run_sweep, write_report
+from vlora.bench.sweep import SweepConfig, default_meta, make_workload, run_sweep, write_report
 from vlora.cli import main
 from vlora.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from vlora.engine.engine import Engine
@@ -76,3 +77,19 @@ def test_vlora_bench_cli_on_a_trace(tmp_path):
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| vlora | 1 |" in text and "6/6" in text
     assert main(["bench", "--model", "random:tiny-llama", "--policies", "fastest"]) == 2
+
+
+def test_sweep_repeats_rotate_the_policy_order_and_pool_the_gaps(tmp_path):
+    eng = tiny_engine()
+    cfg = SweepConfig(points=(0.9,), sweep="skewness", rate=30.0, duration_s=0.4, num_adapters=3,
+                      input_range=(4, 16), output_range=(2, 4), policies=("vlora", "unmerged"), repeats=2,
+                      warmup_requests=0)
+    order = []
+    rows = run_sweep(eng, cfg, progress=False, log=order.append)
+    assert [(r["policy"], r["repeat"]) for r in rows] == [("vlora", 0), ("unmerged", 0), ("unmerged", 1),
+                                                          ("vlora", 1)]
+    assert make_workload(dataclasses.replace(cfg, seed=1), 0.9) != make_workload(cfg, 0.9)   # repeat 1's own
+    assert all(r["tokens"] > 0 for r in rows)
+    text = write_report(rows, cfg, tmp_path / "rep", default_meta(eng)).read_text()
+    line = next(x for x in text.splitlines() if x.startswith("- skewness=0.9"))
+    assert "vs unmerged" in line and line.count("%") == 3        # pooled gap, then each repeat's

@@ -187,32 +187,53 @@ def test_a_starved_request_stays_first_until_it_finishes():
 H200 = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0080, Mode.UNMERGED: 0.0067}, switch_s=0.059)
 
 
-def test_the_merged_adapter_stays_beside_others_only_while_mixed_is_not_slower():
-    """Light load, A merged, a B request comes: the keep rule (A holds >= 1/4) kept A merged and ran MIXED
-    whatever the costs, where dLoRA's policy unmerged. Now it stays only while a mixed iteration is measured no
-    slower than an unmerged one; unmeasured, the mode not measured yet runs (mixed first, then unmerged)."""
-    reqs = [Pending("a0", "A", 0.0, 100), Pending("a1", "A", 0.0, 100), Pending("b0", "B", 0.0, 10)]
-    assert schedule(reqs, Mode.MERGED, "A", 64, THETA, H200).mode is Mode.UNMERGED
-    assert schedule(reqs, Mode.MIXED, "A", 64, THETA, H200).mode is Mode.UNMERGED
-    assert schedule(reqs, Mode.MERGED, "A", 64, THETA, H200, mixed=False).mode is Mode.UNMERGED      # as dLoRA
-    assert schedule(reqs, Mode.UNMERGED, None, 64, THETA, H200).mode is Mode.UNMERGED        # no merge into it
-    assert schedule(reqs[:2], Mode.MERGED, "A", 64, THETA, H200).mode is Mode.MERGED         # pure: stays merged
-    fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
-    d = schedule(reqs, Mode.MERGED, "A", 64, THETA, fast_mixed)
+def test_the_merged_adapter_stays_beside_others_while_that_costs_less_than_leaving():
+    """Light load, A merged, a B request comes. With mixed iterations slower than unmerged ones (the H200's
+    1.3 ms), staying costs 1.3 ms for each token B has left; leaving costs an unmerge now and, when A's requests
+    outlive B, the merge back. A mixed iteration no slower than an unmerged one always stays; dLoRA's policy
+    (no mixed mode) always leaves. Unmeasured, the mode not measured yet runs (mixed first, then unmerged)."""
+    def reqs(b_left, a_left=100):
+        return [Pending("a0", "A", 0.0, a_left), Pending("a1", "A", 0.0, a_left), Pending("b0", "B", 0.0, b_left)]
+
+    d = schedule(reqs(10), Mode.MERGED, "A", 64, THETA, H200)             # 13 ms < 59 + 59 ms: stay
     assert d.mode is Mode.MIXED and d.merged == "A" and set(d.batch) == {"a0", "a1", "b0"}
+    assert schedule(reqs(80), Mode.MIXED, "A", 64, THETA, H200).mode is Mode.MIXED        # 104 < 118 ms
+    assert schedule(reqs(95), Mode.MIXED, "A", 64, THETA, H200).mode is Mode.UNMERGED     # 123.5 > 118 ms
+    assert schedule(reqs(40, 30), Mode.MIXED, "A", 64, THETA, H200).mode is Mode.MIXED    # 52 < 59: no merge back
+    assert schedule(reqs(50, 30), Mode.MIXED, "A", 64, THETA, H200).mode is Mode.UNMERGED  # 65 > 59
+    assert schedule(reqs(None), Mode.MIXED, "A", 64, THETA, H200).mode is Mode.UNMERGED   # B's length unknown
+    assert schedule(reqs(10), Mode.MERGED, "A", 64, THETA, H200, mixed=False).mode is Mode.UNMERGED   # as dLoRA
+    assert schedule(reqs(10)[:2], Mode.MERGED, "A", 64, THETA, H200).mode is Mode.MERGED      # pure: stays merged
+    reused = Costs(H200.step_s, switch_s=0.059, unmerge_s=0.012, reuse_s=0.011)           # records reused: cheap
+    assert schedule(reqs(15), Mode.MIXED, "A", 64, THETA, reused).mode is Mode.MIXED      # 19.5 < 12 + 11 ms
+    assert schedule(reqs(20), Mode.MIXED, "A", 64, THETA, reused).mode is Mode.UNMERGED    # 26 > 23 ms
+    fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
+    assert schedule(reqs(None), Mode.MERGED, "A", 64, THETA, fast_mixed).mode is Mode.MIXED
     unmeasured = {m: 0.0 for m in Mode}
     assert stay_pays(Costs(unmeasured, 0.059))                                               # mixed runs first
     assert not stay_pays(Costs({**unmeasured, Mode.MIXED: 0.008}, 0.059))                    # then unmerged
     assert stay_pays(Costs({**unmeasured, Mode.MIXED: 0.008, Mode.UNMERGED: 0.008}, 0.059))  # a tie stays
-    assert not stay_pays(H200) and stay_pays(fast_mixed)
+
+
+def test_merge_costs_tell_a_reused_record_from_a_first_merge():
+    costs = Costs(H200.step_s, switch_s=0.038, unmerge_s=0.012, reuse_s=0.011, kept="A")
+    assert costs.merge_cost("A") == 0.011 and costs.merge_cost("B") == 0.038 and costs.unmerge_cost == 0.012
+    assert Costs(H200.step_s, 0.05).merge_cost("A") == 0.05 and Costs(H200.step_s, 0.05).unmerge_cost == 0.05
+    reqs = [Pending(f"r{i}", "A", 0.0, 40) for i in range(3)]      # merging A saves 1.4 ms x 40 = 56 ms
+    assert schedule(reqs, Mode.UNMERGED, None, 8, THETA, costs).mode is Mode.MERGED        # 11 + 12 ms: pays
+    cold = Costs(H200.step_s, switch_s=0.050, unmerge_s=0.012, reuse_s=0.011, kept="B")
+    assert schedule(reqs, Mode.UNMERGED, None, 8, THETA, cold).mode is Mode.UNMERGED       # 50 + 12 ms: not
 
 
 def test_simulated_light_load_with_slow_mixed_costs_no_more_than_without_mixed():
-    """One long request of A at a time and a request of B every 0.3 s (each 40 tokens), iteration and switch
-    times as measured on the H200: V-LoRA's policy no longer runs mixed stretches there, so on the simulated
-    clock it serves this as fast as dLoRA's (mixed=False); with mixed faster than unmerged it runs MIXED."""
-    vlora, _, vlora_mixed, _ = simulate_light_load(H200, True, 600, 40)
-    dlora = simulate_light_load(H200, False, 600, 40)[0]
-    assert vlora_mixed == 0 and vlora <= dlora
+    """One long request of A at a time and a request of B every 0.3 s, iteration and switch times as measured
+    on the H200 (mixed slower than unmerged): V-LoRA's policy runs mixed stretches only where they cost less
+    than the switches they save, so on the simulated clock it serves this no slower than dLoRA's (mixed=False),
+    for short B requests (it stays) and long ones (it leaves, as dLoRA does)."""
+    for b_tokens in (10, 40, 150):
+        vlora, _, vlora_mixed, _ = simulate_light_load(H200, True, 600, b_tokens)
+        dlora = simulate_light_load(H200, False, 600, b_tokens)[0]
+        assert vlora <= dlora
+        assert (vlora_mixed > 0) == (b_tokens * (0.0080 - 0.0067) <= 2 * 0.059)
     fast_mixed = Costs(step_s={Mode.MERGED: 0.0053, Mode.MIXED: 0.0060, Mode.UNMERGED: 0.0067}, switch_s=0.059)
     assert simulate_light_load(fast_mixed, True, 600, 40)[2] > 0

@@ -70,7 +70,7 @@ class RunResult:
         modes = [m for _, m, _ in self.iterations]
         out = dict(self.label)
         out.update(
-            requests=len(self.records), finished=len(done),
+            requests=len(self.records), finished=len(done), tokens=tokens,
             rejected=sum(r.finish_reason == "rejected" for r in self.records),
             unfinished=sum(r.finish is None for r in self.records),
             avg_token_latency_s=sum(lats) / tokens if tokens else None,

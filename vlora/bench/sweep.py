@@ -43,6 +43,7 @@ class SweepConfig:
     ttft_slo_s: float | None = None  # applied to every request: early abort + SLO attainment in the report
     seed: int = 0
     warmup_requests: int = 16        # served once per policy before anything is timed (compiles, graphs, merges)
+    repeats: int = 1                 # runs of every (point, policy), each on the workload of its own seed
 
 
 def make_workload(cfg: SweepConfig, point: float) -> list[W.RequestSpec]:
@@ -85,11 +86,21 @@ def register_random_adapters(engine, cfg: SweepConfig, tmp: Path) -> list[str]:
     return names
 
 
+def _same_start(engine, names: list[str]) -> None:
+    """Every timed run starts from the same state: nothing merged, the sweep's adapters in the pool (in the
+    same order, when they all fit). Without this the first policy of a point paid the adapter loads the
+    later ones found done."""
+    engine.unmerge_adapter()
+    store = engine.adapters.store
+    if store is not None:
+        store.ensure([engine.adapters.get(n) for n in names], set())
+
+
 def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> list[dict]:
     sc = engine.config.scheduler
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        register_random_adapters(engine, cfg, Path(tmp))
+        names = register_random_adapters(engine, cfg, Path(tmp))
         slo = SLO(ttft_s=cfg.ttft_slo_s) if cfg.ttft_slo_s else None
         # every decode graph now: captured lazily, they landed in whichever policy's timed run first met a
         # batch size (the first policy's, mostly); only vlora mixes
@@ -98,26 +109,33 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> lis
             warm = [dataclasses.replace(s, arrival_s=0.0) for s in make_workload(cfg, cfg.points[0])
                     if math.isfinite(s.arrival_s)][:cfg.warmup_requests]
             for policy in cfg.policies:
-                engine.unmerge_adapter()
+                _same_start(engine, names)
                 engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
                 run_workload(engine, warm, seed=cfg.seed)
-        for point in cfg.points:
-            specs = make_workload(cfg, point)
-            for policy in cfg.policies:
-                engine.unmerge_adapter()
-                engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
-                mark = compiles.snapshot()
-                res: RunResult = run_workload(engine, specs, seed=cfg.seed, slo=slo,
-                                              max_wall_s=cfg.duration_s * 4 + 30, progress=progress)
-                res.label = {"policy": policy, cfg.sweep: point}
-                m = res.metrics(cfg.ttft_slo_s) | compiles.since(mark)   # kernel builds inside the timed run
-                m["timeline"] = res.iterations
-                m["switch_times"] = res.switches
-                rows.append(m)
-                log(f"{policy:12s} {cfg.sweep}={point:g}: avg token latency "
-                    f"{_fmt(m['avg_token_latency_s'], 1e3)} ms, TTFT p50 {_fmt(m['ttft_p50_s'], 1e3)} ms, "
-                    f"{m['finished']}/{m['requests']} finished, {m['rejected']} rejected, modes {m['mode_share']}, "
-                    f"kernel builds {m['compiles']} ({m['compile_s']} s)")
+        _same_start(engine, names)
+        costs = engine.profile_modes() if {"vlora", "dlora"} & set(cfg.policies) else None
+        if costs is not None:
+            log(f"mode costs measured on this GPU: {costs.as_dict()}")
+        for rep in range(cfg.repeats):
+            seed = cfg.seed + rep
+            for point in cfg.points:
+                specs = make_workload(dataclasses.replace(cfg, seed=seed), point)
+                k = rep % len(cfg.policies)             # each repeat starts with another policy
+                for policy in cfg.policies[k:] + cfg.policies[:k]:
+                    _same_start(engine, names)
+                    engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs, costs)
+                    mark = compiles.snapshot()
+                    res: RunResult = run_workload(engine, specs, seed=seed, slo=slo,
+                                                  max_wall_s=cfg.duration_s * 4 + 30, progress=progress)
+                    res.label = {"policy": policy, cfg.sweep: point, "repeat": rep}
+                    m = res.metrics(cfg.ttft_slo_s) | compiles.since(mark)   # kernel builds inside the timed run
+                    m["timeline"] = res.iterations
+                    m["switch_times"] = res.switches
+                    rows.append(m)
+                    log(f"{policy:12s} {cfg.sweep}={point:g} #{rep}: avg token latency "
+                        f"{_fmt(m['avg_token_latency_s'], 1e3)} ms, TTFT p50 {_fmt(m['ttft_p50_s'], 1e3)} ms, "
+                        f"{m['finished']}/{m['requests']} finished, {m['rejected']} rejected, modes "
+                        f"{m['mode_share']}, kernel builds {m['compiles']} ({m['compile_s']} s)")
     return rows
 
 
@@ -134,20 +152,33 @@ def write_report(rows: list[dict], cfg: SweepConfig, out: Path, meta: dict) -> P
     lines = [f"# vlora bench: {cfg.workload} workload, {cfg.num_adapters} adapters", "",
              f"{meta.get('date')}, {meta.get('device')}, model {meta.get('model')}; {cfg.duration_s:g} s per run; "
              f"policies {', '.join(cfg.policies)}; swept {key} over {', '.join(f'{p:g}' for p in cfg.points)}.", "",
-             f"| policy | {key} | avg token latency ms | TTFT p50 / p90 ms | TPOT p50 ms | tok/s | finished | "
-             "rejected | switches (mean ms) | iterations per mode |", "|" + "---|" * 10]
+             f"| policy | {key} | run | avg token latency ms | TTFT p50 / p90 ms | TPOT p50 ms | tok/s | finished | "
+             "rejected | switches (mean ms) | iterations per mode |", "|" + "---|" * 11]
     for r in slim:
         share = ", ".join(f"{m} {v:.0%}" for m, v in r["mode_share"].items())
-        lines.append(f"| {r['policy']} | {r[key]:g} | {_fmt(r['avg_token_latency_s'], 1e3, 2)} | "
+        lines.append(f"| {r['policy']} | {r[key]:g} | {r.get('repeat', 0)} | {_fmt(r['avg_token_latency_s'], 1e3, 2)} | "
                      f"{_fmt(r['ttft_p50_s'], 1e3)} / {_fmt(r['ttft_p90_s'], 1e3)} | {_fmt(r['tpot_p50_s'], 1e3, 2)} | "
                      f"{_fmt(r['throughput_tok_s'])} | {r['finished']}/{r['requests']} | {r['rejected']} | "
                      f"{r['switches']} ({_fmt(r['switch_ms_mean'], 1, 2)}) | {share} |")
     gaps = _gaps(slim, key)
     if gaps:
-        lines += ["", "Average token latency of V-LoRA's policy relative to each other policy "
-                  "(negative: V-LoRA is faster):", ""]
-        lines += [f"- {key}={p:g}: " + ", ".join(f"vs {pol} {g:+.0%}" for pol, g in gs.items())
+        lines += ["", "Average token latency of V-LoRA's policy relative to each other policy, over all runs of a "
+                  "point (total latency / total tokens; negative: V-LoRA is faster; per run in brackets):", ""]
+        lines += [f"- {key}={p:g}: " + ", ".join(f"vs {pol} {g:+.1%}" + (f" ({', '.join(f'{x:+.1%}' for x in each)})"
+                                                                    if len(each) > 1 else "")
+                                                 for pol, (g, each) in gs.items())
                   for p, gs in gaps.items()]
+    costs = meta.get("mode_costs")
+    if costs:
+        steps = costs["step_ms"]
+        sizes = sorted({int(b) for t in steps.values() for b in t})
+        lines += ["", f"Mode costs measured on this GPU before the runs (decode iteration, CUDA-graph replay, ms; "
+                  f"switches: first merge {costs['merge_ms']:.1f}, merge with the record reused "
+                  f"{costs['reuse_ms']:.1f}, unmerge {costs['unmerge_ms']:.1f} ms):", "",
+                  "| mode | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|" + "---|" * (len(sizes) + 1)]
+        for mode, t in steps.items():
+            t = {int(b): v for b, v in t.items()}
+            lines.append(f"| {mode} | " + " | ".join(f"{t[b]:.2f}" if b in t else "-" for b in sizes) + " |")
     if _plot(rows, cfg, out):
         lines += ["", "![latency](latency.png)", "", "![modes](modes.png)"]
     path = out / "report.md"
@@ -155,13 +186,32 @@ def write_report(rows: list[dict], cfg: SweepConfig, out: Path, meta: dict) -> P
     return path
 
 
+def _pooled(rows: list[dict]) -> float | None:
+    """Average token latency over several runs: their total latency over their total tokens."""
+    done = [r for r in rows if r["avg_token_latency_s"]]
+    tokens = sum(r["tokens"] for r in done)
+    return sum(r["avg_token_latency_s"] * r["tokens"] for r in done) / tokens if tokens else None
+
+
 def _gaps(rows: list[dict], key: str) -> dict:
+    """point -> policy -> (gap of V-LoRA's pooled average token latency, the gaps of each repeat)."""
     out = {}
     for p in sorted({r[key] for r in rows}):
-        at = {r["policy"]: r["avg_token_latency_s"] for r in rows if r[key] == p}
-        v = at.get("vlora")
-        if v:
-            out[p] = {pol: v / x - 1 for pol, x in at.items() if pol != "vlora" and x}
+        at = [r for r in rows if r[key] == p]
+        by = {pol: [r for r in at if r["policy"] == pol] for pol in dict.fromkeys(r["policy"] for r in at)}
+        v = _pooled(by.get("vlora", []))
+        if not v:
+            continue
+        gs = {}
+        for pol, rs in by.items():
+            x = _pooled(rs)
+            if pol == "vlora" or not x:
+                continue
+            mine = {r.get("repeat", 0): r["avg_token_latency_s"] for r in by["vlora"]}
+            each = [mine[r.get("repeat", 0)] / r["avg_token_latency_s"] - 1 for r in rs
+                    if r["avg_token_latency_s"] and mine.get(r.get("repeat", 0))]
+            gs[pol] = (v / x - 1, each)
+        out[p] = gs
     return out
 
 
@@ -176,7 +226,9 @@ def _plot(rows: list[dict], cfg: SweepConfig, out: Path) -> bool:
     key = cfg.sweep
     fig, ax = plt.subplots(figsize=(6, 4))
     for pol in cfg.policies:
-        pts = [(r[key], r["avg_token_latency_s"]) for r in rows if r["policy"] == pol and r["avg_token_latency_s"]]
+        mine = [r for r in rows if r["policy"] == pol]
+        pts = [(p, _pooled([r for r in mine if r[key] == p])) for p in sorted({r[key] for r in mine})]
+        pts = [(p, v) for p, v in pts if v]
         if pts:
             ax.plot([p for p, _ in pts], [1e3 * v for _, v in pts], marker="o", label=pol)
     ax.set_xlabel(key)
@@ -206,5 +258,8 @@ def default_meta(engine) -> dict:
     import torch
 
     dev = engine.device
-    return {"date": dt.date.today().isoformat(), "model": engine.model_name,
+    meta = {"date": dt.date.today().isoformat(), "model": engine.model_name,
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    if engine.mode_costs is not None:
+        meta["mode_costs"] = engine.mode_costs.as_dict()
+    return meta

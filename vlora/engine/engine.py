@@ -16,6 +16,7 @@ import torch
 from vlora.config import EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
+from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import ModelRunner
 from vlora.engine.scheduler import Scheduler, SchedulerOutput
@@ -131,6 +132,7 @@ class Engine:
                                               workers=min(8, max(1, (os.cpu_count() or 2) // 2)),
                                               merges=sc.policy != "unmerged")
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.mode_costs: ModeCosts | None = None      # the modes timed on this GPU (profile_modes)
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
         self.admission = Admission()
         self.estimator = ServiceEstimator()
@@ -263,6 +265,24 @@ class Engine:
     def unmerge_adapter(self) -> float:
         """Restore the base weights bit for bit."""
         return self.runner.modes.unmerge()
+
+    def profile_modes(self, reps: int = 10) -> ModeCosts | None:
+        """Time the inference modes on this GPU (:mod:`vlora.engine.mode_costs`) with up to nine registered
+        adapters (the largest rank is the one merged), and give the orchestrator those costs from now on. Needs the decode CUDA graphs (their mixed kind is
+        captured here), two registered adapters and nothing merged; None (nothing changed) otherwise. Run it
+        while no request is in flight: the timed replays and merges hold the GPU."""
+        from vlora.engine.mode_costs import profile_modes
+
+        store, names = self.adapters.store, self.adapters.names()[:9]
+        if self.runner.graphs is None or store is None or len(names) < 2 or self.runner.modes.merged is not None:
+            return None
+        adapters = sorted((self.adapters.get(n) for n in names), key=lambda a: -a.rank)   # the largest merges
+        if len(store.ensure(adapters, set())) < 2:
+            return None
+        self.runner.capture_graphs(mixed=True)
+        self.mode_costs = profile_modes(self.runner, adapters, self.config.scheduler.max_num_seqs, reps)
+        self.orchestrator.profile = self.mode_costs
+        return self.mode_costs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)

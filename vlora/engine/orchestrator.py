@@ -49,6 +49,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.modes import Mode, ModeSwitcher
 from vlora.engine.sequence import Sequence
 
@@ -65,10 +66,25 @@ class Pending:
 
 @dataclass(frozen=True)
 class Costs:
-    """Measured costs, seconds: one iteration in each mode, and one mode switch."""
+    """Measured costs, seconds: one iteration of the batch at hand in each mode, and the switches. ``switch_s``
+    is a first merge of an adapter (weights and restore record written); ``unmerge_s`` and ``reuse_s`` (a merge
+    of ``kept``, the adapter unmerged last, whose record is reused) default to it."""
 
     step_s: dict[Mode, float]
     switch_s: float
+    unmerge_s: float | None = None
+    reuse_s: float | None = None
+    kept: str | None = None
+
+    def merge_cost(self, adapter: str | None) -> float:
+        """Seconds to merge ``adapter``: its record reused when it is the adapter unmerged last."""
+        if adapter is not None and adapter == self.kept and self.reuse_s is not None:
+            return self.reuse_s
+        return self.switch_s
+
+    @property
+    def unmerge_cost(self) -> float:
+        return self.switch_s if self.unmerge_s is None else self.unmerge_s
 
 
 @dataclass(frozen=True)
@@ -88,34 +104,44 @@ def credit(req: Pending, mode: Mode, merged_now: str | None, costs: Costs) -> fl
 def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) -> bool:
     """Whether merging ``r_merge``'s adapter to run in ``mode`` (MERGED, or MIXED beside other requests) saves
     more than it costs: the iterations its requests may still run × (unmerged − ``mode`` iteration time, as
-    measured) against two measured switches (this merge and the unmerge after it; unmerging an adapter merged
-    now is paid whether or not this one comes in). Unmeasured costs (a cold start) count as worth it, so they
-    get measured."""
+    measured) against this merge and the unmerge after it (unmerging an adapter merged now is paid whether or
+    not this one comes in). Unmeasured costs (a cold start) count as worth it, so they get measured."""
     mode_s, unmerged_s = costs.step_s.get(mode, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
     if min(costs.switch_s, mode_s, unmerged_s) <= 0.0:
         return True
     gain = unmerged_s - mode_s
     if any(r.remaining is None for r in r_merge):
         return gain > 0.0
-    return max(r.remaining for r in r_merge) * gain > 2 * costs.switch_s
+    adapter = r_merge[0].adapter if r_merge else None
+    return max(r.remaining for r in r_merge) * gain > costs.merge_cost(adapter) + costs.unmerge_cost
 
 
-def stay_pays(costs: Costs) -> bool:
-    """Whether the adapter merged now may stay merged while other requests (other adapters', the base model's)
-    run beside it, i.e. in MIXED mode: only while a mixed iteration costs no more than an unmerged one, as
-    measured. A mixed iteration runs a second LoRA pass over the other rows (their adapter, minus the merged
-    one), and it can cost more: on an H200 (2026-11-22,
-    ``benchmarks/results/h200-2026-11-22-run1/policies-skew-high``) a mixed decode iteration took 1.3–2 ms
-    more than an unmerged one of the same batch size (medians of the gaps in its iteration timeline: 8.0
-    against 6.7 ms at 2–4 requests). Leaving costs an unmerge now; merging back
-    later must pay for itself (:func:`switch_pays`). The extra is not weighed against the switches saved over
-    the others' remaining tokens: more of them may arrive while it stays, and the decode-only costs leave out
-    prefill rows, which in that run cost more in mixed iterations still. Unmeasured costs get measured: mixed
-    unmeasured -> stay (it runs), unmerged unmeasured -> leave (it runs)."""
+def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = ()) -> bool:
+    """Whether the adapter merged now may stay merged while ``others`` (other adapters' and the base model's
+    requests) run beside its requests ``merged``, i.e. in MIXED mode. A mixed iteration runs a second LoRA pass
+    over the other rows (their adapter, minus the merged one) and may cost more than an unmerged one: on an
+    H200 (2026-11-22, ``benchmarks/results/h200-2026-11-22-run1/policies-skew-high``) 8.0 against 6.7 ms at
+    2-4 requests. Staying pays that extra for as long as the others run (the most tokens one of them may still
+    produce); leaving pays an unmerge now and, if the merged adapter's requests outlive the others, the merge
+    back (its record reused). Stay when the first is no more than the second; a mixed iteration no slower than
+    an unmerged one always stays. Unknown lengths weigh nothing but the iteration times. Unmeasured costs get
+    measured: mixed unmeasured -> stay (it runs), unmerged unmeasured -> leave (it runs)."""
     mixed_s, unmerged_s = costs.step_s.get(Mode.MIXED, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
     if mixed_s <= 0.0:
         return True
-    return 0.0 < unmerged_s and mixed_s <= unmerged_s
+    if unmerged_s <= 0.0:
+        return False
+    extra = mixed_s - unmerged_s
+    if extra <= 0.0:
+        return True
+    lengths = [r.remaining for r in others]
+    if not others or any(n is None for n in lengths):
+        return False
+    left = max(lengths)
+    mine = [r.remaining for r in merged]
+    back = bool(mine) and any(n is None or n > left for n in mine)     # its requests outlive the others
+    leave = costs.unmerge_cost + ((costs.switch_s if costs.reuse_s is None else costs.reuse_s) if back else 0.0)
+    return extra * left <= leave
 
 
 def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, costs: Costs, merge_share: float,
@@ -131,7 +157,8 @@ def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, co
         pure = counts[chosen] == len(reqs)                  # no other adapter's and no base-model request
         mode = Mode.MERGED if pure else Mode.MIXED
         if chosen == merged_now:                            # staying: free when pure, else it must pay
-            go = pure or (mixed and stay_pays(costs))
+            go = pure or (mixed and stay_pays(costs, [r for r in reqs if r.adapter == chosen],
+                                              [r for r in reqs if r.adapter != chosen]))
         else:
             go = (pure or mixed) and switch_pays([r for r in reqs if r.adapter == chosen], costs, mode)
         if go:
@@ -169,17 +196,28 @@ def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: in
 
 
 class Orchestrator:
-    """Runs a mode policy each iteration with costs measured on this machine (running means)."""
+    """Runs a mode policy each iteration. Its costs: ``profile``, measured at start-up on this GPU
+    (:mod:`vlora.engine.mode_costs`: iteration times per mode and batch size, each kind of switch), when there is
+    one; else running means of the iterations and switches as they happen."""
 
-    def __init__(self, policy: str, theta: float, max_bs: int):
+    def __init__(self, policy: str, theta: float, max_bs: int, profile: ModeCosts | None = None):
         self.policy = policy
         self.theta = theta
         self.max_bs = max_bs
+        self.profile = profile
         self.step_s = {m: 0.0 for m in Mode}
         self.mode = Mode.UNMERGED
         self.mode_iterations = Counter()     # iterations run per mode (as measured)
         self.starved: set[str] = set()       # requests whose credit passed θ (until they finish)
         self.decisions = Counter()           # decisions taken per mode
+
+    def costs(self, n: int, modes: ModeSwitcher) -> Costs:
+        """The costs of an iteration of ``n`` requests in each mode and of the switches, as known now."""
+        kept = None if modes.kept is None else modes.kept.adapter.name
+        p = self.profile
+        if p is None:
+            return Costs(dict(self.step_s), modes.last_switch_s, kept=kept)
+        return Costs({m: p.step(m, n) for m in Mode}, p.merge_s, p.unmerge_s, p.reuse_s, kept)
 
     def plan(self, seqs: list[Sequence], modes: ModeSwitcher, registry) -> Decision | None:
         """The decision for the next iteration (None: plain continuous batching, nothing merged)."""
@@ -189,7 +227,7 @@ class Orchestrator:
         reqs = [Pending(s.request_id, s.adapter_name, now - s.last_progress,
                         s.params.max_tokens - len(s.output_token_ids)) for s in seqs]
         merged_now = None if modes.merged is None else modes.merged.name
-        costs = Costs(dict(self.step_s), modes.last_switch_s)
+        costs = self.costs(min(len(reqs), self.max_bs), modes)
         self.starved = {r.request_id for r in reqs
                         if r.request_id in self.starved or credit(r, self.mode, merged_now, costs) > self.theta}
         if self.policy in ("vlora", "dlora"):   # dlora: Alg. 1 without the mixed mode (starvation -> unmerged)

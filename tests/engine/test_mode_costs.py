@@ -1,0 +1,69 @@
+"""The start-up profile of the inference modes: which graph replays it times, and how the policy reads it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlora.engine.mode_costs import ModeCosts, profile_steps
+from vlora.engine.modes import Mode
+from vlora.engine.orchestrator import Orchestrator
+from vlora.lora.batch import PackedAdapter
+
+
+class FakeGraphs:
+    """Records the replays asked for (CPU: nothing to time but the calls)."""
+
+    scratch_slot = 4095
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, ids, positions, slots, tables, lens, segments, minus=()):
+        self.calls.append((len(ids), set(slots), list(segments), list(minus)))
+
+
+def adapter(slot: int, rank: int) -> PackedAdapter:
+    return PackedAdapter(slot, f"a{slot}", rank, 2.0, ())
+
+
+def test_profile_times_each_mode_per_bucket_on_the_scratch_slot():
+    graphs = FakeGraphs()
+    merged, others = adapter(0, 64), [adapter(i, 16) for i in range(1, 4)]
+    steps = profile_steps(graphs, [merged] + others, [1, 4], reps=2)
+    assert set(steps) == set(Mode) and all(set(t) == {1, 4} and min(t.values()) >= 0 for t in steps.values())
+    assert all(slots == {FakeGraphs.scratch_slot} for _, slots, _, _ in graphs.calls)   # no sequence's KV
+    at4 = [c for c in graphs.calls if c[0] == 4]
+    base = [c for c in at4 if not c[2] and not c[3]]
+    unmerged = [c for c in at4 if c[2] and not c[3]]
+    mixed = [c for c in at4 if c[3]]
+    assert base and unmerged and mixed
+    segs = unmerged[0][2]
+    assert [(s.start, s.end) for s in segs] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert {s.adapter.name for s in segs} == {"a1", "a2", "a3"} and merged not in [s.adapter for s in segs]
+    own, minus = mixed[0][2], mixed[0][3]
+    assert [(s.start, s.end) for s in own] == [(1, 2), (2, 3), (3, 4)]     # row 0 is the merged adapter's
+    assert len(minus) == 1 and (minus[0].start, minus[0].end, minus[0].adapter) == (1, 4, merged)
+    assert minus[0].scale == -merged.scaling
+    with pytest.raises(ValueError, match="two resident adapters"):
+        profile_steps(graphs, [merged], [1])
+
+
+def test_costs_are_read_per_batch_size_and_switch_kind():
+    p = ModeCosts({Mode.MERGED: {1: 0.006, 8: 0.007}, Mode.MIXED: {1: 0.0075, 8: 0.0085},
+                   Mode.UNMERGED: {1: 0.0070, 8: 0.0080}}, merge_s=0.038, reuse_s=0.011, unmerge_s=0.012)
+    assert p.step(Mode.MIXED, 1) == 0.0075 and p.step(Mode.MIXED, 5) == 0.0085 and p.step(Mode.MIXED, 64) == 0.0085
+    assert ModeCosts().step(Mode.MERGED, 3) == 0.0
+    assert p.as_dict()["step_ms"]["mixed"][8] == 8.5 and p.as_dict()["reuse_ms"] == 11.0
+
+    class Switcher:
+        kept = None
+
+    orch = Orchestrator("vlora", 0.5, 64, p)
+    c = orch.costs(6, Switcher())
+    assert c.step_s == {Mode.MERGED: 0.007, Mode.MIXED: 0.0085, Mode.UNMERGED: 0.0080}
+    assert (c.switch_s, c.unmerge_cost, c.merge_cost("a"), c.kept) == (0.038, 0.012, 0.038, None)
+    kept = type("Record", (), {"adapter": adapter(3, 8)})()
+    Switcher.kept = kept
+    assert orch.costs(1, Switcher()).merge_cost("a3") == 0.011
