@@ -67,3 +67,32 @@ def test_costs_are_read_per_batch_size_and_switch_kind():
     kept = type("Record", (), {"adapter": adapter(3, 8)})()
     Switcher.kept = kept
     assert orch.costs(1, Switcher()).merge_cost("a3") == 0.011
+
+
+@pytest.mark.gpu
+def test_gpu_engine_profiles_its_modes_and_keeps_its_weights():
+    """On a GPU: the profile times every mode at every bucket and each switch, leaves the base weights bit for
+    bit as loaded and nothing merged, and the engine then serves with the orchestrator reading it."""
+    import tempfile
+    from pathlib import Path
+
+    from vlora import LLM
+    from vlora.bench.harness import run_workload
+    from vlora.bench.workloads import RequestSpec
+    from vlora.lora.random_adapter import write_random_adapter
+
+    llm = LLM("random:tiny-llama", device="cuda", max_num_seqs=8, max_lora_rank=16, max_num_batched_tokens=512,
+              policy="vlora")
+    eng = llm.engine
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, r in enumerate((8, 16, 8)):
+            llm.register_adapter(f"a{i}", write_random_adapter(Path(tmp) / f"a{i}", eng.adapters.shape, r, seed=i))
+        before = {k: w.clone() for k, w in eng.runner.modes.weights.items()}
+        costs = eng.profile_modes(reps=3)
+        assert costs is not None and eng.orchestrator.profile is costs and eng.runner.modes.merged is None
+        assert all(torch.equal(before[k], w) for k, w in eng.runner.modes.weights.items())
+        assert set(costs.step_s[Mode.MIXED]) == set(eng.runner.graphs.buckets)
+        assert min(min(t.values()) for t in costs.step_s.values()) > 0
+        assert min(costs.merge_s, costs.reuse_s, costs.unmerge_s) > 0
+        res = run_workload(eng, [RequestSpec(0.01 * i, f"a{i % 3}" if i % 4 else None, 12, 6) for i in range(8)])
+    assert res.metrics()["finished"] == 8
