@@ -7,7 +7,7 @@
 set -uo pipefail
 out=${1:?output dir}; part=${2:?part}; dur=${3:-25}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-common=(--model random:llama-2-7b --kv-cache-memory-gb 40 --max-num-seqs 64 --max-num-batched-tokens 8192
+common=(--model random:llama-2-7b --policy vlora --kv-cache-memory-gb 40 --max-num-seqs 64 --max-num-batched-tokens 8192
         --max-lora-rank 64 --num-adapters 32 --duration "$dur" --repeats "${REPEATS:-1}" --quiet)
 run() {   # name, then vlora bench arguments
     local name=$1; shift

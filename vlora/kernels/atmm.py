@@ -283,13 +283,13 @@ _counts: dict[str, list[torch.Tensor]] = {}      # device -> its counter buffers
 #                                                   graphs may still point at the older ones: they are kept)
 
 
-def tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
+def tile_counts(device: torch.device, tiles: int, lane: int = 0) -> torch.Tensor:
     """Zeroed int32 counters, one per shrink tile, for the split-K parts of a tile to find the last of them (which
-    sets its counter back to 0). One buffer per device, so split-K shrinks of one device must not run at the same
-    time on two streams (the engine runs every LoRA kernel of an iteration on one stream). It is allocated, or
-    grown, outside CUDA-graph capture only: a buffer made during capture would never be zeroed (the engine's
-    start-up launches every kernel variant before it captures)."""
-    bufs = _counts.setdefault(str(device), [])
+    sets its counter back to 0). One buffer per device and ``lane``: split-K shrinks that may run at the same time
+    on two streams must use different lanes (the mixed mode's two LoRA passes do). It is allocated, or grown,
+    outside CUDA-graph capture only: a buffer made during capture would never be zeroed (the engine's start-up
+    launches every kernel variant before it captures)."""
+    bufs = _counts.setdefault(f"{device}/{lane}", [])
     if not bufs or bufs[-1].numel() < tiles:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("lora_shrink: a split-K shrink of this size must run once before CUDA-graph capture")
@@ -299,7 +299,8 @@ def tile_counts(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
-                r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
+                r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False,
+                lane: int = 0) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
 
     Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s); ``out`` (or a fresh
@@ -309,7 +310,8 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     uninitialised, or ``out``'s contents). Summed here, the expand reads one plane instead of split_k of them
     for every column tile it computes; an expand with v hoisted reads them once per strip, and for a few decode
     rows the sum costs more than it saves. The tuner picks (``benchmarks/results/h100-2026-11-22-atmm``).
-    ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads).
+    ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads). ``lane``: the
+    split-K counters to use (:func:`tile_counts`), distinct for shrinks that may run concurrently.
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
@@ -327,7 +329,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
     grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
     reduce = cfg.split_k > 1 and bool(cfg.reduce)
-    counts = tile_counts(x.device, grid[0] * grid[1]) if reduce else v      # v: a pointer the kernel never uses
+    counts = tile_counts(x.device, grid[0] * grid[1], lane) if reduce else v   # v: a pointer the kernel never uses
     _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, counts, x.shape[1], x.stride(0), v.stride(0),
                          v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,

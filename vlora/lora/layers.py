@@ -17,6 +17,14 @@ Three modes (``VLORA_LORA_OVERLAP``):
   stream, then one add ``y += delta`` on the main stream;
 * ``off``: both after the projection, on the main stream.
 
+The mixed mode's second pass (the merged adapter subtracted) shrinks on a
+second side stream, beside the first pass's shrink, with its own split-K
+counters; its expand follows the first's on the side stream. Run one after the
+other, the two passes' four launches made a decode step in mixed mode 1.1 ms
+slower than an unmerged one at batch 1 on an H100 (7B, 2026-11-25, the mode
+profile of ``benchmarks/results/h100-2026-11-25-policies``), where the LoRA
+launches of the small projections, not the base GEMMs, are the critical path.
+
 Every tensor the side stream touches is allocated on the main stream before the
 fork and kept alive past the join, so the caching allocator (and CUDA-graph
 capture) never sees a cross-stream free.
@@ -35,7 +43,7 @@ from vlora.kernels.reference import lora_add_
 from vlora.lora.batch import LoRABatch
 
 OVERLAP_MODES = ("off", "shrink", "full")
-_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
 def _overlap_mode() -> str:
@@ -48,11 +56,11 @@ def _overlap_mode() -> str:
 OVERLAP = _overlap_mode()          # read once: every projection of every forward pass asks
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
+    if (index, lane) not in _side_streams:
+        _side_streams[(index, lane)] = torch.cuda.Stream(device=index)
+    return _side_streams[(index, lane)]
 
 
 def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer: int, group: str,
@@ -82,8 +90,16 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
         k0 = passes[0].kernel[group]
         delta = torch.zeros(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
     side.wait_stream(main)
+    second = None
+    if len(passes) > 1:             # mixed mode: the second pass's shrink runs beside the first's
+        second = _side_stream(x.device, 1)
+        second.wait_stream(main)
+        with torch.cuda.stream(second):
+            vs[1] = _shrink(x, passes[1], layer, group, vs[1], lane=1)
     with torch.cuda.stream(side):
-        vs = [_shrink(x, p, layer, group, v) for p, v in zip(passes, vs)]      # the planes each hands over
+        vs[0] = _shrink(x, passes[0], layer, group, vs[0])      # the planes each hands over
+        if second is not None:
+            side.wait_stream(second)
         if delta is not None:
             for p, v in zip(passes, vs):
                 _expand(delta, v, p, layer, group)
@@ -97,13 +113,14 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
     return y
 
 
-def _shrink(x: torch.Tensor, lora: LoRABatch, layer: int, group: str, out: torch.Tensor | None = None):
+def _shrink(x: torch.Tensor, lora: LoRABatch, layer: int, group: str, out: torch.Tensor | None = None,
+            lane: int = 0):
     from vlora.kernels.atmm import lora_shrink
 
     k = lora.kernel[group]
     # the adapter buffer aligns every A and B to 16 elements, and ranks are >= 8
     return lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg,
-                       out=out, aligned=True)
+                       out=out, aligned=True, lane=lane)
 
 
 def _expand(y: torch.Tensor, v: torch.Tensor, lora: LoRABatch, layer: int, group: str) -> None:
