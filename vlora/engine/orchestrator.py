@@ -23,9 +23,9 @@ rule (:func:`_light_load`):
 * the adapter merged now keeps at least ``keep_share`` of the requests: it
   stays (no switch: leaving and re-merging whenever a request of another
   adapter comes and goes cost two switches each time), unless that means
-  MIXED iterations and those are measured slower than unmerged ones
-  (:func:`stay_pays`; on an H200, 2026-11-22, they were, by 1.3–2 ms at
-  every batch size: medians of that run's iteration timeline);
+  MIXED iterations slower than unmerged ones, for longer than leaving and
+  merging back would cost (:func:`stay_pays`; a mixed iteration was 0.7 ms
+  slower than an unmerged one at batch 1 on an H100, 2026-11-25);
 * else the most requested adapter has more than ``merge_share`` of them: it
   is merged, if the switch pays for itself (the iterations its requests may
   still run times the measured per-iteration saving of the mode it would
@@ -39,8 +39,15 @@ rule (:func:`_light_load`):
 Heavy load is Alg. 1 as written, with the same pay-for-itself test on a
 switch.
 
-Costs are not constants: the engine measures iteration times per mode and the
-switch time on the running hardware and feeds them in as :class:`Costs`.
+Costs are not constants. When the engine has profiled its modes
+(:meth:`Engine.profile_modes`, :mod:`vlora.engine.mode_costs`), the policy reads
+the replay time of a decode iteration for the batch at hand in each mode, and
+the switch that applies: a first merge, an unmerge, or a merge that reuses the
+restore record of the adapter unmerged last (11 ms against 38 ms on an H100).
+Without a profile it uses running means of the iterations and switches as they
+happen. Running means can leave a mode unmeasured: on 2026-11-22 two slow
+mixed iterations per run kept the policy out of mixed mode for good. They also
+mix first and reused merges.
 """
 
 from __future__ import annotations
