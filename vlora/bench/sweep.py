@@ -203,11 +203,11 @@ def _gaps(rows: list[dict], key: str) -> dict:
         if not v:
             continue
         gs = {}
+        mine = {r.get("repeat", 0): r["avg_token_latency_s"] for r in by["vlora"]}
         for pol, rs in by.items():
             x = _pooled(rs)
             if pol == "vlora" or not x:
                 continue
-            mine = {r.get("repeat", 0): r["avg_token_latency_s"] for r in by["vlora"]}
             each = [mine[r.get("repeat", 0)] / r["avg_token_latency_s"] - 1 for r in rs
                     if r["avg_token_latency_s"] and mine.get(r.get("repeat", 0))]
             gs[pol] = (v / x - 1, each)

@@ -268,9 +268,10 @@ class Engine:
 
     def profile_modes(self, reps: int = 10) -> ModeCosts | None:
         """Time the inference modes on this GPU (:mod:`vlora.engine.mode_costs`) with up to nine registered
-        adapters (the largest rank is the one merged), and give the orchestrator those costs from now on. Needs the decode CUDA graphs (their mixed kind is
-        captured here), two registered adapters and nothing merged; None (nothing changed) otherwise. Run it
-        while no request is in flight: the timed replays and merges hold the GPU."""
+        adapters (the largest rank is the one merged), and give the orchestrator those costs from now on. Needs
+        the decode CUDA graphs (their mixed kind is captured here), two registered adapters and nothing merged;
+        None (nothing changed) otherwise. Run it while no request is in flight: the timed replays and merges hold
+        the GPU."""
         from vlora.engine.mode_costs import profile_modes
 
         store, names = self.adapters.store, self.adapters.names()[:9]

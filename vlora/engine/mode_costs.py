@@ -3,9 +3,9 @@
 V-LoRA's policy (Alg. 1) weighs an iteration in each mode and the switch between
 them. Learning those costs online from the iterations the policy happens to run
 leaves it blind where it stopped choosing a mode: on an H100 (2026-11-22,
-``benchmarks/results/h100-2026-11-22/policies-skew-*``) the first two mixed
-iterations of every run met a prefill or a cold cache, read 17 ms against 8 ms
-unmerged, and the mixed mode was never chosen again. So the engine times
+``benchmarks/results/h100-2026-11-22/policies-skew-*``) the two mixed
+iterations of each run read 17 ms against 8 ms unmerged (why is not known), and
+the mixed mode was never chosen again. So the engine times
 the modes once, before serving, on the same CUDA graphs the decode iterations
 replay:
 
@@ -98,16 +98,14 @@ def profile_steps(graphs, adapters: list[PackedAdapter], buckets: list[int], rep
 def profile_switches(modes: ModeSwitcher, adapter: PackedAdapter, reps: int = 3) -> tuple[float, float, float]:
     """(first merge, unmerge, merge with the record reused) seconds, medians of ``reps`` cycles after one untimed
     cycle (kernel builds the start-up did not do); the weights are restored bit for bit after each."""
-    first, unmerge, reuse = [], [], []
-    for i in range(reps + 1):
-        if i == 1:
-            first, unmerge, reuse = [], [], []
+    def cycle() -> tuple[float, float, float, float]:
         modes.forget(adapter.name)          # no record kept: a first merge
-        first.append(modes.merge(adapter))
-        unmerge.append(modes.unmerge())
-        reuse.append(modes.merge(adapter))
-        unmerge.append(modes.unmerge())
-    return statistics.median(first), statistics.median(unmerge), statistics.median(reuse)
+        return modes.merge(adapter), modes.unmerge(), modes.merge(adapter), modes.unmerge()
+
+    cycle()
+    runs = [cycle() for _ in range(reps)]
+    return (statistics.median(r[0] for r in runs), statistics.median(u for r in runs for u in (r[1], r[3])),
+            statistics.median(r[2] for r in runs))
 
 
 def profile_modes(runner, adapters: list[PackedAdapter], max_batch: int, reps: int = 10) -> ModeCosts:
