@@ -85,9 +85,11 @@ class Costs:
 
     def merge_cost(self, adapter: str | None) -> float:
         """Seconds to merge ``adapter``: its record reused when it is the adapter unmerged last."""
-        if adapter is not None and adapter == self.kept and self.reuse_s is not None:
-            return self.reuse_s
-        return self.switch_s
+        return self.reuse_cost if adapter is not None and adapter == self.kept else self.switch_s
+
+    @property
+    def reuse_cost(self) -> float:
+        return self.switch_s if self.reuse_s is None else self.reuse_s
 
     @property
     def unmerge_cost(self) -> float:
@@ -147,7 +149,7 @@ def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = 
     left = max(lengths)
     mine = [r.remaining for r in merged]
     back = bool(mine) and any(n is None or n > left for n in mine)     # its requests outlive the others
-    leave = costs.unmerge_cost + ((costs.switch_s if costs.reuse_s is None else costs.reuse_s) if back else 0.0)
+    leave = costs.unmerge_cost + (costs.reuse_cost if back else 0.0)      # merging back reuses its record
     return extra * left <= leave
 
 
