@@ -16,6 +16,7 @@ from tests.models.test_parity import NAMES, build
 from tests.memory.test_tree import chats
 from vlora import LLM, SamplingParams
 from vlora.config import CacheConfig, ConfigError
+from vlora.memory.copier import StreamCopier
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.swapper import CacheSwapper
 from vlora.memory.tree import PrefixTree
@@ -31,12 +32,41 @@ class Clock:
         return self.t
 
 
-def _setup(pages=16, host_blocks=6, **kw):
+class DeferredCopier:
+    """A copy stream in slow motion: a copy is made only when it lands (:meth:`land`, or ``wait``), reading its
+    source then, so a host slot reused before its copy landed shows up as wrong KV. Copies land in issue order."""
+
+    class Token:
+        def __init__(self, dst, src):
+            self.dst, self.src, self.landed = dst, src, False
+
+    def __init__(self):
+        self.pending: list = []
+
+    def copy(self, dst, src):
+        self.pending.append(self.Token(dst, src))
+        return self.pending[-1]
+
+    def done(self, token) -> bool:
+        return token.landed
+
+    def land(self, n: int | None = None) -> None:
+        for tok in self.pending[:n]:
+            tok.dst.copy_(tok.src)
+            tok.landed = True
+        self.pending = self.pending[len(self.pending) if n is None else n:]
+
+    def wait(self, token) -> None:
+        if not token.landed:
+            self.land(self.pending.index(token) + 1)
+
+
+def _setup(pages=16, host_blocks=6, copier=None, **kw):
     pool = UnifiedPool(pages, 1, BS, 1, 4, torch.float32, torch.device("cpu"))     # pages of 16 elements
     tree = PrefixTree(pool, BS)
     clock = Clock()
     swapper = CacheSwapper(pool, tree, None, lambda name: None, clock=clock,
-                           host_kv_bytes=host_blocks * pool.page_elems * 4, **kw)
+                           host_kv_bytes=host_blocks * pool.page_elems * 4, copier=copier, **kw)
     pool.reclaimers.insert(0, swapper.reclaim)
     pool.reclaimable.insert(0, tree.reclaimable)             # as the engine has it (make_room counts on it)
     return pool, tree, swapper, clock
@@ -46,12 +76,18 @@ def _value(adapter, tokens) -> float:
     return float(zlib.crc32(repr((adapter, tuple(tokens))).encode()) % 10007)
 
 
-def _serve(pool, tree, adapter, tokens) -> bool:
+def _serve(pool, tree, adapter, tokens, wait: bool = True) -> bool:
     """One request: match, check the matched KV is this adapter's for these tokens, compute the rest (write
-    its blocks' values), give it back. False when the pool had no room."""
+    its blocks' values), give it back. False when the pool had no room. A prefix still being copied back is
+    waited for, or (``wait=False``) given back unread: the request went away while it waited."""
     unpinned, pinned, host = tree.peek(adapter, tokens)
     pages = tree.match(adapter, tokens)
     assert unpinned + pinned <= len(pages) <= unpinned + pinned + host    # GPU blocks lead the path; host ones
+    while tree.in_flight(pages):
+        if not wait:
+            tree.release(adapter, tokens[:len(pages) * BS], pages, len(pages))
+            return False
+        tree.swapper.wait_oldest()
     for i, p in enumerate(pages):                                          # come back as far as pages allow
         assert torch.all(pool.kv[p] == _value(adapter, tokens[:(i + 1) * BS])), "wrong KV served"
     need = -(-len(tokens) // BS) - len(pages)
@@ -77,6 +113,11 @@ def _invariants(pool, tree, swapper):
             assert n.parent.page is not None, "a GPU block under a host block"
     assert swapper.host_nodes == {n for n in tree._nodes() if n.host is not None}
     assert len(swapper.host_nodes) * swapper.page_bytes <= swapper.host_kv_bytes
+    flying = [slot for _, _, _, slot in swapper._flights]
+    held = [n.host for n in swapper.host_nodes] + flying + swapper._free_slots
+    assert sorted(held) == list(range(swapper.host_slots)), "a host slot lost, or held twice"
+    for _, node, page, _ in swapper._flights:
+        assert node.page == page and node.refs > 0, "a block in flight must stay pinned on its page"
 
 
 PROMPTS_ = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9, 9, 9, 9], [1, 2, 8, 8, 8], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
@@ -101,6 +142,59 @@ def test_random_interleavings_keep_kv_intact_and_never_leak(ops, pages, host_blo
         _invariants(pool, tree, swapper)
     tree.clear()
     assert pool.num_free == pool.num_pages and not swapper.host_nodes
+
+
+ASYNC_OPS = st.lists(st.tuples(st.sampled_from(["req", "req", "leave", "tick", "pressure", "evict_all", "land",
+                                                "forget"]),
+                               st.integers(0, 3), st.sampled_from([None, "x", "y"]), st.floats(0, 3)), max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ASYNC_OPS, st.integers(6, 16), st.integers(0, 8))
+def test_swap_ins_in_flight_keep_kv_intact_and_never_leak(ops, pages, host_blocks):
+    """Swap-ins that land late (a copy stream): requests that wait for them, or leave before they land,
+    pressure and reclaims meanwhile, adapters forgotten; what a request reads is always its KV, no host slot is
+    reused before its copy landed, and nothing leaks."""
+    copier = DeferredCopier()
+    pool, tree, swapper, clock = _setup(pages, host_blocks, copier=copier, high=0.8, low=0.4, interval_s=0.5)
+    for op, k, adapter, dt in ops:
+        clock.t += dt
+        if op in ("req", "leave"):
+            _serve(pool, tree, adapter, PROMPTS_[k] + [k] * (k % 2), wait=op == "req")
+        elif op == "tick":
+            swapper.tick(batch_size=k + 1)
+        elif op == "pressure":
+            pool.make_room(k + 1)
+        elif op == "land":
+            copier.land(k)
+        elif op == "forget":
+            tree.forget_adapter(adapter)
+        else:
+            swapper.reclaim(pool.num_pages)
+        _invariants(pool, tree, swapper)
+    tree.clear()
+    assert pool.num_free == pool.num_pages and not swapper.host_nodes and not swapper._flights
+    assert sorted(swapper._free_slots) == list(range(swapper.host_slots))
+
+
+def test_a_block_in_flight_is_neither_read_nor_evicted_before_it_lands():
+    copier = DeferredCopier()
+    pool, tree, swapper, _ = _setup(pages=8, host_blocks=8, copier=copier)
+    prompt = PROMPTS_[3]
+    assert _serve(pool, tree, "x", prompt)                   # 5 full blocks cached
+    swapper.reclaim(pool.num_pages)
+    pages = tree.match("x", prompt)                          # all 5 come back on the copy stream
+    assert len(pages) == 5 and tree.in_flight(pages) and swapper.stats()["in_flight"] == 5
+    tree.release("x", prompt[:5 * BS], pages, 5)             # the request left; the copies still fly
+    assert swapper.reclaim(pool.num_pages) == 0 and tree.evict(8) == 0    # pinned while in flight
+    copier.land(2)
+    assert swapper.poll() == 3 and tree.in_flight(pages) and not tree.in_flight(pages[:2])
+    copier.land()
+    assert not tree.in_flight(pages)
+    for i, p in enumerate(pages):
+        assert torch.all(pool.kv[p] == _value("x", prompt[:(i + 1) * BS]))
+    assert swapper.reclaim(pool.num_pages) == 5              # landed: unpinned, may leave again
+    _invariants(pool, tree, swapper)
 
 
 def test_swapped_out_kv_comes_back_intact():
@@ -310,3 +404,97 @@ def test_a_request_that_cannot_be_admitted_leaves_its_host_prefix_in_host_memory
     assert outs["turn2"].token_ids == want
     assert eng.swapper.swapped_in == 5 and eng.prefix_cache.hit_tokens >= 20
     eng.pool.check()
+
+
+def test_a_prefix_copied_back_holds_up_its_request_and_nobody_else(tmp_path):
+    """A follow-up turn whose history is in host memory: its blocks come back on a copy stream (here one that
+    lands only when told), the request waits for them while a running request keeps decoding, then runs from
+    the cached prefix; tokens as without caching."""
+    path, _, _ = build(tmp_path)
+    first = list(range(3, 23))                                   # 20 tokens: 5 blocks of 4
+    turn2, other = first + [40, 41, 42], list(range(100, 110))
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(path), num_blocks=128, block_size=4).generate([turn2, other], None, sp)]
+    llm = LLM(str(path), num_blocks=32, block_size=4, prefix_caching=True, memory_policy="fastlibra")
+    eng = llm.engine
+    copier = eng.swapper.copier = DeferredCopier()
+    llm.generate([first], None, SamplingParams(max_tokens=1, ignore_eos=True))
+    eng.swapper.reclaim(eng.pool.num_pages)                      # its KV moved to host memory
+    assert len(eng.swapper.host_nodes) == 5
+    eng.add_request(other, None, sp, request_id="other")
+    eng.step()                                                   # "other" runs its prompt
+    eng.add_request(turn2, None, sp, request_id="turn2")
+    outs, steps_waiting = {}, 0
+    while eng.has_unfinished():
+        if any(s.request_id == "turn2" for s in eng.scheduler.waiting) and steps_waiting < 3:
+            steps_waiting += 1                                   # the copies stay in flight for three steps
+        elif copier.pending:
+            copier.land()
+        before = len(eng._seqs["other"].output_token_ids) if "other" in eng._seqs else None
+        for o in eng.step():
+            outs[o.request_id] = o
+        if steps_waiting < 3:
+            assert all(s.request_id != "turn2" for s in eng.scheduler.running), "ran before its prefix landed"
+            assert len(eng._seqs["other"].output_token_ids) == before + 1, "the running request was held up"
+    assert steps_waiting == 3 and eng.scheduler.admissions_deferred >= 3
+    assert [outs["turn2"].token_ids, outs["other"].token_ids] == want
+    assert eng.swapper.swapped_in == 5 and eng.prefix_cache.hit_tokens >= 20
+    assert eng.scheduler.counters()["prompt_tokens_computed"] == len(first) + 3 + len(other)   # turn2: 3 new
+    eng.prefix_cache.clear()
+    eng.pool.check()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+@pytest.mark.gpu
+def test_gpu_swap_ins_on_the_copy_stream_keep_kv_intact():
+    """The CUDA pool and its copy stream: reclaims, matches that bring prefixes back while the current stream
+    is busy, requests that leave before their copies land; every block read after it landed is its KV."""
+    dev = torch.device("cuda")
+    pool = UnifiedPool(64, 1, BS, 1, 1 << 16, torch.float32, dev)          # pages of 256 KiB: copies take time
+    tree = PrefixTree(pool, BS)
+    swapper = CacheSwapper(pool, tree, None, lambda name: None, host_kv_bytes=48 * pool.page_elems * 4)
+    pool.reclaimers.insert(0, swapper.reclaim)
+    pool.reclaimable.insert(0, tree.reclaimable)
+    busy = torch.randn(4096, 4096, device=dev)
+    prompts = [[k] * (2 * BS * (k + 2)) + [99] for k in range(6)]
+    for rnd in range(4):
+        for k, p in enumerate(prompts):
+            for _ in range(3):
+                busy = busy @ busy / 64                                     # the current stream is busy
+            assert _serve(pool, tree, "x", p, wait=(rnd + k) % 3 != 0)
+            if k % 2:
+                swapper.reclaim(pool.num_pages)
+            _invariants(pool, tree, swapper)
+    assert swapper.swapped_in > 0 and isinstance(swapper.copier, StreamCopier)
+    torch.cuda.synchronize()
+    tree.clear()
+    assert pool.num_free == pool.num_pages and not swapper._flights
+
+
+@pytest.mark.gpu
+def test_gpu_engine_follow_up_turn_from_host_memory_matches_the_gpu_cache():
+    """A tiny model on the GPU: a follow-up turn whose history went to host memory comes back on the copy
+    stream beside a running request; tokens as when the history stayed on the GPU (the same KV bytes)."""
+    first = list(range(3, 40))
+    turn2, other = first + [40, 41, 42], list(range(100, 130))
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def serve(to_host: bool):
+        llm = LLM("random:tiny-llama", device="cuda", num_blocks=64, block_size=4, prefix_caching=True,
+                  memory_policy="fastlibra")
+        eng = llm.engine
+        llm.generate([first], None, SamplingParams(max_tokens=1, ignore_eos=True))
+        if to_host:
+            eng.swapper.reclaim(eng.pool.num_pages)
+            assert len(eng.swapper.host_nodes) == 9
+        eng.add_request(other, None, sp, request_id="other")
+        eng.step()
+        eng.add_request(turn2, None, sp, request_id="turn2")
+        outs = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id] = o
+        assert eng.prefix_cache.hit_tokens >= 36 and eng.swapper.swapped_in == (9 if to_host else 0)
+        return [outs["turn2"].token_ids, outs["other"].token_ids]
+
+    assert serve(True) == serve(False)

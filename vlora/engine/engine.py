@@ -305,6 +305,8 @@ class Engine:
         self._merged_resident(out)
         tokens = self._run(out) if not out.is_empty else {}
         if self.swapper is not None:
+            if out.is_empty:                    # nothing runs until a prefix copied back lands: wait for it
+                self.swapper.wait_oldest()      # instead of spinning
             self.swapper.tick(len(out.scheduled))
         store = self.adapters.store
         if store is not None:                   # queued requests' adapters, while pages are spare
@@ -324,6 +326,9 @@ class Engine:
         room = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
         waiting = [s.adapter for s in list(self.scheduler.waiting)[:room] if s.adapter is not None]
         keep = {a.name for a in running} | ({merged.name} if merged is not None else set())
+        # waiting requests that hold cached blocks (a prefix being copied back): the KV below their adapter is
+        # pinned, and an adapter leaves the pool only with its KV unused
+        keep |= {s.adapter.name for s in self.scheduler.waiting if s.blocks and s.adapter is not None}
         ok = store.ensure(running + waiting, keep)
         store.protected = keep | ok
         seqs = self.scheduler.unfinished()

@@ -55,18 +55,20 @@ class Scheduler:
         self.running: list[Sequence] = []       # sorted by arrival
         # counters (benchmarks): preemptions; tokens the model computed, of them prompt positions and positions a
         # sequence had computed before (KV lost to a preemption); admissions stopped because the oldest waiting
-        # sequence could not get the pages of its first chunk
+        # sequence could not get the pages of its first chunk; admissions put off while a prefix copied back
+        # from host memory had not landed
         self.num_preemptions = 0
         self.computed_tokens = 0
         self.prompt_tokens_computed = 0
         self.recomputed_tokens = 0
         self.admissions_blocked = 0
+        self.admissions_deferred = 0
         self._computed_before: dict[str, int] = {}   # preempted sequences: tokens they had computed
 
     def counters(self) -> dict[str, int]:
         return {"preemptions": self.num_preemptions, "computed_tokens": self.computed_tokens,
                 "prompt_tokens_computed": self.prompt_tokens_computed, "recomputed_tokens": self.recomputed_tokens,
-                "admissions_blocked": self.admissions_blocked}
+                "admissions_blocked": self.admissions_blocked, "admissions_deferred": self.admissions_deferred}
 
     def _count(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed
@@ -178,6 +180,9 @@ class Scheduler:
                 self.admissions_blocked += 1
                 break
             self._match(seq)
+            if self.cache is not None and self.cache.in_flight(seq.blocks):
+                self.admissions_deferred += 1   # its prefix is on its way back from host memory: it keeps the
+                continue                        # blocks and its place, and the running batch goes on meanwhile
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, n):
                 self._release(seq)              # back to a fresh start (matched blocks unpinned)

@@ -36,10 +36,16 @@ budget; past it the least valuable host leaves are forgotten. Adapters always
 stay in the host store, so swapping one out only frees its pages.
 
 Host memory for KV is one buffer of page-sized slots (pinned on CUDA, and
-then allocated at start-up: pinning gigabytes stalls for seconds). Copies in both directions are issued on the
-current stream without waiting: the iteration that next writes a freed page,
-or reads a page brought back, is queued after the copy on the same stream, so
-the host never stalls on a swap.
+then allocated at start-up: pinning gigabytes stalls for seconds). Swap-outs
+are issued on the current stream without waiting: the iteration that next
+writes a freed page is queued after the copy, so the host never stalls on
+them. Swap-ins run on a copy stream (:mod:`vlora.memory.copier`) beside the
+iterations. Until a block's copy has landed the block is *in flight*: pinned
+(no eviction or swap-out may take its page), its host slot held (nothing may
+overwrite what the copy reads), and its page reported by :meth:`in_flight`, so
+that the scheduler admits a request whose prefix came back only once it has
+landed (the request waits, the running batch does not). On the CPU the copies
+are made at once.
 """
 
 from __future__ import annotations
@@ -52,13 +58,14 @@ from collections import deque
 
 import torch
 
+from vlora.memory.copier import StreamCopier, SyncCopier
 from vlora.memory.pinned import pinned_empty
 
 
 class CacheSwapper:
     def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
                  decay_s: float = 1.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
-                 clock=time.monotonic):
+                 clock=time.monotonic, copier=None):
         if not 0 < low < high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
         self.pool, self.tree, self.store, self.lookup = pool, tree, store, lookup   # lookup: name -> adapter | None
@@ -78,6 +85,9 @@ class CacheSwapper:
         self.swapped_out = self.swapped_in = self.dropped = 0
         self.batch = max(1, pool.num_pages // 256)     # pages reclaimed at least per ranking
         self.adapters_out = self.adapters_in = 0
+        self.copier = copier or (StreamCopier(pool.buf.device) if pool.buf.is_cuda else SyncCopier())
+        self._flights: deque = deque()       # (token, node, page, slot) of swap-ins not known to have landed, in order
+        self._landing: dict[int, object] = {}     # page -> token of the copy filling it
 
     # -- the cost model -------------------------------------------------------------------------------
     def batch_size(self) -> float:
@@ -167,6 +177,8 @@ class CacheSwapper:
 
     def _slot(self, protect) -> int | None:
         """A free host slot, forgetting the least valuable host leaf for it if there is none."""
+        if not self._free_slots:
+            self.poll()                 # slots of swap-ins that have landed come back
         if not self._free_slots:        # forget a batch at once: ranking every host block per slot cost O(n²)
             now = self.clock()
             leaves = [n for n in self.host_nodes if not n.children and n.refs == 0 and n is not protect]
@@ -201,12 +213,48 @@ class CacheSwapper:
         if node.host is None:             # making room swapped out a block and forgot this one for its slot
             return False
         page = self.pool.allocate(1)[0]
-        self.pool.kv[page].view(-1).copy_(self.host_buf[node.host], non_blocking=True)
+        token = self.copier.copy(self.pool.kv[page].view(-1), self.host_buf[node.host])
         node.page = page
         self.tree.gained_page(node)
-        self.forget(node)
+        if token is None:
+            self.forget(node)
+        else:                             # in flight: pinned, its slot held until the copy has landed
+            self.host_nodes.discard(node)
+            self._flights.append((token, node, page, node.host))
+            self._landing[page] = token
+            node.host = None
+            self.tree._pin(node, 1)
         self.swapped_in += 1
         return True
+
+    def poll(self) -> int:
+        """Retire the swap-ins that have landed (in issue order: one copy stream); returns how many are still
+        in flight."""
+        while self._flights and self.copier.done(self._flights[0][0]):
+            self._land(*self._flights.popleft())
+        return len(self._flights)
+
+    def _land(self, token, node, page, slot) -> None:
+        self._landing.pop(page, None)
+        self._free_slots.append(slot)
+        self.tree._pin(node, -1)
+
+    def in_flight(self, pages) -> bool:
+        """Whether any of ``pages`` is still being filled by a swap-in."""
+        return bool(self._landing) and self.poll() > 0 and any(p in self._landing for p in pages)
+
+    def wait_oldest(self) -> None:
+        """Block until the oldest swap-in in flight has landed (the engine has nothing else to run)."""
+        if self._flights:
+            self.copier.wait(self._flights[0][0])
+            self.poll()
+
+    def settle(self) -> None:
+        """Block until every swap-in has landed (before the tree drops or forgets nodes wholesale)."""
+        while self._flights:
+            token, node, page, slot = self._flights.popleft()
+            self.copier.wait(token)
+            self._land(token, node, page, slot)
 
     def swap_out_subtree(self, adapter_node) -> None:
         """The adapter leaves the pool: its GPU blocks go to host memory, leaves first (kept for its return)."""
@@ -264,6 +312,7 @@ class CacheSwapper:
         """Called every engine step: record the batch size; every ``interval_s`` balance the pool."""
         now = self.clock()
         self._batches.append((now, batch_size))
+        self.poll()
         if now - self._last_tick < self.interval_s:
             return
         self._last_tick = now
@@ -297,5 +346,6 @@ class CacheSwapper:
         return pages <= self.pool.num_free and self.pool.num_free - pages >= (1 - self.high) * self.pool.num_pages
 
     def stats(self) -> dict:
-        return {"swapped_out": self.swapped_out, "swapped_in": self.swapped_in, "host_blocks": len(self.host_nodes),
+        return {"swapped_out": self.swapped_out, "swapped_in": self.swapped_in, "in_flight": len(self._flights),
+                "host_blocks": len(self.host_nodes),
                 "host_dropped": self.dropped, "adapters_out": self.adapters_out, "adapters_in": self.adapters_in}

@@ -122,6 +122,11 @@ class PrefixTree:
         self.hit_tokens += len(pages) * bs
         return pages
 
+    def in_flight(self, pages: list[int]) -> bool:
+        """Whether any of ``pages`` (from :meth:`match`) is still being copied back from host memory: the
+        request that holds them must not run yet."""
+        return self.swapper is not None and self.swapper.in_flight(pages)
+
     def peek(self, adapter: str | None, tokens: list[int]) -> tuple[int, int, int]:
         """What :meth:`match` would find, with no side effect: blocks of the path on the GPU and unpinned, on the
         GPU and pinned, and in host memory."""
@@ -216,6 +221,8 @@ class PrefixTree:
         node = self.root.children.get(adapter)
         if node is None:
             return
+        if self.swapper is not None:
+            self.swapper.settle()             # swap-ins in flight hold their blocks pinned until they land
         assert all(n.refs == 0 for n in self._nodes(node)), "cached KV of an adapter in use"
         if self.swapper is not None:
             self.swapper.swap_out_subtree(node)
@@ -229,6 +236,8 @@ class PrefixTree:
 
     def forget_adapter(self, adapter: str | None) -> None:
         """Forget every block cached under ``adapter``, on the GPU and in host memory (it is unregistered)."""
+        if self.swapper is not None and adapter in self.root.children:
+            self.swapper.settle()             # swap-ins in flight hold their blocks pinned until they land
         node = self.root.children.pop(adapter, None)
         if node is not None:
             assert all(n.refs == 0 for n in self._nodes(node)), "cached KV in use"
