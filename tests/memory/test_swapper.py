@@ -217,6 +217,23 @@ def test_host_budget_forgets_the_least_valuable_leaves():
     assert sorted(depth.values()) == [1, 2]                  # the path's root side is kept, leaves went first
 
 
+def test_a_block_worth_less_than_the_host_blocks_is_forgotten_not_copied_out():
+    pool, tree, swapper, clock = _setup(pages=8, host_blocks=2)
+    for _ in range(3):
+        _serve(pool, tree, "x", [1, 2, 3, 4, 5])             # 2 blocks, 3 visits each
+    swapper.reclaim(pool.num_pages)
+    assert len(swapper.host_nodes) == 2 and swapper.swapped_out == 2
+    _serve(pool, tree, "y", [7, 7, 7])                        # 1 block, 1 visit: worth less
+    swapper.reclaim(pool.num_pages)
+    assert swapper.swapped_out == 2 and swapper.dropped == 1 and "y" not in {
+        n.parent.key for n in swapper.host_nodes}
+    clock.t += 30                                             # x's blocks go cold; a fresh block is worth more
+    _serve(pool, tree, "y", [8, 8, 8])
+    swapper.reclaim(pool.num_pages)
+    assert swapper.swapped_out == 3 and any(n.parent.key == "y" for n in swapper.host_nodes)
+    _invariants(pool, tree, swapper)
+
+
 def _ancestors(n):
     while n.parent is not None and n.parent.parent is not None:
         n = n.parent

@@ -175,14 +175,18 @@ class CacheSwapper:
             self._host_buf = pinned_empty(shape, dtype) if self.pool.buf.is_cuda else torch.empty(shape, dtype=dtype)
         return self._host_buf
 
-    def _slot(self, protect) -> int | None:
-        """A free host slot, forgetting the least valuable host leaf for it if there is none."""
+    def _slot(self, protect, worth: float | None = None) -> int | None:
+        """A free host slot, forgetting the least valuable host leaves for it if there is none. ``worth``: the
+        ``Eval`` of the block that wants the slot; only host leaves worth no more are forgotten (None: any)."""
         if not self._free_slots:
             self.poll()                 # slots of swap-ins that have landed come back
         if not self._free_slots:        # forget a batch at once: ranking every host block per slot cost O(n²)
             now = self.clock()
-            leaves = [n for n in self.host_nodes if not n.children and n.refs == 0 and n is not protect]
-            for victim in heapq.nsmallest(max(1, self.host_slots // 64), leaves, key=lambda n: self.eval(n, now)):
+            leaves = [(self.eval(n, now), n) for n in self.host_nodes
+                      if not n.children and n.refs == 0 and n is not protect]
+            for value, victim in heapq.nsmallest(max(1, self.host_slots // 64), leaves, key=lambda v: v[0]):
+                if worth is not None and value > worth:
+                    break
                 del victim.parent.children[victim.key]
                 self.forget(victim)
                 self.dropped += 1
@@ -191,9 +195,13 @@ class CacheSwapper:
         return self._free_slots.pop()
 
     def _swap_out_block(self, node) -> None:
-        """Move a GPU leaf block to host memory (or forget it, with anything below it, when host memory is
-        full of more valuable blocks)."""
-        slot = self._slot(node) if self.host_slots else None
+        """Move a GPU leaf block to host memory, or forget it when host memory is full of more valuable blocks.
+        A block with no children is weighed alone: copying it out only to displace a block worth more would
+        spend the link (and, on the current stream, the iterations' time) for less (at 3 sessions/s on an H100,
+        2026-11-22, 105,000 blocks went out and 80,000 host blocks were forgotten for them). A block with host
+        blocks below it takes a slot whatever it is worth (forgetting it would forget them too)."""
+        worth = None if node.children else self.eval(node)
+        slot = self._slot(node, worth) if self.host_slots else None
         if slot is None:
             self.tree._remove(node)
             self.dropped += 1
