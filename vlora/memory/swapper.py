@@ -198,7 +198,8 @@ class CacheSwapper:
         """Move a GPU leaf block to host memory, or forget it when host memory is full of more valuable blocks.
         A block with no children is weighed alone: copying it out only to displace a block worth more would
         spend the link (and, on the current stream, the iterations' time) for less (at 3 sessions/s on an H100,
-        2026-11-22, 105,000 blocks went out and 80,000 host blocks were forgotten for them). A block with host
+        2026-11-22, 105,000 blocks went out and 80,000 host blocks were forgotten for them:
+        benchmarks/results/h100-2026-11-22-pressure/pool48gb-rate3). A block with host
         blocks below it takes a slot whatever it is worth (forgetting it would forget them too)."""
         worth = None if node.children else self.eval(node)
         slot = self._slot(node, worth) if self.host_slots else None
@@ -239,13 +240,11 @@ class CacheSwapper:
         """Retire the swap-ins that have landed (in issue order: one copy stream); returns how many are still
         in flight."""
         while self._flights and self.copier.done(self._flights[0][0]):
-            self._land(*self._flights.popleft())
+            _, node, page, slot = self._flights.popleft()
+            del self._landing[page]
+            self._free_slots.append(slot)
+            self.tree._pin(node, -1)
         return len(self._flights)
-
-    def _land(self, token, node, page, slot) -> None:
-        self._landing.pop(page, None)
-        self._free_slots.append(slot)
-        self.tree._pin(node, -1)
 
     def in_flight(self, pages) -> bool:
         """Whether any of ``pages`` is still being filled by a swap-in."""
@@ -260,9 +259,7 @@ class CacheSwapper:
     def settle(self) -> None:
         """Block until every swap-in has landed (before the tree drops or forgets nodes wholesale)."""
         while self._flights:
-            token, node, page, slot = self._flights.popleft()
-            self.copier.wait(token)
-            self._land(token, node, page, slot)
+            self.wait_oldest()
 
     def swap_out_subtree(self, adapter_node) -> None:
         """The adapter leaves the pool: its GPU blocks go to host memory, leaves first (kept for its return)."""
