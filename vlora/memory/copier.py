@@ -2,9 +2,9 @@
 
 A KV block swapped back in for a queued request used to be copied on the
 compute stream when the request was admitted: every running request's next
-step waited behind it. On an H100 with Llama-2-7B a 2,000-token history is
-about 1 GiB, tens of milliseconds over PCIe, about as long as recomputing it
-(``docs/memory.md``). :class:`StreamCopier` issues the copy on a copy stream
+step waited behind it. With Llama-2-7B a 2,000-token history is about 1 GiB:
+by the arithmetic in ``docs/memory.md``, tens of milliseconds over PCIe, about
+as long as an H100 takes to recompute it. :class:`StreamCopier` issues the copy on a copy stream
 instead and hands back a completion token (a CUDA event): the scheduler admits
 the request once its blocks have landed, and the iterations in between run
 undisturbed.

@@ -87,7 +87,7 @@ class CacheSwapper:
         self.adapters_out = self.adapters_in = 0
         self.copier = copier or (StreamCopier(pool.buf.device) if pool.buf.is_cuda else SyncCopier())
         self._flights: deque = deque()       # (token, node, page, slot) of swap-ins not known to have landed, in order
-        self._landing: dict[int, object] = {}     # page -> token of the copy filling it
+        self._landing: set[int] = set()           # pages of those swap-ins
 
     # -- the cost model -------------------------------------------------------------------------------
     def batch_size(self) -> float:
@@ -230,7 +230,7 @@ class CacheSwapper:
         else:                             # in flight: pinned, its slot held until the copy has landed
             self.host_nodes.discard(node)
             self._flights.append((token, node, page, node.host))
-            self._landing[page] = token
+            self._landing.add(page)
             node.host = None
             self.tree._pin(node, 1)
         self.swapped_in += 1
@@ -241,7 +241,7 @@ class CacheSwapper:
         in flight."""
         while self._flights and self.copier.done(self._flights[0][0]):
             _, node, page, slot = self._flights.popleft()
-            del self._landing[page]
+            self._landing.discard(page)
             self._free_slots.append(slot)
             self.tree._pin(node, -1)
         return len(self._flights)
