@@ -308,6 +308,38 @@ def test_watermarks_swap_out_when_busy_and_in_when_idle():
     _invariants(pool, tree, swapper)
 
 
+def test_idle_swap_ins_keep_the_copy_stream_short():
+    """An idle fill puts at most ``fill_window_s`` of link time on the copy stream; the rest waits for later
+    ticks, so a request's own swap-in never queues behind the whole gap."""
+    copier = DeferredCopier()
+    pool, tree, swapper, clock = _setup(pages=10, host_blocks=10, high=0.95, low=0.9, copier=copier,
+                                        link_bytes_per_s=2 * 64 / 0.02)     # 2 pages of 64 bytes per window
+    assert swapper.fill_flights == 2
+    _serve(pool, tree, "x", PROMPTS_[3])                     # 5 blocks
+    swapper.reclaim(pool.num_pages)                          # all on the host; the adapter (base) stays
+    clock.t += 1
+    swapper.tick(1)
+    assert swapper.stats()["in_flight"] == 2 and swapper.swapped_in == 2
+    clock.t += 1
+    swapper.tick(1)                                          # nothing landed: nothing more issued
+    assert swapper.swapped_in == 2
+    copier.land()
+    clock.t += 1
+    swapper.tick(1)
+    assert swapper.swapped_in == 4
+    copier.land()
+    clock.t += 1
+    swapper.tick(1)
+    copier.land()
+    swapper.poll()
+    assert swapper.swapped_in == 5 and not swapper.host_nodes
+    pages = tree.match("x", PROMPTS_[3])
+    for i, p in enumerate(pages):
+        assert torch.all(pool.kv[p] == _value("x", PROMPTS_[3][:(i + 1) * BS]))
+    tree.release("x", PROMPTS_[3][:len(pages) * BS], pages, len(pages))
+    _invariants(pool, tree, swapper)
+
+
 def test_bad_watermarks_and_policy_are_refused():
     pool = UnifiedPool(4, 1, BS, 1, 4, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="watermarks"):

@@ -65,7 +65,7 @@ from vlora.memory.pinned import pinned_empty
 class CacheSwapper:
     def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
                  decay_s: float = 1.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
-                 clock=time.monotonic, copier=None):
+                 fill_window_s: float = 0.02, clock=time.monotonic, copier=None):
         if not 0 < low < high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
         self.pool, self.tree, self.store, self.lookup = pool, tree, store, lookup   # lookup: name -> adapter | None
@@ -74,6 +74,7 @@ class CacheSwapper:
         self.clock = tree.time = clock
         tree.swapper = self
         self.page_bytes = pool.page_elems * pool.buf.element_size()
+        self.fill_flights = max(1, int(link_bytes_per_s * fill_window_s) // self.page_bytes)   # see _fill
         self.host_nodes: set = set()
         self.host_slots = host_kv_bytes // self.page_bytes
         self._host_buf: torch.Tensor | None = None
@@ -328,7 +329,10 @@ class CacheSwapper:
 
     def _fill(self) -> None:
         """Swap in by decreasing ``Eval`` while usage is under the low watermark (a block brought back makes
-        its children candidates: candidates are re-ranked until none fits)."""
+        its children candidates: candidates are re-ranked until none fits). Blocks go on the copy stream only
+        while the copies in flight would take the link less than ``fill_window_s``: a request's own swap-in
+        queues behind them on that stream, so an idle fill of the whole gap (on a 96 GB pool, 30% is about a
+        second of PCIe) would hold up every prefix asked for meanwhile. The rest waits for later ticks."""
         moved = True
         while moved and self.usage() < self.low:
             moved = False
@@ -336,6 +340,8 @@ class CacheSwapper:
                 if self.usage() >= self.low:
                     return
                 if kind == 0:
+                    if self.poll() >= self.fill_flights:
+                        continue                  # (adapters load on their own stream: they still may)
                     if what.host is not None and self._parent_on_gpu(what) and self._spare(1):
                         moved |= self.swap_in(what)
                 else:
