@@ -137,7 +137,8 @@ def dynamic(args, tmp: Path, res: dict) -> None:
         def sampled_step(step=step, eng=eng, samples=samples):
             outs = step()
             pool, tree = eng.pool, eng.prefix_cache
-            samples.append((time.monotonic() - t0, pool.kv_pages - tree.num_pages, tree.num_pages,
+            samples.append((time.monotonic() - t0, pool.kv_pages - tree.num_pages - (eng.swapper.leaving if eng.swapper
+                            else 0), tree.num_pages,
                             pool.num_adapter_pages, pool.num_pages,
                             len(eng.swapper.host_nodes) if eng.swapper is not None else 0))
             return outs

@@ -34,18 +34,25 @@ class Clock:
 
 class DeferredCopier:
     """A copy stream in slow motion: a copy is made only when it lands (:meth:`land`, or ``wait``), reading its
-    source then, so a host slot reused before its copy landed shows up as wrong KV. Copies land in issue order."""
+    source then, so a host slot or page reused before its copy landed shows up as wrong KV. Copies land in issue
+    order. A copy ``after`` another copier's token makes that one land first (a stream waits for an event);
+    ``barrier`` lands everything (the current stream waits for this one)."""
 
     class Token:
-        def __init__(self, dst, src):
-            self.dst, self.src, self.landed = dst, src, False
+        def __init__(self, owner, dst, src):
+            self.owner, self.dst, self.src, self.landed = owner, dst, src, False
 
     def __init__(self):
         self.pending: list = []
 
-    def copy(self, dst, src):
-        self.pending.append(self.Token(dst, src))
+    def copy(self, dst, src, after=None):
+        if after is not None and after.owner is not self:
+            after.owner.wait(after)
+        self.pending.append(self.Token(self, dst, src))
         return self.pending[-1]
+
+    def barrier(self) -> None:
+        self.land()
 
     def done(self, token) -> bool:
         return token.landed
@@ -69,6 +76,7 @@ def _setup(pages=16, host_blocks=6, copier=None, **kw):
                            host_kv_bytes=host_blocks * pool.page_elems * 4, copier=copier, **kw)
     pool.reclaimers.insert(0, swapper.reclaim)
     pool.reclaimable.insert(0, tree.reclaimable)             # as the engine has it (make_room counts on it)
+    pool.reclaimable.insert(0, lambda: swapper.leaving)
     return pool, tree, swapper, clock
 
 
@@ -104,7 +112,7 @@ def _serve(pool, tree, adapter, tokens, wait: bool = True) -> bool:
 def _invariants(pool, tree, swapper):
     pool.check()
     tree.check()
-    assert pool.kv_pages == tree.num_pages == len(tree.pages())
+    assert pool.kv_pages == tree.num_pages + swapper.leaving == len(tree.pages()) + swapper.leaving
     for n in tree._nodes():
         if n.parent is None or n.parent is tree.root:
             continue
@@ -144,19 +152,20 @@ def test_random_interleavings_keep_kv_intact_and_never_leak(ops, pages, host_blo
     assert pool.num_free == pool.num_pages and not swapper.host_nodes
 
 
-ASYNC_OPS = st.lists(st.tuples(st.sampled_from(["req", "req", "leave", "tick", "pressure", "evict_all", "land",
-                                                "forget"]),
+ASYNC_OPS = st.lists(st.tuples(st.sampled_from(["req", "req", "leave", "tick", "tick", "pressure", "evict_all",
+                                                "out_later", "land", "land_out", "forget"]),
                                st.integers(0, 3), st.sampled_from([None, "x", "y"]), st.floats(0, 3)), max_size=40)
 
 
 @settings(max_examples=80, deadline=None)
 @given(ASYNC_OPS, st.integers(6, 16), st.integers(0, 8))
 def test_swap_ins_in_flight_keep_kv_intact_and_never_leak(ops, pages, host_blocks):
-    """Swap-ins that land late (a copy stream): requests that wait for them, or leave before they land,
-    pressure and reclaims meanwhile, adapters forgotten; what a request reads is always its KV, no host slot is
-    reused before its copy landed, and nothing leaks."""
-    copier = DeferredCopier()
-    pool, tree, swapper, clock = _setup(pages, host_blocks, copier=copier, high=0.8, low=0.4, interval_s=0.5)
+    """Swap-ins and swap-outs that land late (two copy streams): requests that wait for them, or leave before
+    they land, pressure and reclaims meanwhile, adapters forgotten; what a request reads is always its KV, no
+    host slot or page is reused before its copy landed, and nothing leaks."""
+    copier, out = DeferredCopier(), DeferredCopier()
+    pool, tree, swapper, clock = _setup(pages, host_blocks, copier=copier, out_copier=out, high=0.8, low=0.4,
+                                        interval_s=0.5)
     for op, k, adapter, dt in ops:
         clock.t += dt
         if op in ("req", "leave"):
@@ -167,6 +176,10 @@ def test_swap_ins_in_flight_keep_kv_intact_and_never_leak(ops, pages, host_block
             pool.make_room(k + 1)
         elif op == "land":
             copier.land(k)
+        elif op == "land_out":
+            out.land(k)
+        elif op == "out_later":                              # the busy watermark's way: pages free on landing
+            swapper.reclaim(k + 1, defer=True)
         elif op == "forget":
             tree.forget_adapter(adapter)
         else:
@@ -194,6 +207,47 @@ def test_a_block_in_flight_is_neither_read_nor_evicted_before_it_lands():
     for i, p in enumerate(pages):
         assert torch.all(pool.kv[p] == _value("x", prompt[:(i + 1) * BS]))
     assert swapper.reclaim(pool.num_pages) == 5              # landed: unpinned, may leave again
+    _invariants(pool, tree, swapper)
+
+
+def test_a_block_on_its_way_out_keeps_its_page_and_comes_back_intact():
+    """The busy watermark's swap-outs go on their own stream: the page stays taken until the copy has landed,
+    and a request that wants the block back meanwhile reads it only after the copy out."""
+    copier, out = DeferredCopier(), DeferredCopier()
+    pool, tree, swapper, _ = _setup(pages=18, host_blocks=12, copier=copier, out_copier=out)
+    prompt = PROMPTS_[3]
+    assert _serve(pool, tree, "x", prompt)                   # 5 full blocks cached (6 pages used, 1 freed)
+    leaving = list(tree.pages())
+    assert swapper.reclaim(5, defer=True) == 5 and swapper.leaving == 5 and tree.num_pages == 0
+    assert swapper.usage() == 0 and pool.num_free == 13      # counted free for the watermarks, not yet given
+    assert _serve(pool, tree, "y", [7] * 13)                 # 7 pages: free ones, none of those leaving
+    assert not set(leaving) & set(tree.pages())
+    _invariants(pool, tree, swapper)
+    pages = tree.match("x", prompt)                          # back into free pages before the copies out land
+    assert len(pages) == 5
+    while tree.in_flight(pages):
+        swapper.wait_oldest()
+    for i, p in enumerate(pages):
+        assert torch.all(pool.kv[p] == _value("x", prompt[:(i + 1) * BS]))
+    tree.release("x", prompt[:len(pages) * BS], pages, len(pages))
+    out.land()
+    swapper.poll()
+    assert swapper.leaving == 0
+    _invariants(pool, tree, swapper)
+    tree.clear()
+    assert pool.num_free == pool.num_pages
+
+
+def test_the_pool_takes_the_pages_on_their_way_out_when_it_needs_them():
+    copier, out = DeferredCopier(), DeferredCopier()
+    pool, tree, swapper, _ = _setup(pages=8, host_blocks=8, copier=copier, out_copier=out)
+    prompt = PROMPTS_[3]
+    assert _serve(pool, tree, "x", prompt)
+    swapper.reclaim(5, defer=True)
+    assert pool.num_free == 3 and pool.available() >= 3
+    assert _serve(pool, tree, "y", [6] * 13)                 # 7 pages: 3 free, 4 taken from those leaving
+    assert swapper.leaving == 0 and not out.pending           # taken after their copies (the barrier)
+    assert _serve(pool, tree, "x", prompt)                   # the host copies are intact
     _invariants(pool, tree, swapper)
 
 
@@ -496,14 +550,16 @@ def test_a_prefix_copied_back_holds_up_its_request_and_nobody_else(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_swap_ins_on_the_copy_stream_keep_kv_intact():
-    """The CUDA pool and its copy stream: reclaims, matches that bring prefixes back while the current stream
-    is busy, requests that leave before their copies land; every block read after it landed is its KV."""
+    """The CUDA pool and its copy streams: reclaims now and on landing, matches that bring prefixes back while
+    the current stream is busy (and their swap-outs may still be under way), requests that leave before their
+    copies land; every block read after it landed is its KV."""
     dev = torch.device("cuda")
     pool = UnifiedPool(64, 1, BS, 1, 1 << 16, torch.float32, dev)          # pages of 256 KiB: copies take time
     tree = PrefixTree(pool, BS)
     swapper = CacheSwapper(pool, tree, None, lambda name: None, host_kv_bytes=48 * pool.page_elems * 4)
     pool.reclaimers.insert(0, swapper.reclaim)
     pool.reclaimable.insert(0, tree.reclaimable)
+    pool.reclaimable.insert(0, lambda: swapper.leaving)
     busy = torch.randn(4096, 4096, device=dev)
     prompts = [[k] * (2 * BS * (k + 2)) + [99] for k in range(6)]
     left = 0
@@ -516,9 +572,9 @@ def test_gpu_swap_ins_on_the_copy_stream_keep_kv_intact():
             assert served or not wait                   # the pool always has room here
             left += not served                          # left while its prefix was in flight
             if k % 2:
-                swapper.reclaim(pool.num_pages)
+                swapper.reclaim(pool.num_pages, defer=rnd % 2 == 0)
             _invariants(pool, tree, swapper)
-    assert swapper.swapped_in > 0 and left > 0 and isinstance(swapper.copier, StreamCopier)
+    assert swapper.swapped_in > 0 and left > 0 and isinstance(swapper.out_copier, StreamCopier)
     torch.cuda.synchronize()
     tree.clear()
     assert pool.num_free == pool.num_pages and not swapper._flights

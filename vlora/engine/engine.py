@@ -115,6 +115,7 @@ class Engine:
                 self.swapper = CacheSwapper(self.pool, self.prefix_cache, store, self.adapters.find,
                                             host_kv_bytes=int(cc.host_kv_gb * 2**30))
                 self.pool.reclaimers.insert(0, self.swapper.reclaim)
+                self.pool.reclaimable.insert(0, lambda: self.swapper.leaving)   # swap-outs under way
             if store is not None:
                 store.on_evict.append(self.prefix_cache.drop_adapter)
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)

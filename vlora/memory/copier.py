@@ -1,4 +1,4 @@
-"""Host-to-GPU copies of KV blocks that overlap the running iterations.
+"""Copies of KV blocks between the GPU pool and host memory that overlap the running iterations.
 
 A KV block swapped back in for a queued request used to be copied on the
 compute stream when the request was admitted: every running request's next
@@ -9,10 +9,15 @@ instead and hands back a completion token (a CUDA event): the scheduler admits
 the request once its blocks have landed, and the iterations in between run
 undisturbed.
 
-A copier has three calls: ``copy(dst, src)`` issues a copy and returns its
-token (None: already complete); ``done(token)`` says, without blocking, whether
-it has completed; ``wait(token)`` blocks until it has. The CPU path copies at
-once (:class:`SyncCopier`).
+The swapper has two copiers: one for swap-ins, one for swap-outs (GPU to
+host: on CUDA each direction has its own copy engine). A copier has four
+calls: ``copy(dst, src, after=None)`` issues a copy, after the copy of token
+``after`` if one is given (a swap-in of a block whose swap-out is still under
+way), and returns its token (None: already complete); ``done(token)`` says,
+without blocking, whether it has completed; ``wait(token)`` blocks until it
+has; ``barrier()`` makes the work queued next on the current stream wait for
+every copy issued so far (a page whose swap-out is under way is written again
+only after it). The CPU path copies at once (:class:`SyncCopier`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 class SyncCopier:
     """Copies at once (the CPU pool): every token is None, complete."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None):
         dst.copy_(src)
         return None
 
@@ -31,6 +36,9 @@ class SyncCopier:
         return True
 
     def wait(self, token) -> None:
+        return None
+
+    def barrier(self) -> None:
         return None
 
 
@@ -45,8 +53,10 @@ class StreamCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> torch.cuda.Event:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
@@ -59,3 +69,6 @@ class StreamCopier:
     def wait(self, token) -> None:
         if token is not None:
             token.synchronize()
+
+    def barrier(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)

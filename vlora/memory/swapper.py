@@ -37,9 +37,12 @@ stay in the host store, so swapping one out only frees its pages.
 
 Host memory for KV is one buffer of page-sized slots (pinned on CUDA, and
 then allocated at start-up: pinning gigabytes stalls for seconds). Swap-outs
-are issued on the current stream without waiting: the iteration that next
-writes a freed page is queued after the copy, so the host never stalls on
-them. Swap-ins run on a copy stream (:mod:`vlora.memory.copier`) beside the
+run on a copy stream of their own. Those of the busy watermark keep their
+page until the copy has landed (:attr:`leaving`), so the iterations never
+wait for them: on the compute stream, at 3.5 sessions/s on an H200, they
+would have held it for about 750 GB of copies in 137 s. Those that make room
+now free their page at once, and the current stream waits for the copies
+before it writes it. Swap-ins run on a copy stream (:mod:`vlora.memory.copier`) beside the
 iterations. Until a block's copy has landed the block is *in flight*: pinned
 (no eviction or swap-out may take its page), its host slot held (nothing may
 overwrite what the copy reads), and its page reported by :meth:`in_flight`, so
@@ -65,7 +68,7 @@ from vlora.memory.pinned import pinned_empty
 class CacheSwapper:
     def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
                  decay_s: float = 1.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
-                 fill_window_s: float = 0.02, clock=time.monotonic, copier=None):
+                 fill_window_s: float = 0.02, clock=time.monotonic, copier=None, out_copier=None):
         if not 0 < low < high <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low < high <= 1, got low={low}, high={high}")
         self.pool, self.tree, self.store, self.lookup = pool, tree, store, lookup   # lookup: name -> adapter | None
@@ -87,6 +90,9 @@ class CacheSwapper:
         self.batch = max(1, pool.num_pages // 256)     # pages reclaimed at least per ranking
         self.adapters_out = self.adapters_in = 0
         self.copier = copier or (StreamCopier(pool.buf.device) if pool.buf.is_cuda else SyncCopier())
+        self.out_copier = out_copier or (StreamCopier(pool.buf.device) if pool.buf.is_cuda else SyncCopier())
+        self._leaving: deque = deque()       # (token, page) of swap-outs whose page is freed when they land
+        self._out_token: dict = {}           # host node -> its swap-out's token, until it has landed
         self._flights: deque = deque()       # (token, node, page, slot) of swap-ins not known to have landed, in order
         self._landing: set[int] = set()           # pages of those swap-ins
 
@@ -195,7 +201,7 @@ class CacheSwapper:
                 return None
         return self._free_slots.pop()
 
-    def _swap_out_block(self, node) -> None:
+    def _swap_out_block(self, node, defer: bool = False) -> None:
         """Move a GPU leaf block to host memory, or forget it when host memory is full of more valuable blocks.
         A block with no children is weighed alone: copying it out only to displace a block worth more would
         spend the link (and, on the current stream, the iterations' time) for less (at 3 sessions/s on an H100,
@@ -208,9 +214,17 @@ class CacheSwapper:
             self.tree._remove(node)
             self.dropped += 1
             return
-        self.host_buf[slot].copy_(self.pool.kv[node.page].view(-1), non_blocking=True)
+        token = self.out_copier.copy(self.host_buf[slot], self.pool.kv[node.page].view(-1))
         self.tree.lost_page(node)
-        self.pool.free([node.page])
+        if token is None:
+            self.pool.free([node.page])
+        else:
+            self._out_token[node] = token
+            if defer:                     # the page is free once the copy has landed (poll)
+                self._leaving.append((token, node.page))
+            else:                         # free now: what next writes it is queued after the copy
+                self.out_copier.barrier()
+                self.pool.free([node.page])
         node.page, node.host = None, slot
         self.host_nodes.add(node)
         self.swapped_out += 1
@@ -223,7 +237,8 @@ class CacheSwapper:
         if node.host is None:             # making room swapped out a block and forgot this one for its slot
             return False
         page = self.pool.allocate(1)[0]
-        token = self.copier.copy(self.pool.kv[page].view(-1), self.host_buf[node.host])
+        token = self.copier.copy(self.pool.kv[page].view(-1), self.host_buf[node.host],
+                                 after=self._out_token.pop(node, None))
         node.page = page
         self.tree.gained_page(node)
         if token is None:
@@ -238,8 +253,13 @@ class CacheSwapper:
         return True
 
     def poll(self) -> int:
-        """Retire the swap-ins that have landed (in issue order: one copy stream); returns how many are still
-        in flight."""
+        """Retire the copies that have landed (in issue order: one stream per direction): the pages of
+        swap-outs go back to the pool. Returns how many swap-ins are still in flight."""
+        while self._leaving and self.out_copier.done(self._leaving[0][0]):
+            self.pool.free([self._leaving.popleft()[1]])
+        if self._out_token:
+            for node in [n for n, t in self._out_token.items() if self.out_copier.done(t)]:
+                del self._out_token[node]
         while self._flights and self.copier.done(self._flights[0][0]):
             _, node, page, slot = self._flights.popleft()
             self._landing.discard(page)
@@ -258,9 +278,22 @@ class CacheSwapper:
             self.poll()
 
     def settle(self) -> None:
-        """Block until every swap-in has landed (before the tree drops or forgets nodes wholesale)."""
+        """Block until every copy has landed (before the tree drops or forgets nodes wholesale)."""
         while self._flights:
             self.wait_oldest()
+        self._take_leaving()
+
+    def _take_leaving(self) -> None:
+        """Free the pages of the swap-outs under way now; the current stream waits for their copies."""
+        if self._leaving:
+            self.out_copier.barrier()
+            self.pool.free([page for _, page in self._leaving])
+            self._leaving.clear()
+
+    @property
+    def leaving(self) -> int:
+        """KV pages whose swap-out is under way: neither in the tree nor free until it lands."""
+        return len(self._leaving)
 
     def swap_out_subtree(self, adapter_node) -> None:
         """The adapter leaves the pool: its GPU blocks go to host memory, leaves first (kept for its return)."""
@@ -271,28 +304,38 @@ class CacheSwapper:
 
     def forget(self, node) -> None:
         """The node's host copy is no longer needed (back on the GPU, or forgotten): free its slot."""
-        if node in self.host_nodes:
-            self.host_nodes.discard(node)
-            self._free_slots.append(node.host)
+        if node in self.host_nodes:     # a swap-out still under way into the slot is fine: the slot's next
+            self.host_nodes.discard(node)     # writer is a later swap-out on the same stream, its next reader a
+            self._free_slots.append(node.host)   # swap-in after that one
+            self._out_token.pop(node, None)
             node.host = None
 
-    def reclaim(self, pages: int) -> int:
+    def reclaim(self, pages: int, defer: bool = False) -> int:
         """Free ``pages`` pages by swapping out the least valuable GPU leaves (the pool's first reclaimer). At
         least ``batch`` pages go at once. One ranking serves the whole call (ranking walked the tree once per
         level of every chain, most of the CPU time of a busy engine): a block whose last GPU child leaves joins
-        the candidates then, and so does an adapter whose last GPU block leaves."""
-        start = self.pool.num_free
+        the candidates then, and so does an adapter whose last GPU block leaves.
+
+        ``defer`` (the monitor's busy watermark): blocks leave on the swap-out stream and their pages come back
+        when the copies land, so the iterations meanwhile do not wait for them. Otherwise (the pool needs the
+        pages now) the swap-outs already under way give their pages first, then blocks leave with their pages
+        freed at once, and the current stream waits for the copies before it writes them."""
+        gone = lambda: self.pool.num_free + len(self._leaving)     # noqa: E731 (freed, or freed on landing)
+        start = gone()
         pages = max(pages, self.batch)
+        if not defer:
+            self.poll()
+            self._take_leaving()
         now, lora = self.clock(), self._lora_eval()
         order = itertools.count()
         heap = [(e, next(order), kind, what) for e, kind, what in self._out_candidates()]
         heapq.heapify(heap)
-        while heap and self.pool.num_free - start < pages:
+        while heap and gone() - start < pages:
             _, _, kind, what = heapq.heappop(heap)
             parent = what.parent if kind == 0 else None
-            free = self.pool.num_free
-            self._move_out(kind, what)
-            if parent is None or self.pool.num_free == free:      # an adapter, or a block that could not go
+            free = gone()
+            self._move_out(kind, what, defer)
+            if parent is None or gone() == free:           # an adapter, or a block that could not go
                 continue
             if parent.parent is self.tree.root:            # the adapter's last GPU block went: it may go too
                 cand = self._adapter_candidate(parent.key, now, lora) if self.store is not None else None
@@ -300,19 +343,20 @@ class CacheSwapper:
                     heapq.heappush(heap, (cand[0], next(order), 1, parent.key))
             elif parent.page is not None and parent.refs == 0 and not self.tree.has_gpu_child(parent):
                 heapq.heappush(heap, (self.eval(parent, now), next(order), 0, parent))   # a new leaf
-        return self.pool.num_free - start
+        return gone() - start
 
-    def _move_out(self, kind: int, what) -> None:
+    def _move_out(self, kind: int, what, defer: bool = False) -> None:
         if kind == 0:
             if what.page is not None and not any(c.page is not None for c in what.children.values()):
-                self._swap_out_block(what)
+                self._swap_out_block(what, defer)
         elif what in self.store.resident and what not in self.store.protected and what not in self.store.keep:
             self.store.evict(what)                     # its (empty) GPU subtree: nothing to move
             self.adapters_out += 1
 
     # -- the monitor ----------------------------------------------------------------------------------
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_pages
+        """Share of the pool in use, pages on their way out counted free."""
+        return 1.0 - (self.pool.num_free + len(self._leaving)) / self.pool.num_pages
 
     def tick(self, batch_size: int) -> None:
         """Called every engine step: record the batch size; every ``interval_s`` balance the pool."""
@@ -323,7 +367,7 @@ class CacheSwapper:
             return
         self._last_tick = now
         if self.usage() > self.high:
-            self.reclaim(math.ceil((self.usage() - self.high) * self.pool.num_pages))
+            self.reclaim(math.ceil((self.usage() - self.high) * self.pool.num_pages), defer=True)
         elif self.usage() < self.low:
             self._fill()
 
@@ -358,5 +402,6 @@ class CacheSwapper:
 
     def stats(self) -> dict:
         return {"swapped_out": self.swapped_out, "swapped_in": self.swapped_in, "in_flight": len(self._flights),
+                "leaving": len(self._leaving),
                 "host_blocks": len(self.host_nodes),
                 "host_dropped": self.dropped, "adapters_out": self.adapters_out, "adapters_in": self.adapters_in}
