@@ -120,6 +120,7 @@ def _invariants(pool, tree, swapper):
         if n.page is not None and n.parent.parent is not tree.root:
             assert n.parent.page is not None, "a GPU block under a host block"
     assert swapper.host_nodes == {n for n in tree._nodes() if n.host is not None}
+    assert set(swapper._out_token) <= swapper.host_nodes, "a swap-out token outlived its host copy"
     assert len(swapper.host_nodes) * swapper.page_bytes <= swapper.host_kv_bytes
     flying = [slot for _, _, _, slot in swapper._flights]
     held = [n.host for n in swapper.host_nodes] + flying + swapper._free_slots

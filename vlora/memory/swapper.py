@@ -93,6 +93,7 @@ class CacheSwapper:
         self.out_copier = out_copier or (StreamCopier(pool.buf.device) if pool.buf.is_cuda else SyncCopier())
         self._leaving: deque = deque()       # (token, page) of swap-outs whose page is freed when they land
         self._out_token: dict = {}           # host node -> its swap-out's token, until it has landed
+        self._outs: deque = deque()          # (token, node) of every swap-out not known to have landed, in order
         self._flights: deque = deque()       # (token, node, page, slot) of swap-ins not known to have landed, in order
         self._landing: set[int] = set()           # pages of those swap-ins
 
@@ -220,6 +221,7 @@ class CacheSwapper:
             self.pool.free([node.page])
         else:
             self._out_token[node] = token
+            self._outs.append((token, node))
             if defer:                     # the page is free once the copy has landed (poll)
                 self._leaving.append((token, node.page))
             else:                         # free now: what next writes it is queued after the copy
@@ -257,8 +259,9 @@ class CacheSwapper:
         swap-outs go back to the pool. Returns how many swap-ins are still in flight."""
         while self._leaving and self.out_copier.done(self._leaving[0][0]):
             self.pool.free([self._leaving.popleft()[1]])
-        if self._out_token:
-            for node in [n for n, t in self._out_token.items() if self.out_copier.done(t)]:
+        while self._outs and self.out_copier.done(self._outs[0][0]):
+            token, node = self._outs.popleft()
+            if self._out_token.get(node) is token:     # (not swapped in or forgotten since)
                 del self._out_token[node]
         while self._flights and self.copier.done(self._flights[0][0]):
             _, node, page, slot = self._flights.popleft()
