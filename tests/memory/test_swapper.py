@@ -215,12 +215,15 @@ def test_a_block_on_its_way_out_keeps_its_page_and_comes_back_intact():
     """The busy watermark's swap-outs go on their own stream: the page stays taken until the copy has landed,
     and a request that wants the block back meanwhile reads it only after the copy out."""
     copier, out = DeferredCopier(), DeferredCopier()
-    pool, tree, swapper, _ = _setup(pages=18, host_blocks=12, copier=copier, out_copier=out)
+    pool, tree, swapper, clock = _setup(pages=18, host_blocks=12, copier=copier, out_copier=out)
     prompt = PROMPTS_[3]
     assert _serve(pool, tree, "x", prompt)                   # 5 full blocks cached (6 pages used, 1 freed)
     leaving = list(tree.pages())
     assert swapper.reclaim(5, defer=True) == 5 and swapper.leaving == 5 and tree.num_pages == 0
     assert swapper.usage() == 0 and pool.num_free == 13      # counted free for the watermarks, not yet given
+    clock.t += 1
+    swapper.tick(1)                                          # idle, but blocks on their way out stay out
+    assert swapper.swapped_in == 0
     assert _serve(pool, tree, "y", [7] * 13)                 # 7 pages: free ones, none of those leaving
     assert not set(leaving) & set(tree.pages())
     _invariants(pool, tree, swapper)
@@ -249,6 +252,29 @@ def test_the_pool_takes_the_pages_on_their_way_out_when_it_needs_them():
     assert _serve(pool, tree, "y", [6] * 13)                 # 7 pages: 3 free, 4 taken from those leaving
     assert swapper.leaving == 0 and not out.pending           # taken after their copies (the barrier)
     assert _serve(pool, tree, "x", prompt)                   # the host copies are intact
+    _invariants(pool, tree, swapper)
+
+
+def test_room_made_now_takes_the_pages_on_their_way_out_before_moving_more():
+    copier, out = DeferredCopier(), DeferredCopier()
+    pool, tree, swapper, _ = _setup(pages=12, host_blocks=12, copier=copier, out_copier=out)
+    assert _serve(pool, tree, "x", PROMPTS_[3])
+    swapper.reclaim(3, defer=True)                           # 2 of the 5 blocks stay on the GPU
+    assert pool.make_room(pool.num_free + 3) and pool.num_free == 10
+    assert swapper.swapped_out == 3 and swapper.leaving == 0 and tree.num_pages == 2   # none more went out
+    assert _serve(pool, tree, "x", PROMPTS_[3])
+    _invariants(pool, tree, swapper)
+
+
+def test_drain_lands_every_copy_and_returns_the_pages():
+    copier, out = DeferredCopier(), DeferredCopier()
+    pool, tree, swapper, _ = _setup(pages=12, host_blocks=12, copier=copier, out_copier=out)
+    assert _serve(pool, tree, "x", PROMPTS_[3])
+    swapper.reclaim(3, defer=True)
+    assert swapper.leaving == 3
+    swapper.drain()
+    assert swapper.leaving == 0 and not out.pending and pool.num_free == 12 - tree.num_pages
+    assert _serve(pool, tree, "x", PROMPTS_[3])                 # the host copies are intact
     _invariants(pool, tree, swapper)
 
 

@@ -313,7 +313,10 @@ class Engine:
         if store is not None:                   # queued requests' adapters, while pages are spare
             store.prefetch([s.adapter for s in self.scheduler.waiting if s.adapter is not None],
                            keep_free_pages=self.pool.num_pages // 4)
-        return self._finish(out, tokens)
+        outputs = self._finish(out, tokens)
+        if self.swapper is not None and not self.scheduler.running and not self.scheduler.waiting:
+            self.swapper.drain()                # idle: the pages of swap-outs under way come back now
+        return outputs
 
     def _adapters_ready(self) -> set[str] | None:
         """Kernel path: bring the adapters of running requests, then of the waiting ones that could be admitted

@@ -281,9 +281,18 @@ class CacheSwapper:
             self.poll()
 
     def settle(self) -> None:
-        """Block until every copy has landed (before the tree drops or forgets nodes wholesale)."""
+        """Block until every swap-in has landed (before the tree drops or forgets nodes wholesale). Swap-outs
+        under way are left alone: their blocks are host blocks already, and their pages are in no tree."""
         while self._flights:
             self.wait_oldest()
+
+    def drain(self) -> None:
+        """Block until every copy has landed and every page on its way out is back in the pool (the engine is
+        idle, or the tree is cleared)."""
+        self.settle()
+        while self._outs:
+            self.out_copier.wait(self._outs[-1][0])
+            self.poll()
         self._take_leaving()
 
     def _take_leaving(self) -> None:
@@ -324,11 +333,16 @@ class CacheSwapper:
         pages now) the swap-outs already under way give their pages first, then blocks leave with their pages
         freed at once, and the current stream waits for the copies before it writes them."""
         gone = lambda: self.pool.num_free + len(self._leaving)     # noqa: E731 (freed, or freed on landing)
-        start = gone()
-        pages = max(pages, self.batch)
-        if not defer:
+        taken = 0
+        if not defer:                     # the pages on their way out come first
+            before = self.pool.num_free
             self.poll()
             self._take_leaving()
+            taken = self.pool.num_free - before
+            if taken >= pages:
+                return taken
+        start = gone()
+        pages = max(pages - taken, self.batch)
         now, lora = self.clock(), self._lora_eval()
         order = itertools.count()
         heap = [(e, next(order), kind, what) for e, kind, what in self._out_candidates()]
@@ -346,7 +360,7 @@ class CacheSwapper:
                     heapq.heappush(heap, (cand[0], next(order), 1, parent.key))
             elif parent.page is not None and parent.refs == 0 and not self.tree.has_gpu_child(parent):
                 heapq.heappush(heap, (self.eval(parent, now), next(order), 0, parent))   # a new leaf
-        return gone() - start
+        return taken + gone() - start
 
     def _move_out(self, kind: int, what, defer: bool = False) -> None:
         if kind == 0:
@@ -380,15 +394,18 @@ class CacheSwapper:
         while the copies in flight would take the link less than ``fill_window_s``: a request's own swap-in
         queues behind them on that stream, so an idle fill of the whole gap (on a 96 GB pool, 30% is about a
         second of PCIe) would hold up every prefix asked for meanwhile. The rest waits for later ticks."""
-        moved = True
+        moved, capped = True, False
         while moved and self.usage() < self.low:
             moved = False
             for _, kind, what in self._in_candidates():
                 if self.usage() >= self.low:
                     return
                 if kind == 0:
+                    if capped or what in self._out_token:     # (a block just sent out stays out this tick)
+                        continue
                     if self.poll() >= self.fill_flights:
-                        continue                  # (adapters load on their own stream: they still may)
+                        capped = True             # adapters load on their own stream: they still may
+                        continue
                     if what.host is not None and self._parent_on_gpu(what) and self._spare(1):
                         moved |= self.swap_in(what)
                 else:

@@ -233,6 +233,8 @@ class PrefixTree:
         """Forget every cached block, on the GPU and in host memory."""
         for name in list(self.root.children):
             self.forget_adapter(name)
+        if self.swapper is not None:
+            self.swapper.drain()              # pages of swap-outs under way come back too
 
     def forget_adapter(self, adapter: str | None) -> None:
         """Forget every block cached under ``adapter``, on the GPU and in host memory (it is unregistered)."""
