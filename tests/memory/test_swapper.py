@@ -575,6 +575,41 @@ def test_a_prefix_copied_back_holds_up_its_request_and_nobody_else(tmp_path):
     assert eng.pool.num_free == eng.pool.num_pages
 
 
+def test_engine_tokens_unchanged_with_copies_both_ways_landing_late(tmp_path):
+    """Chats on a small pool with the busy watermark always on: swap-outs keep their pages until they land,
+    swap-ins wait for them, and both kinds land a few at a time, steps later. Tokens are as without caching,
+    some pages were on their way out while others ran, and the pool is whole at the end."""
+    path, _, _ = build(tmp_path)
+    firsts = [list(range(3 + 30 * i, 23 + 30 * i)) for i in range(3)]
+    prompts = firsts + [f + [40, 41, 42] for f in firsts]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(path), num_blocks=128, block_size=4).generate(prompts, None, sp)]
+    llm = LLM(str(path), num_blocks=32, block_size=4, prefix_caching=True, memory_policy="fastlibra")
+    eng = llm.engine
+    sw = eng.swapper
+    sw.copier, sw.out_copier = DeferredCopier(), DeferredCopier()
+    sw.interval_s, sw.high, sw.low = 0.0, 0.3, 0.1      # every step is busy: blocks leave on the swap-out stream
+    rng = torch.Generator().manual_seed(0)
+    outs, saw_leaving = {}, 0
+    for turn in (prompts[:3], prompts[3:]):
+        if turn[0] is prompts[3]:                            # the histories leave as the busy watermark sends them
+            sw.reclaim(eng.pool.num_pages, defer=True)
+        for p in turn:
+            eng.add_request(p, None, sp, request_id=str(prompts.index(p)))
+        while eng.has_unfinished():
+            for c in (sw.copier, sw.out_copier):
+                c.land(int(torch.randint(0, 3, (1,), generator=rng)))
+            saw_leaving = max(saw_leaving, sw.leaving)
+            for o in eng.step():
+                outs[o.request_id] = o
+    assert [outs[str(i)].token_ids for i in range(6)] == want
+    assert saw_leaving > 0 and sw.swapped_out > 0 and sw.swapped_in > 0
+    assert sw.leaving == 0                                   # the idle engine took their pages back
+    eng.prefix_cache.clear()
+    eng.pool.check()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
 @pytest.mark.gpu
 def test_gpu_swap_ins_on_the_copy_stream_keep_kv_intact():
     """The CUDA pool and its copy streams: reclaims now and on landing, matches that bring prefixes back while
