@@ -162,7 +162,9 @@ def dynamic(args, tmp: Path, res: dict) -> None:
         out[policy] = m
         log(f"{policy}: TTFT mean {m['ttft_mean_s'] and m['ttft_mean_s'] * 1e3:.0f} ms p50 "
             f"{m['ttft_p50_s'] and m['ttft_p50_s'] * 1e3:.0f} ms p90 {m['ttft_p90_s'] and m['ttft_p90_s'] * 1e3:.0f}"
-            f" ms, {m['finished']}/{m['requests']} finished, prefix hits {m['hit_tokens']}/{m['lookup_tokens']} "
+            f" ms (first turns {(m.get('ttft_first_turn_mean_s') or 0) * 1e3:.0f}, later turns "
+            f"{(m.get('ttft_later_turns_mean_s') or 0) * 1e3:.0f} ms), {m['finished']}/{m['requests']} finished, "
+            f"prefix hits {m['hit_tokens']}/{m['lookup_tokens']} "
             f"tokens, prompt tokens computed {m['prompt_tokens_computed']} (recomputed after "
             f"{m['preemptions']} preemptions: {m['recomputed_tokens']}), {m['admissions_blocked']} admissions "
             f"stopped for pages, swapper {m['swapper']}, kernel builds {m['compiles']}")

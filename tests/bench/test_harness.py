@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+
 from vlora import SLO
 from vlora.bench import workloads as W
 from vlora.bench.harness import run_workload
@@ -39,6 +41,9 @@ def test_harness_times_every_request_and_follows_sessions(tmp_path):
     m = res.metrics(ttft_slo_s=10.0)
     assert m["finished"] == len(specs) and m["unfinished"] == 0 and m["slo_attainment"] == 1.0
     assert m["avg_token_latency_s"] > 0 and m["mode_share"] == {"unmerged": 1.0}
+    firsts = [r.ttft for r in res.records if r.spec.turn == 0]      # the synthetic requests are first turns too
+    assert m["ttft_first_turn_mean_s"] == pytest.approx(sum(firsts) / len(firsts))
+    assert m["ttft_later_turns_mean_s"] is not None and m["ttft_later_turns_p90_s"] is not None
     assert eng.allocator.num_free == 512
 
 

@@ -84,6 +84,9 @@ class RunResult:
         )
         for name, xs in (("ttft", ttfts), ("tpot", tpots), ("latency", lats)):
             out.update(_stats(name, xs))
+        if any(r.spec.session is not None for r in done):    # multi-turn: a first turn has no history to reuse
+            out.update(_stats("ttft_first_turn", [r.ttft for r in done if r.ttft is not None and r.spec.turn == 0]))
+            out.update(_stats("ttft_later_turns", [r.ttft for r in done if r.ttft is not None and r.spec.turn > 0]))
         if ttft_slo_s is not None:
             out["slo_attainment"] = (sum(1 for r in self.records if r.ttft is not None and r.ttft <= ttft_slo_s)
                                      / len(self.records)) if self.records else None
