@@ -205,7 +205,7 @@ class CacheSwapper:
     def _swap_out_block(self, node, defer: bool = False) -> None:
         """Move a GPU leaf block to host memory, or forget it when host memory is full of more valuable blocks.
         A block with no children is weighed alone: copying it out only to displace a block worth more would
-        spend the link (and, on the current stream, the iterations' time) for less (at 3 sessions/s on an H100,
+        spend the link for less (at 3 sessions/s on an H100,
         2026-11-22, 105,000 blocks went out and 80,000 host blocks were forgotten for them:
         benchmarks/results/h100-2026-11-22-pressure/pool48gb-rate3). A block with host
         blocks below it takes a slot whatever it is worth (forgetting it would forget them too)."""
@@ -401,7 +401,7 @@ class CacheSwapper:
                 if self.usage() >= self.low:
                     return
                 if kind == 0:
-                    if capped or what in self._out_token:     # (a block just sent out stays out this tick)
+                    if capped or what in self._out_token:     # (a block stays out until its copy out lands)
                         continue
                     if self.poll() >= self.fill_flights:
                         capped = True             # adapters load on their own stream: they still may
