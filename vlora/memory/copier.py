@@ -10,7 +10,7 @@ the request once its blocks have landed, and the iterations in between run
 undisturbed.
 
 The swapper has two copiers: one for swap-ins, one for swap-outs (GPU to
-host: on CUDA each direction has its own copy engine). A copier has four
+host: on CUDA the two directions may use separate copy engines). A copier has four
 calls: ``copy(dst, src, after=None)`` issues a copy, after the copy of token
 ``after`` if one is given (a swap-in of a block whose swap-out is still under
 way), and returns its token (None: already complete); ``done(token)`` says,

@@ -224,8 +224,7 @@ class CacheSwapper:
             self._outs.append((token, node))
             if defer:                     # the page is free once the copy has landed (poll)
                 self._leaving.append((token, node.page))
-            else:                         # free now: what next writes it is queued after the copy
-                self.out_copier.barrier()
+            else:                         # free now; the caller's barrier queues its next writer after the copy
                 self.pool.free([node.page])
         node.page, node.host = None, slot
         self.host_nodes.add(node)
@@ -313,6 +312,7 @@ class CacheSwapper:
         for n in reversed(order):                     # children after parents in _nodes: reversed is leaves-first
             if n.page is not None:
                 self._swap_out_block(n)
+        self.out_copier.barrier()                     # the freed pages are written only after their copies
 
     def forget(self, node) -> None:
         """The node's host copy is no longer needed (back on the GPU, or forgotten): free its slot."""
@@ -360,6 +360,8 @@ class CacheSwapper:
                     heapq.heappush(heap, (cand[0], next(order), 1, parent.key))
             elif parent.page is not None and parent.refs == 0 and not self.tree.has_gpu_child(parent):
                 heapq.heappush(heap, (self.eval(parent, now), next(order), 0, parent))   # a new leaf
+        if not defer:                     # one barrier for the pages freed at once (nothing wrote them meanwhile)
+            self.out_copier.barrier()
         return taken + gone() - start
 
     def _move_out(self, kind: int, what, defer: bool = False) -> None:
@@ -393,7 +395,8 @@ class CacheSwapper:
         its children candidates: candidates are re-ranked until none fits). Blocks go on the copy stream only
         while the copies in flight would take the link less than ``fill_window_s``: a request's own swap-in
         queues behind them on that stream, so an idle fill of the whole gap (on a 96 GB pool, 30% is about a
-        second of PCIe) would hold up every prefix asked for meanwhile. The rest waits for later ticks."""
+        second at the assumed 25 GB/s) would hold up every prefix asked for meanwhile. The rest waits for later
+        ticks."""
         moved, capped = True, False
         while moved and self.usage() < self.low:
             moved = False
