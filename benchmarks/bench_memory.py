@@ -140,7 +140,8 @@ def dynamic(args, tmp: Path, res: dict) -> None:
             samples.append((time.monotonic() - t0, pool.kv_pages - tree.num_pages - (eng.swapper.leaving if eng.swapper
                             else 0), tree.num_pages,
                             pool.num_adapter_pages, pool.num_pages,
-                            len(eng.swapper.host_nodes) if eng.swapper is not None else 0))
+                            len(eng.swapper.host_nodes) if eng.swapper is not None else 0,
+                            len(eng.scheduler.running), len(eng.scheduler.waiting)))
             return outs
 
         eng.step = sampled_step
@@ -163,7 +164,10 @@ def dynamic(args, tmp: Path, res: dict) -> None:
         log(f"{policy}: TTFT mean {m['ttft_mean_s'] and m['ttft_mean_s'] * 1e3:.0f} ms p50 "
             f"{m['ttft_p50_s'] and m['ttft_p50_s'] * 1e3:.0f} ms p90 {m['ttft_p90_s'] and m['ttft_p90_s'] * 1e3:.0f}"
             f" ms (first turns {(m.get('ttft_first_turn_mean_s') or 0) * 1e3:.0f}, later turns "
-            f"{(m.get('ttft_later_turns_mean_s') or 0) * 1e3:.0f} ms), {m['finished']}/{m['requests']} finished, "
+            f"{(m.get('ttft_later_turns_mean_s') or 0) * 1e3:.0f} ms; waiting to be scheduled: mean "
+            f"{(m.get('queued_mean_s') or 0) * 1e3:.0f} ms, p90 {(m.get('queued_p90_s') or 0) * 1e3:.0f} ms, first "
+            f"turns {(m.get('queued_first_turn_mean_s') or 0) * 1e3:.0f}, later turns "
+            f"{(m.get('queued_later_turns_mean_s') or 0) * 1e3:.0f} ms), {m['finished']}/{m['requests']} finished, "
             f"prefix hits {m['hit_tokens']}/{m['lookup_tokens']} "
             f"tokens, prompt tokens computed {m['prompt_tokens_computed']} (recomputed after "
             f"{m['preemptions']} preemptions: {m['recomputed_tokens']}), {m['admissions_blocked']} admissions "

@@ -34,7 +34,7 @@ def test_harness_times_every_request_and_follows_sessions(tmp_path):
     assert len(res.records) == len(specs)
     for r in res.records:
         assert r.finish_reason == "length" and r.tokens == r.spec.output_len
-        assert r.arrival <= r.first_token <= r.finish
+        assert r.arrival <= r.admitted <= r.first_token <= r.finish
     turns = sorted((r for r in res.records if r.spec.session == 0), key=lambda r: r.spec.turn)
     for a, b in zip(turns, turns[1:]):
         assert b.arrival >= a.finish + b.spec.after_s - 1e-6          # sent after the previous answer
@@ -44,7 +44,27 @@ def test_harness_times_every_request_and_follows_sessions(tmp_path):
     firsts = [r.ttft for r in res.records if r.spec.turn == 0]      # the synthetic requests are first turns too
     assert m["ttft_first_turn_mean_s"] == pytest.approx(sum(firsts) / len(firsts))
     assert m["ttft_later_turns_mean_s"] is not None and m["ttft_later_turns_p90_s"] is not None
+    assert m["queued_mean_s"] == pytest.approx(sum(r.admitted - r.arrival for r in res.records) / len(specs))
+    assert m["ttft_scheduled_mean_s"] == pytest.approx(sum(r.first_token - r.admitted for r in res.records)
+                                                       / len(specs))
+    assert m["queued_first_turn_p90_s"] is not None and m["queued_later_turns_mean_s"] is not None
     assert eng.allocator.num_free == 512
+
+
+def test_harness_times_the_wait_to_be_scheduled():
+    """One sequence at a time: each request waits until the one before it has finished, and that wait is its
+    queueing time, not the time its own prompt took."""
+    eng = Engine(EngineConfig(model=ModelConfig("random:tiny-llama"), cache=CacheConfig(num_blocks=512),
+                              scheduler=SchedulerConfig(max_num_seqs=1)))
+    res = run_workload(eng, [W.RequestSpec(0.0, None, 16, 6) for _ in range(3)])
+    recs = sorted(res.records, key=lambda r: r.admitted)
+    assert recs[0].queued <= recs[0].ttft
+    for a, b in zip(recs, recs[1:]):
+        assert b.admitted >= a.finish and b.queued >= a.latency - 1e-9
+    for r in recs:                                          # its first token came from steps it was scheduled in
+        assert r.admitted < r.first_token
+    m = res.metrics()
+    assert m["queued_mean_s"] == pytest.approx(sum(r.queued for r in recs) / 3)
 
 
 def test_harness_reports_early_aborts(tmp_path):

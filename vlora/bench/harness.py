@@ -3,8 +3,8 @@
 :func:`run_workload` sends each request when its arrival time comes (multi-turn
 follow-ups after the previous answer plus the think time), steps the engine
 while there is work and sleeps until the next arrival when there is none. It
-records per request the arrival, first-token and finish times (TTFT, TPOT,
-end-to-end latency) and per iteration the inference mode and batch size, and
+records per request the arrival, admission, first-token and finish times (TTFT,
+its wait to be scheduled, TPOT, end-to-end latency) and per iteration the inference mode and batch size, and
 every mode switch with its measured time. :class:`RunResult` turns that into
 the metrics of ``../shared/BENCHMARKS.md``.
 
@@ -33,6 +33,7 @@ class RequestRecord:
     request_id: str
     arrival: float                    # seconds from the start of the run, when it was sent
     first_token: float | None = None
+    admitted: float | None = None     # start of the first iteration that scheduled it (its wait ends there)
     finish: float | None = None
     tokens: int = 0
     finish_reason: str | None = None
@@ -41,6 +42,11 @@ class RequestRecord:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def queued(self) -> float | None:
+        """Seconds from arrival to the iteration that first scheduled it (a prefix copy it waited for counts)."""
+        return None if self.admitted is None else self.admitted - self.arrival
 
     @property
     def latency(self) -> float | None:
@@ -84,9 +90,15 @@ class RunResult:
         )
         for name, xs in (("ttft", ttfts), ("tpot", tpots), ("latency", lats)):
             out.update(_stats(name, xs))
+        # TTFT = the wait to be scheduled + the iterations from then to the first token (the prompt's chunks)
+        out.update(_stats("queued", [r.queued for r in done if r.queued is not None]))
+        out.update(_stats("ttft_scheduled", [r.first_token - r.admitted for r in done
+                                             if r.first_token is not None and r.admitted is not None]))
         if any(r.spec.session is not None for r in done):    # multi-turn: a first turn has no history to reuse
-            out.update(_stats("ttft_first_turn", [r.ttft for r in done if r.ttft is not None and r.spec.turn == 0]))
-            out.update(_stats("ttft_later_turns", [r.ttft for r in done if r.ttft is not None and r.spec.turn > 0]))
+            for part, keep in (("first_turn", lambda r: r.spec.turn == 0), ("later_turns", lambda r: r.spec.turn > 0)):
+                rs = [r for r in done if keep(r)]
+                out.update(_stats(f"ttft_{part}", [r.ttft for r in rs if r.ttft is not None]))
+                out.update(_stats(f"queued_{part}", [r.queued for r in rs if r.queued is not None]))
         if ttft_slo_s is not None:
             out["slo_attainment"] = (sum(1 for r in self.records if r.ttft is not None and r.ttft <= ttft_slo_s)
                                      / len(self.records)) if self.records else None
@@ -152,8 +164,13 @@ def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: S
                 break
             time.sleep(max(0.0, min(upcoming[0][0] - now, 0.05)))
             continue
+        began = now
         outs = engine.step()
         now = time.monotonic() - t0
+        for seq in engine.scheduler.running:          # scheduled by this step for the first time: admitted
+            rec = records.get(seq.request_id)
+            if rec is not None and rec.admitted is None:
+                rec.admitted = began
         if engine.last_mode is not None:
             result.iterations.append((now, engine.last_mode.value, len(engine.scheduler.running)))
         if modes.num_switches != switches_seen:
@@ -165,6 +182,8 @@ def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: S
                 continue
             if o.delta_token_ids and rec.first_token is None:
                 rec.first_token = now
+                if rec.admitted is None:              # answered (and finished) by the step that admitted it
+                    rec.admitted = began
             rec.tokens = len(o.token_ids)
             if o.finished:
                 rec.finish, rec.finish_reason, rec.error = now, o.finish_reason, o.error
