@@ -17,6 +17,11 @@
                                                                            # the sessions (swapper overheads)
     python benchmarks/bench_memory.py --pressure --parts dynamic --session-rate 2 --out /tmp/mem  # GPU: sessions
                                                   # whose histories overflow the pool (FastLibra's loaded regime)
+    python benchmarks/bench_memory.py --pressure --parts dynamic --session-rate 3.5 --kv-gb 96 --host-kv-gb 72 \
+        --policies fastlibra,lru-fixed --out /tmp/mem   # the H200 runs of benchmarks/results/h200-2026-11-25-pressure/
+
+Each request's TTFT is also reported split: its wait to be scheduled (``queued_*``) and the iterations from then
+to its first token (``ttft_scheduled_*``); multi-turn runs give both for first and later turns.
 """
 
 from __future__ import annotations
