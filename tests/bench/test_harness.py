@@ -67,6 +67,18 @@ def test_harness_times_the_wait_to_be_scheduled():
     assert m["queued_mean_s"] == pytest.approx(sum(r.queued for r in recs) / 3)
 
 
+def test_harness_admission_is_the_first_chunk_not_the_last():
+    """A prompt longer than the token budget is computed in chunks over several iterations: the request was
+    admitted at the first of them, and its time to first token after admission spans them all."""
+    eng = Engine(EngineConfig(model=ModelConfig("random:tiny-llama"), cache=CacheConfig(num_blocks=512),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8)))
+    res = run_workload(eng, [W.RequestSpec(0.0, None, 32, 2)])
+    (rec,) = res.records
+    chunks = [t for t, _, _ in res.iterations if rec.admitted < t <= rec.first_token]
+    assert len(chunks) == 4                                 # 32 prompt tokens, 8 a step
+    assert rec.queued == 0.0                                # sent at once, scheduled by the first step
+
+
 def test_harness_reports_early_aborts(tmp_path):
     eng = tiny_engine()
     specs = [W.RequestSpec(0.0, None, 16, 4) for _ in range(6)]

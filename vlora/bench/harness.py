@@ -180,10 +180,10 @@ def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: S
             rec = records.get(o.request_id)
             if rec is None:
                 continue
+            if (o.delta_token_ids or o.finished) and rec.admitted is None and o.finish_reason != "rejected":
+                rec.admitted = began                  # answered (or finished: a task head) by the step that admitted it
             if o.delta_token_ids and rec.first_token is None:
                 rec.first_token = now
-                if rec.admitted is None:              # answered (and finished) by the step that admitted it
-                    rec.admitted = began
             rec.tokens = len(o.token_ids)
             if o.finished:
                 rec.finish, rec.finish_reason, rec.error = now, o.finish_reason, o.error
