@@ -406,7 +406,7 @@ class CacheSwapper:
                 if kind == 0:
                     if capped or what in self._out_token:     # (a block stays out until its copy out lands)
                         continue
-                    if self.poll() >= self.fill_flights:
+                    if len(self._flights) >= self.fill_flights and self.poll() >= self.fill_flights:
                         capped = True             # adapters load on their own stream: they still may
                         continue
                     if what.host is not None and self._parent_on_gpu(what) and self._spare(1):
