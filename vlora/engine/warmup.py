@@ -141,19 +141,21 @@ def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
     """Merge (with and without a record) and unmerge a zero adapter into a small zero weight once per variant the
     ranks up to ``max_rank`` make of the fused merge kernels (:func:`vlora.kernels.merge.variant`). Returns the
     launches."""
-    from vlora.kernels.merge import merge_slice_, unmerge_slice_, variant
+    from vlora.kernels import merge as kernels
 
     ranks = {}
     for r in range(1, max_rank + 1):
-        ranks.setdefault(variant(r), r)
+        ranks.setdefault(kernels.variant(r), r)
+    bm, bn, _ = kernels.TILE
     for r in ranks.values():
-        w = torch.zeros(1, 64, 128, dtype=dtype, device=device)
-        a = torch.zeros(1, 128, r, dtype=dtype, device=device)
-        b = torch.zeros(1, r, 64, dtype=dtype, device=device)
-        rec, _ = merge_slice_(w, 0, a, b, 1.0, 16)
-        unmerge_slice_(w, 0, a, b, 1.0, rec)
-        merge_slice_(w, 0, a, b, 1.0, 16, restore=False)          # a merge that reuses its record
-    return 3 * len(ranks)
+        for out in (bm, bm + 1):                  # slices the tile divides (no masks) and slices it does not
+            w = torch.zeros(1, out, bn, dtype=dtype, device=device)
+            a = torch.zeros(1, bn, r, dtype=dtype, device=device)
+            b = torch.zeros(1, r, out, dtype=dtype, device=device)
+            rec = kernels.merge_slice_(w, 0, a, b, 1.0)
+            kernels.unmerge_slice_(w, 0, a, b, 1.0, rec)
+            kernels.merge_slice_(w, 0, a, b, 1.0, restore=False)     # a merge that reuses its record
+    return 6 * len(ranks)
 
 
 @torch.inference_mode()

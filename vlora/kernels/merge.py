@@ -2,33 +2,37 @@
 
 One launch per projection slice covers every layer: each program computes a
 ``[BM, BN]`` tile of ``ΔW = s·(A·B)^T`` on the tensor cores (adapter factors in
-the weights' dtype, fp32 accumulation), reads the weight tile once, writes the
-merged tile once, and writes the tile's restore codes: ``c = bits(W) -
-bits(round(W' - ΔW))``, the difference of the bit patterns read as integers
-(for two floats of one sign, the number of representable values between them),
-in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. Code 0 marks an
-exception (``c`` out of range, or a sign change), whose original bits are kept:
+the weights' dtype, fp32 accumulation) as two column halves, reads the weight
+tile once, writes the merged tile once, and writes the tile's restore codes:
+``c = bits(W) - bits(round(W' - ΔW))``, the difference of the bit patterns read
+as integers (for two floats of one sign, the number of representable values
+between them), in 4 bits per element, ``c + 8`` for ``c`` in [-7, 6]. A byte
+holds the codes of columns ``j`` and ``j + BN/2`` of its tile, so the codes of
+the two halves pair up element by element (no shuffle). Code 0 marks an
+exception (``c`` out of range, which every sign change is), whose original bits
+are kept elsewhere:
 
-* in the *slots* of its tile row: every row of a tile keeps its first and its
-  last exception (``SLOTS`` = 2; column in the tile, original bits), found by a
-  min- and a max-reduction along the row. No scan, no atomics: with LoRA-sized
-  ΔW about one tile row in five has an exception and one in several hundred
-  more than two;
-* the rest in one list for the slice (flat index, original bits), one atomic
-  slot per element, taken only by tiles that have such an overflow.
+* the first of each tile row in the row's *slot*: one integer holding its
+  column and its original bits, found by a min-reduction along the row. With
+  LoRA-sized ΔW about one tile row in eight has an exception;
+* any further one of that row is left unmerged by the kernel, with code 15,
+  and the slot is flagged. They are rare (5-6% of the exceptions at rank 64 on
+  Llama-2-7B shapes, in under 1% of the tile rows): the host finds them through
+  the flagged slots, merges them and lists their original bits
+  (``vlora.lora.merge``). No atomics and no list in the kernel: both cost it
+  registers, and with them time, even where no tile needed them.
 
-An exception that finds no room in the list is left unmerged and marked 15
-("pending"); the host then finishes those few elements in torch
-(``vlora.lora.merge``). After the launch the slots are gathered into the
+After the launch the slots and the host-finished elements are gathered into the
 slice's list (flat indices into the stacked weights, original bits), so the
-record is codes + one list. Unmerge recomputes the identical ΔW (same tiles),
-applies ``round(W' - ΔW)`` and the codes, and scatters the list back: the
-weights return bit for bit. The record depends only on the base weights, the
-adapter and the scale, so a later merge of the same adapter may reuse it and
-run the merge without a record (``restore=False``, the record's tile).
+record is codes + one list. Unmerge recomputes the identical ΔW (same tiles,
+same halves), applies ``round(W' - ΔW)`` and the codes, and scatters the list
+back: the weights return bit for bit. The record depends only on the base
+weights, the adapter and the scale, so a later merge of the same adapter may
+reuse it and run the merge without a record (``restore=False``, the record's
+tile). Tiles that divide the slice exactly run without masks (``EVEN``).
 
 Traffic per touched element: merge reads 2 and writes 2.5 bytes (bf16 + half a
-byte of code) plus 4 bytes per slot per tile row, unmerge reads 2.5 and writes 2.
+byte of code) plus 4 bytes per tile row, unmerge reads 2.5 and writes 2.
 """
 
 from __future__ import annotations
@@ -47,156 +51,179 @@ INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32
 
 @triton.jit
 def _dot(bt, at, IEEE: tl.constexpr):
-    """B's tile [BM, BK] times A's [BK, BN], fp32; the one product both kernels compute ΔW with."""
+    """B's tile [BM, BK] times A's [BK, BN/2], fp32; the one product all kernels compute ΔW with."""
     if IEEE:
         return tl.dot(bt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
     return tl.dot(bt, at)
 
 
 @triton.jit
-def _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale,
-                BK: tl.constexpr, IEEE: tl.constexpr):
-    """scale * sum_k B[l, k, o] * A[l, i, k] for the tile's (o, i), fp32."""
-    acc = tl.zeros((offs_o.shape[0], offs_i.shape[0]), dtype=tl.float32)
-    offs_k = tl.arange(0, BK)
-    a_base = a_ptr + l.to(tl.int64) * IN * R
-    b_base = b_ptr + l.to(tl.int64) * R * OUT
+def _delta_halves(al, bl, rows, c0, c1, R, IN, OUT, scale, BK: tl.constexpr, H: tl.constexpr, IEEE: tl.constexpr):
+    """scale * sum_k B[k, o] * A[i, k] of one layer for the tile's rows and its two column halves, fp32."""
+    acc0 = tl.zeros((rows.shape[0], H), dtype=tl.float32)
+    acc1 = tl.zeros((rows.shape[0], H), dtype=tl.float32)
+    ks = tl.arange(0, BK)
     for k0 in range(0, R, BK):
-        k = k0 + offs_k
-        k_mask = k < R
-        bt = tl.load(b_base + k[None, :] * OUT + offs_o[:, None], mask=o_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_base + offs_i[None, :] * R + k[:, None], mask=k_mask[:, None] & i_mask[None, :], other=0.0)
-        acc += _dot(bt, at, IEEE)
-    return acc * scale
+        k = k0 + ks
+        bt = tl.load(bl + k[None, :] * OUT + rows[:, None], mask=(k < R)[None, :] & (rows < OUT)[:, None], other=0.0)
+        a0 = tl.load(al + c0[None, :] * R + k[:, None], mask=(k < R)[:, None] & (c0 < IN)[None, :], other=0.0)
+        a1 = tl.load(al + c1[None, :] * R + k[:, None], mask=(k < R)[:, None] & (c1 < IN)[None, :], other=0.0)
+        acc0 += _dot(bt, a0, IEEE)
+        acc1 += _dot(bt, a1, IEEE)
+    return acc0 * scale, acc1 * scale
 
 
 @triton.jit
-def _tile(row0, IN, OUT, stride_wl, stride_wo, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's tile: layer, rows/columns and masks, weight offsets, packed-code offsets and mask."""
-    pid = tl.program_id(0)
-    l = pid // (tiles_o * tiles_i)
-    rest = pid % (tiles_o * tiles_i)
-    offs_o = (rest // tiles_i) * BM + tl.arange(0, BM)
-    offs_i = (rest % tiles_i) * BN + tl.arange(0, BN)
-    o_mask = offs_o < OUT
-    i_mask = offs_i < IN
-    w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
-    half = (rest % tiles_i) * (BN // 2) + tl.arange(0, BN // 2)
-    c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + half[None, :]
-    c_mask = o_mask[:, None] & (half < IN // 2)[None, :]
-    return l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask
+def _codes(w, d, INT_T: tl.constexpr, ORD_T: tl.constexpr, UORD_T: tl.constexpr):
+    """The merged values, their 4-bit restore codes (0: exception) and the exception mask, for one half."""
+    merged = (w.to(tl.float32) + d).to(w.dtype)
+    naive = (merged.to(tl.float32) - d).to(w.dtype)
+    c = w.to(INT_T, bitcast=True).to(ORD_T) - naive.to(INT_T, bitcast=True).to(ORD_T)
+    rem = (c + 7).to(UORD_T, bitcast=True) > 13              # c outside [-7, 6]; every sign change is
+    return merged, tl.where(rem, 0, c + 8).to(tl.int32), rem
 
 
 # Arguments that differ between the slices of one model are not specialised on. The rank is: A's rows are R
 # elements long, and only a known multiple of 16 lets its loads vectorise (unspecialised, the unmerge of a
 # rank-64 adapter took 25.4 ms instead of 18.3 on an H100, best tiles of two sweeps on 2026-11-22:
 # benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json and earlier/). The variants are then one
-# per (K tile, rank a multiple of 16 or not, rank 1) and dtype, which the engine builds at start-up
+# per (K tile, rank a multiple of 16 or not, rank 1), dtype and EVEN, which the engine builds at start-up
 # (vlora.engine.warmup.build_merge).
-@compiles.jit(ints=("row0", "capacity", "tiles_o", "tiles_i"))
-def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_col_ptr, slot_bits_ptr, count_ptr, exc_idx_ptr, exc_bits_ptr,
-                  row0, R, IN, OUT, stride_wl, stride_wo, scale, capacity, tiles_o, tiles_i,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SLOTS: tl.constexpr, IEEE: tl.constexpr,
-                  INT_T: tl.constexpr, ORD_T: tl.constexpr, RESTORE: tl.constexpr = True):
-    l, offs_o, offs_i, o_mask, i_mask, w_off, c_off, c_mask = _tile(row0, IN, OUT, stride_wl, stride_wo,
-                                                                    tiles_o, tiles_i, BM, BN)
-    mask = o_mask[:, None] & i_mask[None, :]
-    w = tl.load(w_ptr + w_off, mask=mask, other=0.0)        # issued first: in flight while ΔW is computed
-    d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-    merged = (w.to(tl.float32) + d).to(w.dtype)
-    if not RESTORE:                                          # the benchmarks' cost-of-exactness baseline
-        tl.store(w_ptr + w_off, merged, mask=mask)
-        return
-    naive = (merged.to(tl.float32) - d).to(w.dtype)
-    # restore code: the distance from round(W' - ΔW) to W in units in the last place, as the difference of the
-    # bit patterns (for two floats of one sign it counts the representable values between them)
-    wbits = w.to(INT_T, bitcast=True).to(ORD_T)
-    nbits = naive.to(INT_T, bitcast=True).to(ORD_T)
-    c = wbits - nbits
-    rem = (((wbits ^ nbits) < 0) | (c < -7) | (c > 6)) & mask
-    nib = tl.where(rem, 0, c + 8).to(tl.int32)
-    if SLOTS > 0:
-        # the first and the last exception of every tile row (a min- and a max-reduction along the rows); their
-        # original bits re-read from the row (in cache: the tile was just loaded, and is stored below)
-        col = tl.arange(0, BN)[None, :]
-        ti = tl.program_id(0) % tiles_i
-        srow = ((l.to(tl.int64) * OUT + offs_o) * tiles_i + ti) * SLOTS
-        rows = w_ptr + l.to(tl.int64) * stride_wl + (row0 + offs_o).to(tl.int64) * stride_wo + ti * BN
-        first = tl.min(tl.where(rem, col, BN), axis=1)
-        has = o_mask & (first < BN)
-        tl.store(slot_col_ptr + srow, tl.where(has, first, -1).to(tl.int16), mask=o_mask)
-        tl.store(slot_bits_ptr + srow, tl.load(rows + first, mask=has, other=0.0).to(INT_T, bitcast=True),
-                 mask=o_mask)
-        over = col != first[:, None]
-        if SLOTS > 1:
-            last = tl.max(tl.where(rem, col, -1), axis=1)
-            has = o_mask & (last > first) & (first < BN)
-            tl.store(slot_col_ptr + srow + 1, tl.where(has, last, -1).to(tl.int16), mask=o_mask)
-            tl.store(slot_bits_ptr + srow + 1, tl.load(rows + last, mask=has, other=0.0).to(INT_T, bitcast=True),
-                     mask=o_mask)
-            over = over & (col != last[:, None])
-        rem = rem & over
-    n_over = tl.sum(tl.sum(rem.to(tl.int32), axis=1), axis=0)
-    if n_over > 0:                                           # rare: more exceptions in a row than slots
-        pos = tl.atomic_add(count_ptr + tl.zeros((BM, BN), dtype=tl.int32), 1, mask=rem)
-        stored = rem & (pos < capacity)
-        flat_idx = (l.to(tl.int64) * OUT + offs_o[:, None]) * IN + offs_i[None, :]
-        tl.store(exc_idx_ptr + pos, flat_idx, mask=stored)
-        tl.store(exc_bits_ptr + pos, w.to(INT_T, bitcast=True), mask=stored)
-        pending = rem & ~stored
-        nib = tl.where(pending, 15, nib)
-        merged = tl.where(pending, w, merged)                  # left as it was: the host finishes it
-    tl.store(w_ptr + w_off, merged, mask=mask)
-    lo, hi = tl.split(tl.reshape(nib, (BM, BN // 2, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)
-    tl.store(codes_ptr + c_off, packed, mask=c_mask)
+@compiles.jit(ints=("row0", "tiles_o", "tiles_i"))
+def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, stride_wl, stride_wo, code_row,
+                  scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVEN: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr,
+                  UORD_T: tl.constexpr, SLOT_T: tl.constexpr, BITS: tl.constexpr, RESTORE: tl.constexpr = True):
+    pid = tl.program_id(0)
+    l = pid // (tiles_o * tiles_i)
+    rest = pid % (tiles_o * tiles_i)
+    ti = rest % tiles_i
+    rows = (rest // tiles_i) * BM + tl.arange(0, BM)
+    H: tl.constexpr = BN // 2
+    j = tl.arange(0, H)
+    c0 = ti * BN + j
+    c1 = c0 + H
+    wl = w_ptr + l.to(tl.int64) * stride_wl + row0.to(tl.int64) * stride_wo      # offsets in a layer: int32
+    off0 = rows[:, None] * stride_wo + c0[None, :]
+    off1 = off0 + H
+    m0 = (rows < OUT)[:, None] & (c0 < IN)[None, :]
+    m1 = (rows < OUT)[:, None] & (c1 < IN)[None, :]
+    if EVEN:                                                 # issued first: in flight while ΔW is computed
+        w0 = tl.load(wl + off0)
+        w1 = tl.load(wl + off1)
+    else:
+        w0 = tl.load(wl + off0, mask=m0, other=0.0)
+        w1 = tl.load(wl + off1, mask=m1, other=0.0)
+    d0, d1 = _delta_halves(a_ptr + l.to(tl.int64) * IN * R, b_ptr + l.to(tl.int64) * R * OUT, rows, c0, c1, R, IN,
+                           OUT, scale, BK, H, IEEE)
+    if not RESTORE:                                          # a merge reusing its record; the cost-of-exactness baseline
+        mg0 = (w0.to(tl.float32) + d0).to(w0.dtype)
+        mg1 = (w1.to(tl.float32) + d1).to(w1.dtype)
+    else:
+        mg0, n0, r0 = _codes(w0, d0, INT_T, ORD_T, UORD_T)
+        mg1, n1, r1 = _codes(w1, d1, INT_T, ORD_T, UORD_T)
+        if not EVEN:
+            r0 = r0 & m0
+            r1 = r1 & m1
+        # the row's first exception goes to its slot, its original bits re-read from the row (unchanged: the
+        # tile is stored below); the others stay unmerged with code 15, the slot flagged, for the host
+        first = tl.minimum(tl.min(tl.where(r0, j[None, :], BN), axis=1), tl.min(tl.where(r1, j[None, :] + H, BN),
+                                                                                axis=1))
+        has = first < BN
+        if not EVEN:
+            has = has & (rows < OUT)
+        fb = tl.load(wl + rows * stride_wo + ti * BN + tl.where(has, first, 0), mask=has, other=0.0)
+        fb = fb.to(INT_T, bitcast=True).to(SLOT_T) & ((1 << BITS) - 1)
+        p0 = r0 & (j[None, :] != first[:, None])
+        p1 = r1 & (j[None, :] + H != first[:, None])
+        pend = (tl.max(p0.to(tl.int32), axis=1) | tl.max(p1.to(tl.int32), axis=1)).to(SLOT_T)
+        slot = tl.where(has, (pend << (BITS + 8)) | ((first + 1).to(SLOT_T) << BITS) | fb, 0)
+        srow = (l.to(tl.int64) * OUT + rows) * tiles_i + ti
+        tl.store(slot_ptr + srow, slot, mask=rows < OUT)
+        mg0 = tl.where(p0, w0, mg0)
+        mg1 = tl.where(p1, w1, mg1)
+        packed = (tl.where(p0, 15, n0) | (tl.where(p1, 15, n1) << 4)).to(tl.uint8)
+        cl = codes_ptr + l.to(tl.int64) * OUT * code_row
+        coff = rows[:, None] * code_row + ti * H + j[None, :]
+        if EVEN:
+            tl.store(cl + coff, packed)
+        else:
+            tl.store(cl + coff, packed, mask=(rows < OUT)[:, None])
+    if EVEN:
+        tl.store(wl + off0, mg0)
+        tl.store(wl + off1, mg1)
+    else:
+        tl.store(wl + off0, mg0, mask=m0)
+        tl.store(wl + off1, mg1, mask=m1)
 
 
 # The unmerge walks a strip of ROWS rows of one column tile, BM rows at a time, software-pipelined (STAGES), with A's
-# tile loaded once per strip when the rank fits one K tile (one tile per program re-read it from L2 for every
-# [BM, BN] of weights: 16 KB per 8 KB at rank 64 and (32, 128) tiles). ΔW is the same product of the same tiles
-# as the merge's (one dot of [BM, BK] by [BK, BN]), so the restore stays bit for bit (the GPU tests check it).
-# On an H100 on 2026-11-22 this took the unmerge of a rank-64 adapter from 20.0 to 14.7 ms in the sweep, 15.0 ms
-# in the timed cycles (Llama-2-7B shapes, benchmarks/results/h100-2026-11-22-merge/). The merge stays one tile per
-# program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design, attempts/ there). The slots
-# are not read here: the merge hands every exception over in its list, which the host scatters back (reading
-# the slots cost the unmerge 4 ms of its 14.7: benchmarks/results/h100-2026-11-22-merge/breakdown/).
+# tile loaded once per strip when the rank fits one K tile. ΔW is the same product of the same tiles as the merge's
+# (the same halves, the same K steps), so the restore stays bit for bit (the GPU tests check it). The merge stays
+# one tile per program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design on an H100,
+# benchmarks/results/h100-2026-11-22-merge/attempts/). The slots are not read here: the merge gathers every
+# exception into the record's list, which the host scatters back (reading the slots in this kernel cost it 0.4
+# of 3.1 ms on a gate slice, against 0.4 ms for the gather: benchmarks/results/h100-2026-11-25-merge-designs/).
 @compiles.jit(ints=("row0", "tiles_i", "strips"))
-def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, scale, tiles_i, strips,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr, STAGES: tl.constexpr,
-                    HOIST: tl.constexpr, IEEE: tl.constexpr, INT_T: tl.constexpr, ORD_T: tl.constexpr):
+def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, code_row, scale,
+                    tiles_i, strips, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
+                    STAGES: tl.constexpr, HOIST: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+                    INT_T: tl.constexpr, ORD_T: tl.constexpr, UORD_T: tl.constexpr):
     pid = tl.program_id(0)
     l = pid // (tiles_i * strips)
     rest = pid % (tiles_i * strips)
     ti = rest % tiles_i
     o_begin = (rest // tiles_i) * ROWS
-    offs_i = ti * BN + tl.arange(0, BN)
-    i_mask = offs_i < IN
-    half = ti * (BN // 2) + tl.arange(0, BN // 2)
-    offs_k = tl.arange(0, BK)
+    H: tl.constexpr = BN // 2
+    j = tl.arange(0, H)
+    c0 = ti * BN + j
+    c1 = c0 + H
+    ks = tl.arange(0, BK)
+    wl = w_ptr + l.to(tl.int64) * stride_wl + row0.to(tl.int64) * stride_wo
+    al = a_ptr + l.to(tl.int64) * IN * R
+    bl = b_ptr + l.to(tl.int64) * R * OUT
+    cl = codes_ptr + l.to(tl.int64) * OUT * code_row
     if HOIST:
-        at = tl.load(a_ptr + l.to(tl.int64) * IN * R + offs_i[None, :] * R + offs_k[:, None],
-                     mask=(offs_k < R)[:, None] & i_mask[None, :], other=0.0)
+        a0 = tl.load(al + c0[None, :] * R + ks[:, None], mask=(ks < R)[:, None] & (c0 < IN)[None, :], other=0.0)
+        a1 = tl.load(al + c1[None, :] * R + ks[:, None], mask=(ks < R)[:, None] & (c1 < IN)[None, :], other=0.0)
     for o0 in tl.range(o_begin, tl.minimum(o_begin + ROWS, OUT), BM, num_stages=STAGES):
-        offs_o = o0 + tl.arange(0, BM)
-        o_mask = offs_o < OUT
-        mask = o_mask[:, None] & i_mask[None, :]
-        w_off = l.to(tl.int64) * stride_wl + (row0 + offs_o[:, None]).to(tl.int64) * stride_wo + offs_i[None, :]
-        w = tl.load(w_ptr + w_off, mask=mask, other=0.0)
-        c_off = (l.to(tl.int64) * OUT + offs_o[:, None]) * (IN // 2) + half[None, :]
-        packed = tl.load(codes_ptr + c_off, mask=o_mask[:, None] & (half < IN // 2)[None, :],
-                         other=8 | (8 << 4)).to(tl.int32)
-        nib = tl.reshape(tl.join(packed & 15, packed >> 4), (BM, BN))
-        if HOIST:
-            bt = tl.load(b_ptr + l.to(tl.int64) * R * OUT + offs_k[None, :] * OUT + offs_o[:, None],
-                         mask=o_mask[:, None] & (offs_k < R)[None, :], other=0.0)
-            d = _dot(bt, at, IEEE) * scale
+        rows = o0 + tl.arange(0, BM)
+        off0 = rows[:, None] * stride_wo + c0[None, :]
+        off1 = off0 + H
+        coff = rows[:, None] * code_row + ti * H + j[None, :]
+        m0 = (rows < OUT)[:, None] & (c0 < IN)[None, :]
+        m1 = (rows < OUT)[:, None] & (c1 < IN)[None, :]
+        if EVEN:
+            w0 = tl.load(wl + off0)
+            w1 = tl.load(wl + off1)
+            packed = tl.load(cl + coff).to(tl.int32)
         else:
-            d = _delta_tile(a_ptr, b_ptr, l, offs_o, offs_i, o_mask, i_mask, R, IN, OUT, scale, BK, IEEE)
-        naive = (w.to(tl.float32) - d).to(w.dtype)
-        step = tl.where((nib == 0) | (nib == 15), 0, nib - 8).to(ORD_T)     # exceptions: from the list
-        restored = (naive.to(INT_T, bitcast=True).to(ORD_T) + step).to(INT_T)
-        tl.store(w_ptr + w_off, restored.to(w.dtype, bitcast=True), mask=mask)
+            w0 = tl.load(wl + off0, mask=m0, other=0.0)
+            w1 = tl.load(wl + off1, mask=m1, other=0.0)
+            packed = tl.load(cl + coff, mask=(rows < OUT)[:, None], other=8 | (8 << 4)).to(tl.int32)
+        if HOIST:                       # the same operations as _delta_halves' one K step
+            bt = tl.load(bl + ks[None, :] * OUT + rows[:, None], mask=(ks < R)[None, :] & (rows < OUT)[:, None],
+                         other=0.0)
+            acc0 = tl.zeros((BM, H), dtype=tl.float32)
+            acc1 = tl.zeros((BM, H), dtype=tl.float32)
+            acc0 += _dot(bt, a0, IEEE)
+            acc1 += _dot(bt, a1, IEEE)
+            d0 = acc0 * scale
+            d1 = acc1 * scale
+        else:
+            d0, d1 = _delta_halves(al, bl, rows, c0, c1, R, IN, OUT, scale, BK, H, IEEE)
+        n0 = packed & 15
+        n1 = packed >> 4
+        s0 = tl.where(n0 == 0, 0, n0 - 8).to(ORD_T)           # exceptions: from the list, scattered after
+        s1 = tl.where(n1 == 0, 0, n1 - 8).to(ORD_T)
+        x0 = ((w0.to(tl.float32) - d0).to(w0.dtype).to(INT_T, bitcast=True).to(ORD_T) + s0).to(INT_T)
+        x1 = ((w1.to(tl.float32) - d1).to(w1.dtype).to(INT_T, bitcast=True).to(ORD_T) + s1).to(INT_T)
+        if EVEN:
+            tl.store(wl + off0, x0.to(w0.dtype, bitcast=True))
+            tl.store(wl + off1, x1.to(w1.dtype, bitcast=True))
+        else:
+            tl.store(wl + off0, x0.to(w0.dtype, bitcast=True), mask=m0)
+            tl.store(wl + off1, x1.to(w1.dtype, bitcast=True), mask=m1)
 
 
 def _ieee(w: torch.Tensor) -> bool:
@@ -209,7 +236,16 @@ def _consts(w: torch.Tensor) -> dict:
     it = INT_OF[w.dtype]
     nbits = torch.iinfo(it).bits
     # bit patterns widened for their differences: 16-bit floats in int32, 32-bit ones in int64
-    return dict(INT_T=tl.int16 if nbits == 16 else tl.int32, ORD_T=tl.int32 if nbits == 16 else tl.int64)
+    if nbits == 16:
+        return dict(INT_T=tl.int16, ORD_T=tl.int32, UORD_T=tl.uint32)
+    return dict(INT_T=tl.int32, ORD_T=tl.int64, UORD_T=tl.uint64)
+
+
+def _slot_consts(w: torch.Tensor) -> tuple[torch.dtype, dict]:
+    """A slot: flag << (bits + 8) | (column + 1) << bits | original bits, in int32 (16-bit floats) or int64."""
+    if INT_OF[w.dtype] == torch.int16:
+        return torch.int32, dict(SLOT_T=tl.int32, BITS=16)
+    return torch.int64, dict(SLOT_T=tl.int64, BITS=32)
 
 
 def k_tile(rank: int) -> int:
@@ -228,25 +264,22 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
 
 
 # Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives. On an H100 on
-# 2026-11-22 (Llama-2-7B shapes, rank 64, 2 slots; benchmarks/results/h100-2026-11-22-merge/reuse/) (64, 64, 4)
-# had the fastest merge + unmerge, 38.3 + 12.1 ms in the sweep, against 47.2 + 11.5 for (32, 128, 4) and 58.8 +
-# 11.5 for (64, 128, 4). A merge that reuses its record runs the same tile without the record: 10.7-10.8 ms with
-# (64, 64, 4) (reuse/), 9.6-9.8 with (64, 128, 4) and 12.1-12.3 with (32, 128, 4) (the sweeps in
-# attempts/two-launch/, whose record-less merge is this one). Not swept on an H200.
-TILE = (64, 64, 4)
-SLOTS = 2                    # exception slots per tile row: 0, 1 (the first) or 2 (the first and the last)
-UNMERGE_WALK = (256, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
+# 2026-11-25 (the gate slice of Llama-2-7B shapes, rank 64; benchmarks/results/h100-2026-11-25-merge-designs/)
+# (64, 128, 4) had the fastest merge with a record (4.9 ms against 5.0 for (64, 64, 4) and 6.0 for (32, 128, 4)),
+# without one (2.16 ms against 2.38 and 2.87), and a 2.5 ms unmerge walking strips of 512 rows (3.2 and 2.4).
+TILE = (64, 128, 4)
+UNMERGE_WALK = (512, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
 
 
 @dataclass
 class SliceRestore:
     """What the unmerge of one slice needs besides ΔW: the codes and the exceptions' original bits."""
 
-    codes: torch.Tensor          # uint8 [L, out, in/2]: two 4-bit codes a byte
+    codes: torch.Tensor          # uint8 [L, out, tiles_i * BN/2]: a byte holds columns j and j + BN/2 of its tile
     exc_index: torch.Tensor      # int64 flat indices into the stacked weights [L, out_packed, in]
     exc_bits: torch.Tensor       # their original bit patterns
     tile: tuple[int, int, int]   # the merge's tile: the unmerge and a merge that reuses this record compute ΔW with it
-    from_slots: int = 0          # how many of the exceptions the row slots held (the rest: the kernel's list, host)
+    from_slots: int = 0          # how many of the exceptions the row slots held (the rest: finished on the host)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.exc_index, self.exc_bits]
@@ -258,56 +291,79 @@ def stacked_index(idx: torch.Tensor, w: torch.Tensor, row0: int, out: int) -> to
     return idx + (idx // per_layer) * ((w.shape[1] - out) * w.shape[2]) + row0 * w.shape[2]
 
 
-def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, capacity: int,
-                 tile: tuple[int, int, int] | None = None, slots: int | None = None,
-                 restore: bool = True) -> tuple[SliceRestore | None, bool]:
+def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
+                 tile: tuple[int, int, int] | None = None, restore: bool = True) -> SliceRestore | None:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
 
     Shape: w [L, out_packed, in] contiguous; a [L, in, r], b [L, r, out] in w's dtype (float32 weights: the
-    products in IEEE fp32). ``capacity``: length of the overflow list. Returns (the slice's restore record,
-    pending): ``pending`` when some exceptions found no room and were left unmerged with code 15 (the caller
-    merges them and adds them to the record's list). The slots are gathered into the record's list here (one
-    pass over them), so the unmerge reads codes only. ``restore=False`` writes no restore record (returns None;
-    not undoable exactly): a merge that reuses a record, and the benchmarks' cost-of-exactness baseline.
+    products in IEEE fp32). Returns the slice's restore record: the kernel's codes and one list of the
+    exceptions, the slots' gathered and the rows' further ones, which are merged here (:func:`_finish_rows`).
+    ``restore=False`` writes no restore record (returns None; not undoable exactly): a merge that reuses a
+    record, and the benchmarks' cost-of-exactness baseline.
     """
-    assert w.is_contiguous() and a.dtype == b.dtype == w.dtype and w.shape[2] % 2 == 0
+    assert w.is_contiguous() and a.dtype == b.dtype == w.dtype
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
-    tile = tuple(tile or TILE)
-    slots = SLOTS if slots is None else slots
-    assert slots in (0, 1, 2), "slots per tile row: 0, 1 or 2"
-    bm, bn, num_warps = tile
+    bm, bn, num_warps = tuple(tile or TILE)
+    assert bn % 2 == 0
     to, ti = _tiles(out, inn, bm, bn)
-    int_t = INT_OF[w.dtype]
-    record = (L, out, inn // 2), (L, out, ti, slots)
-    if not restore:                                         # nothing is written to them
-        record = (1,), (1,)
-    codes = torch.empty(record[0], dtype=torch.uint8, device=w.device)
-    slot_cols = torch.empty(record[1], dtype=torch.int16, device=w.device)
-    slot_bits = torch.empty(record[1], dtype=int_t, device=w.device)
-    count = torch.zeros(1, dtype=torch.int32, device=w.device)
-    exc_idx = torch.empty(max(capacity, 1), dtype=torch.int64, device=w.device)
-    exc_bits = torch.empty(max(capacity, 1), dtype=int_t, device=w.device)
-    bk = k_tile(r)
-    _merge_kernel[(L * to * ti,)](w, a.contiguous(), b.contiguous(), codes, slot_cols, slot_bits, count, exc_idx,
-                                  exc_bits, row0, r, inn, out, w.stride(0), w.stride(1), scale, capacity, to, ti,
-                                  BM=bm, BN=bn, BK=bk, SLOTS=slots, IEEE=_ieee(w), num_warps=num_warps,
-                                  RESTORE=restore, **_consts(w))
+    code_row = ti * bn // 2
+    slot_dtype, slot_consts = _slot_consts(w)
+    if restore:
+        codes = torch.empty(L, out, code_row, dtype=torch.uint8, device=w.device)
+        slots = torch.empty(L * out * ti, dtype=slot_dtype, device=w.device)
+    else:                                                    # nothing is written to them
+        codes = torch.empty(1, dtype=torch.uint8, device=w.device)
+        slots = torch.empty(1, dtype=slot_dtype, device=w.device)
+    a, b = a.contiguous(), b.contiguous()
+    _merge_kernel[(L * to * ti,)](w, a, b, codes, slots, row0, r, inn, out, w.stride(0), w.stride(1), code_row, scale,
+                                  to, ti, BM=bm, BN=bn, BK=k_tile(r), EVEN=out % bm == 0 and inn % bn == 0,
+                                  IEEE=_ieee(w), num_warps=num_warps, RESTORE=restore, **_consts(w), **slot_consts)
     if not restore:
-        return None, False
-    n = int(count.item())
-    keep = min(n, capacity)
-    idx, bits = exc_idx[:keep], exc_bits[:keep].clone()
-    from_slots = 0
-    if slots:                                    # slot (layer, row, column tile, j) -> flat index of its element
-        flat_cols = slot_cols.view(-1)
-        where = (flat_cols >= 0).nonzero().squeeze(1)
-        from_slots = where.numel()
-        row, t = where // (ti * slots), (where // slots) % ti
-        idx = torch.cat([row * inn + t * bn + flat_cols[where].long(), idx])
-        bits = torch.cat([slot_bits.view(-1)[where], bits])
-    rec = SliceRestore(codes, stacked_index(idx, w, row0, out), bits, tile, from_slots)
-    return rec, n > capacity
+        return None
+    nbits = torch.iinfo(INT_OF[w.dtype]).bits
+    where = slots.nonzero().squeeze(1)                       # tile rows with an exception
+    v = slots[where]
+    row, t = where // ti, where % ti                         # row: layer * out + row in the slice
+    first = ((v >> nbits) & 0xFF) - 1
+    idx = [row * inn + t * bn + first]
+    bits = [(v & ((1 << nbits) - 1)).to(INT_OF[w.dtype])]    # the low bits, wrapped into the signed type
+    pending = ((v >> (nbits + 8)) & 1).bool()
+    if pending.any():
+        more_idx, more_bits = _finish_rows(w[:, row0:row0 + out], a, b, scale, codes, row[pending], t[pending], bn)
+        idx.append(more_idx)
+        bits.append(more_bits)
+    return SliceRestore(codes, stacked_index(torch.cat(idx), w, row0, out), torch.cat(bits), (bm, bn, num_warps),
+                        int(where.numel()))
+
+
+def _finish_rows(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor,
+                 row: torch.Tensor, t: torch.Tensor, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the elements the kernel left (code 15) in the flagged tile rows ``(row, t)`` of the slice ``w``
+    [L, out, in], mark them exceptions (code 0) and return their (flat indices in the slice, original bits).
+    Their ΔW is summed here in float64 and the sum rounded once, not as on the tensor cores: the merged values
+    may differ from the kernel's in the last place, and the record restores them from the list either way."""
+    L, out, inn = w.shape
+    h = bn // 2
+    flat_codes = codes.view(-1)
+    byte = (row * codes.shape[2] + t * h)[:, None] + torch.arange(h, device=w.device)     # [P, BN/2]
+    got = flat_codes[byte]
+    idx, bytes_, keep = [], [], []
+    for half, nib in ((0, got & 15), (1, got >> 4)):
+        p, jj = (nib == 15).nonzero(as_tuple=True)
+        idx.append(row[p] * inn + t[p] * bn + half * h + jj)
+        bytes_.append(byte[p, jj])
+        keep.append(0xF0 if half == 0 else 0x0F)
+    for by, k in zip(bytes_, keep):                          # code 15 -> 0, the other half's code kept
+        flat_codes[by] = flat_codes[by] & k
+    idx = torch.cat(idx)
+    layer, rest = idx // (out * inn), idx % (out * inn)
+    o, i = rest // inn, rest % inn
+    int_dtype = INT_OF[w.dtype]
+    bits = w.view(int_dtype)[layer, o, i].clone()
+    d = (a[layer, i].double() * b[layer, :, o].double()).sum(-1) * scale        # then rounded once
+    w[layer, o, i] = (w[layer, o, i].double() + d).to(w.dtype)
+    return idx, bits
 
 
 def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
@@ -321,8 +377,9 @@ def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor,
     tiles_i, strips = triton.cdiv(inn, bn), triton.cdiv(out, rows)
     bk = k_tile(r)
     _unmerge_kernel[(L * tiles_i * strips,)](w, a.contiguous(), b.contiguous(), rec.codes, row0, r, inn, out,
-                                             w.stride(0), w.stride(1), scale, tiles_i, strips, BM=bm, BN=bn, BK=bk,
-                                             ROWS=rows, STAGES=stages, HOIST=r <= bk, IEEE=_ieee(w),
+                                             w.stride(0), w.stride(1), rec.codes.shape[2], scale, tiles_i, strips,
+                                             BM=bm, BN=bn, BK=bk, ROWS=rows, STAGES=stages, HOIST=r <= bk,
+                                             EVEN=out % bm == 0 and inn % bn == 0, IEEE=_ieee(w),
                                              num_warps=num_warps, **_consts(w))
     if rec.exc_index.numel():
         w.view(INT_OF[w.dtype]).view(-1)[rec.exc_index] = rec.exc_bits

@@ -19,8 +19,8 @@ codes plus 12 bytes per exception, held only while the adapter is merged.
 On CUDA (or with ``kernel=True``) the same idea runs fused in one Triton launch
 per slice (``vlora.kernels.merge``): ΔW tile on the tensor cores, weights read
 and written once, 4-bit codes covering [-7, 6] units (far fewer exceptions),
-the first exceptions of every tile row kept in slots by the kernel, the rare rest
-in a list. A record remembers which path made it, and
+the first exception of every tile row kept in its slot by the kernel, the rare
+rest merged and listed on the host. A record remembers which path made it, and
 unmerge takes the same path, so ΔW is recomputed identically.
 """
 
@@ -135,13 +135,11 @@ def _use_kernel(weights: dict[str, torch.Tensor], kernel: bool | None) -> bool:
 @torch.no_grad()
 def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]], adapter: PackedAdapter,
            scale: float | None = None, chunk_elems: int = 1 << 26, kernel: bool | None = None,
-           capacity: int | None = None, staged: dict | None = None, reuse: MergeRecord | None = None) -> MergeRecord:
+           staged: dict | None = None, reuse: MergeRecord | None = None) -> MergeRecord:
     """W += s·(A·B)^T for every targeted slice of every layer, in place; returns the restore record.
 
     weights: group -> [L, out_packed, in] base weights; widths: group -> output width of each slice.
-    kernel: the fused Triton path (default: on CUDA); capacity: its exception list length per slice
-    (default 1/1024 of the slice's elements; overflow is finished on the host, still exact); staged: this
-    adapter's :func:`stage_factors`, if kept from before. reuse: the record of an earlier merge of this adapter,
+    kernel: the fused Triton path (default: on CUDA); staged: this adapter's :func:`stage_factors`, if kept from before. reuse: the record of an earlier merge of this adapter,
     unmerged since. A restore record depends only on the base weights, the adapter and the scale, so when those
     are unchanged (:func:`can_reuse`) the merge writes the weights alone and returns ``reuse`` again (fused path
     only; otherwise ``reuse`` is ignored).
@@ -150,10 +148,10 @@ def merge_(weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]],
     if rec.kernel:
         if reuse is not None and can_reuse(reuse, weights, adapter, rec.scale):
             reuse.factors = {}
-            _merge_fused(reuse, weights, widths, capacity, staged, reuse=reuse)
+            _merge_fused(reuse, weights, widths, staged, reuse=reuse)
             reuse.reused, reuse.base = True, None
             return reuse
-        _merge_fused(rec, weights, widths, capacity, staged)
+        _merge_fused(rec, weights, widths, staged)
         return rec
     for group, j, w in _slices(weights, widths):
         f = _factors(adapter, group, j, w.shape[0], w.shape[2], w.shape[1], w.device)
@@ -250,8 +248,7 @@ def _uniform(starts: list[int]) -> bool:
     return len({y - x for x, y in zip(starts, starts[1:])}) <= 1
 
 
-def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged=None,
-                 reuse: MergeRecord | None = None) -> None:
+def _merge_fused(rec: MergeRecord, weights, widths, staged=None, reuse: MergeRecord | None = None) -> None:
     from vlora.kernels import merge as kernels
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
@@ -262,34 +259,11 @@ def _merge_fused(rec: MergeRecord, weights, widths, capacity: int | None, staged
                 a, b = staged[(group, j)]
                 rec.factors[(group, j)] = (a, b)
                 if reuse is not None:                 # the same ΔW (same kernel tile) on the same base weights
-                    kernels.merge_slice_(w, row0, a, b, rec.scale, 1, tile=reuse.slices[(group, j)].tile,
+                    kernels.merge_slice_(w, row0, a, b, rec.scale, tile=reuse.slices[(group, j)].tile,
                                          restore=False)
-                    row0 += width
-                    continue
-                cap = capacity if capacity is not None else max(4096, w.shape[0] * width * w.shape[2] >> 10)
-                sr, pending = kernels.merge_slice_(w, row0, a, b, rec.scale, cap)
-                if pending:                                      # no room for some: finish the rest here
-                    more_idx, more_bits = _finish_pending(w[:, row0:row0 + width], a, b, rec.scale, sr.codes)
-                    more_idx = kernels.stacked_index(more_idx, w, row0, width)
-                    sr.exc_index, sr.exc_bits = torch.cat([sr.exc_index, more_idx]), torch.cat([sr.exc_bits,
-                                                                                                 more_bits])
-                rec.slices[(group, j)] = sr
+                else:
+                    rec.slices[(group, j)] = kernels.merge_slice_(w, row0, a, b, rec.scale)
             row0 += width
-
-
-def _finish_pending(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor):
-    """Merge the elements the kernel left (code 15) and return their (flat indices, original bits)."""
-    lo, hi = codes & 15, codes >> 4
-    flat = torch.stack([lo, hi], dim=-1).reshape(-1)
-    idx = (flat == 15).nonzero().squeeze(1)
-    per_layer = w.shape[1] * w.shape[2]
-    layer, rest = idx // per_layer, idx % per_layer
-    o, i = rest // w.shape[2], rest % w.shape[2]
-    d = (a[layer, i].float() * b[layer, :, o].float()).sum(-1) * scale
-    int_dtype = _INT[w.dtype]
-    bits = w[layer, o, i].view(int_dtype).clone()
-    w[layer, o, i] = (w[layer, o, i].float() + d).to(w.dtype)
-    return idx, bits
 
 
 @torch.no_grad()
