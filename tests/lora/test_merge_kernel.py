@@ -113,6 +113,24 @@ def test_merge_without_restore_record_merges_the_same():
     assert torch.isin(differ, sr.exc_index[sr.from_slots:]).all()
 
 
+def test_pending_exceptions_past_the_first_pass_room_are_finished_in_more_passes(monkeypatch):
+    """With room for one listed exception a pass, the host finishing runs pass after pass until every flagged
+    row is done; the record is still complete and the unmerge exact."""
+    from vlora.kernels import merge as kernels
+
+    monkeypatch.setattr(kernels, "pending_capacity", lambda rows: 1)
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(2, 40, 64, generator=g) * 0.02).to(torch.bfloat16)
+    orig = w.clone()
+    a = (torch.randn(2, 64, 8, generator=g) * 0.3).to(torch.bfloat16)
+    b = (torch.randn(2, 8, 40, generator=g) * 0.3).to(torch.bfloat16)
+    sr = kernels.merge_slice_(w, 0, a, b, 4.0, tile=(16, 32, 4))
+    assert sr.exc_index.numel() - sr.from_slots > 2
+    assert not (torch.stack([sr.codes & 15, sr.codes >> 4]) == 15).any()
+    kernels.unmerge_slice_(w, 0, a, b, 4.0, sr)
+    assert torch.equal(w.view(torch.int16), orig.view(torch.int16))
+
+
 def _slice_index(idx, out_packed, row0, out, inn):
     """Flat indices into stacked weights [L, out_packed, in] -> into the slice [L, out, in] from row0."""
     layer, rest = idx // (out_packed * inn), idx % (out_packed * inn)

@@ -138,8 +138,8 @@ def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...
 
 
 def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
-    """Merge (with and without a record) and unmerge a zero adapter into a small zero weight once per variant the
-    ranks up to ``max_rank`` make of the fused merge kernels (:func:`vlora.kernels.merge.variant`). Returns the
+    """Merge (with and without a record) and unmerge an adapter into a small weight once per variant the ranks up
+    to ``max_rank`` make of the fused merge kernels (:func:`vlora.kernels.merge.variant`). Returns the
     launches."""
     from vlora.kernels import merge as kernels
 
@@ -148,10 +148,12 @@ def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
         ranks.setdefault(kernels.variant(r), r)
     bm, bn, _ = kernels.TILE
     for r in ranks.values():
-        for out in (bm, bm + 1):                  # slices the tile divides (no masks) and slices it does not
-            w = torch.zeros(1, out, bn, dtype=dtype, device=device)
-            a = torch.zeros(1, bn, r, dtype=dtype, device=device)
-            b = torch.zeros(1, r, out, dtype=dtype, device=device)
+        # a slice the tile divides (no masks) and one it does not, sizes multiples of 16 as in models; weights
+        # so small that every element is an exception, which builds the host-finishing kernels too
+        for inn in (bn, bn + 16):
+            w = torch.full((1, bm, inn), 1e-30, dtype=dtype, device=device)
+            a = torch.ones(1, inn, r, dtype=dtype, device=device)
+            b = torch.ones(1, r, bm, dtype=dtype, device=device)
             rec = kernels.merge_slice_(w, 0, a, b, 1.0)
             kernels.unmerge_slice_(w, 0, a, b, 1.0, rec)
             kernels.merge_slice_(w, 0, a, b, 1.0, restore=False)     # a merge that reuses its record

@@ -226,6 +226,64 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl,
             tl.store(wl + off1, x1.to(w1.dtype, bitcast=True), mask=m1)
 
 
+# The exceptions past a row's first, which the merge left unmerged with code 15 in the rows whose slot it flagged:
+# listed (flat index in the slice, original bits) with their codes set to 0, G flagged rows a program and one
+# atomic add each, then merged with ΔW summed in float64. Done in torch instead, the gathers of [rows, BN] index
+# tensors made a first merge of Llama-2-7B shapes take 16 ms more than its kernels on an H100 (2026-11-25).
+@compiles.jit(ints=("P", "row0", "capacity"))
+def _list_pending_kernel(w_ptr, codes_ptr, rows_ptr, t_ptr, count_ptr, idx_ptr, bits_ptr, P, row0, IN, OUT,
+                         stride_wl, stride_wo, code_row, capacity, BN: tl.constexpr, G: tl.constexpr,
+                         INT_T: tl.constexpr):
+    g = tl.program_id(0) * G + tl.arange(0, G)
+    gm = g < P
+    rf = tl.load(rows_ptr + g, mask=gm, other=0)             # layer * OUT + row in the slice
+    t = tl.load(t_ptr + g, mask=gm, other=0)
+    H: tl.constexpr = BN // 2
+    j = tl.arange(0, H)[None, :]
+    cp = codes_ptr + rf[:, None] * code_row + t[:, None] * H + j
+    byte = tl.load(cp, mask=gm[:, None], other=0).to(tl.int32)
+    p0 = (byte & 15) == 15
+    p1 = (byte >> 4) == 15
+    f0 = tl.reshape(p0.to(tl.int32), (G * H,))
+    f1 = tl.reshape(p1.to(tl.int32), (G * H,))
+    n0 = tl.sum(f0, axis=0)
+    base = tl.atomic_add(count_ptr, n0 + tl.sum(f1, axis=0))
+    pos0 = tl.reshape(base + tl.cumsum(f0, axis=0) - 1, (G, H))
+    pos1 = tl.reshape(base + n0 + tl.cumsum(f1, axis=0) - 1, (G, H))
+    p0 = p0 & (pos0 < capacity)                              # no room: left pending for another pass
+    p1 = p1 & (pos1 < capacity)
+    col0 = t[:, None] * BN + j
+    l = rf // OUT
+    wl = w_ptr + l[:, None] * stride_wl + (row0 + rf[:, None] % OUT) * stride_wo
+    tl.store(idx_ptr + pos0, rf[:, None] * IN + col0, mask=p0)
+    tl.store(idx_ptr + pos1, rf[:, None] * IN + col0 + H, mask=p1)
+    tl.store(bits_ptr + pos0, tl.load(wl + col0, mask=p0, other=0.0).to(INT_T, bitcast=True), mask=p0)
+    tl.store(bits_ptr + pos1, tl.load(wl + col0 + H, mask=p1, other=0.0).to(INT_T, bitcast=True), mask=p1)
+    lo = tl.where(p0, 0, byte & 15)
+    hi = tl.where(p1, 0, byte >> 4)
+    tl.store(cp, (lo | (hi << 4)).to(tl.uint8), mask=p0 | p1)
+
+
+@compiles.jit(ints=("n", "row0"))
+def _merge_listed_kernel(w_ptr, a_ptr, b_ptr, idx_ptr, n, row0, R, IN, OUT, stride_wl, stride_wo, scale,
+                         BLOCK: tl.constexpr):
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = e < n
+    f = tl.load(idx_ptr + e, mask=m, other=0)                # flat index in the slice [L, OUT, IN]
+    l = f // (OUT * IN)
+    rest = f % (OUT * IN)
+    o = rest // IN
+    i = rest % IN
+    acc = tl.zeros((BLOCK,), dtype=tl.float64)
+    for k in range(0, R):
+        av = tl.load(a_ptr + (l * IN + i) * R + k, mask=m, other=0.0).to(tl.float64)
+        bv = tl.load(b_ptr + (l * R + k) * OUT + o, mask=m, other=0.0).to(tl.float64)
+        acc += av * bv
+    wp = w_ptr + l * stride_wl + (row0 + o) * stride_wo + i
+    wv = tl.load(wp, mask=m, other=0.0)
+    tl.store(wp, (wv.to(tl.float64) + acc * scale).to(tl.float32).to(wv.dtype), mask=m)
+
+
 def _ieee(w: torch.Tensor) -> bool:
     """fp32 products for fp32 weights, and in the interpreter (its dot of 16-bit inputs is wrong; bf16 x bf16
     products are exact in fp32, so the result is the same)."""
@@ -330,40 +388,49 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     bits = [(v & ((1 << nbits) - 1)).to(INT_OF[w.dtype])]    # the low bits, wrapped into the signed type
     pending = ((v >> (nbits + 8)) & 1).bool()
     if pending.any():
-        more_idx, more_bits = _finish_rows(w[:, row0:row0 + out], a, b, scale, codes, row[pending], t[pending], bn)
+        more_idx, more_bits = _finish_rows(w, row0, a, b, scale, codes, row[pending].contiguous(),
+                                           t[pending].contiguous(), bn)
         idx.append(more_idx)
         bits.append(more_bits)
     return SliceRestore(codes, stacked_index(torch.cat(idx), w, row0, out), torch.cat(bits), (bm, bn, num_warps),
                         int(where.numel()))
 
 
-def _finish_rows(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor,
+def pending_capacity(rows: int) -> int:
+    """The first pass's room for the exceptions of ``rows`` flagged tile rows (rows rarely hold more than two)."""
+    return max(1024, 4 * rows)
+
+
+def _finish_rows(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float, codes: torch.Tensor,
                  row: torch.Tensor, t: torch.Tensor, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge the elements the kernel left (code 15) in the flagged tile rows ``(row, t)`` of the slice ``w``
-    [L, out, in], mark them exceptions (code 0) and return their (flat indices in the slice, original bits).
-    Their ΔW is summed here in float64 and the sum rounded once, not as on the tensor cores: the merged values
-    may differ from the kernel's in the last place, and the record restores them from the list either way."""
-    L, out, inn = w.shape
-    h = bn // 2
-    flat_codes = codes.view(-1)
-    byte = (row * codes.shape[2] + t * h)[:, None] + torch.arange(h, device=w.device)     # [P, BN/2]
-    got = flat_codes[byte]
-    idx, bytes_, keep = [], [], []
-    for half, nib in ((0, got & 15), (1, got >> 4)):
-        p, jj = (nib == 15).nonzero(as_tuple=True)
-        idx.append(row[p] * inn + t[p] * bn + half * h + jj)
-        bytes_.append(byte[p, jj])
-        keep.append(0xF0 if half == 0 else 0x0F)
-    for by, k in zip(bytes_, keep):                          # code 15 -> 0, the other half's code kept
-        flat_codes[by] = flat_codes[by] & k
-    idx = torch.cat(idx)
-    layer, rest = idx // (out * inn), idx % (out * inn)
-    o, i = rest // inn, rest % inn
-    int_dtype = INT_OF[w.dtype]
-    bits = w.view(int_dtype)[layer, o, i].clone()
-    d = (a[layer, i].double() * b[layer, :, o].double()).sum(-1) * scale        # then rounded once
-    w[layer, o, i] = (w[layer, o, i].double() + d).to(w.dtype)
-    return idx, bits
+    """Merge the elements the kernel left (code 15) in the flagged tile rows ``(row, t)`` of the slice at ``row0``
+    of ``w``, mark them exceptions (code 0) and return their (flat indices in the slice, original bits). Their
+    ΔW is summed in float64 and the sum rounded once, not as on the tensor cores: the merged values may differ
+    from the kernel's in the last place, and the record restores them from the list either way."""
+    L, _, inn = w.shape
+    out = b.shape[2]
+    P = row.numel()
+    count = torch.zeros(1, dtype=torch.int32, device=w.device)
+    capacity = pending_capacity(P)
+    idx, bits = [], []
+    G = 16
+    while True:
+        count.zero_()
+        i_buf = torch.empty(capacity, dtype=torch.int64, device=w.device)
+        b_buf = torch.empty(capacity, dtype=INT_OF[w.dtype], device=w.device)
+        _list_pending_kernel[(triton.cdiv(P, G),)](w, codes, row, t, count, i_buf, b_buf, P, row0, inn, out,
+                                                  w.stride(0), w.stride(1), codes.shape[2], capacity, BN=bn, G=G,
+                                                  INT_T=_consts(w)["INT_T"], num_warps=4)
+        n = int(count.item())
+        listed = min(n, capacity)
+        if listed:
+            _merge_listed_kernel[(triton.cdiv(listed, 256),)](w, a, b, i_buf, listed, row0, a.shape[2], inn, out,
+                                                               w.stride(0), w.stride(1), scale, BLOCK=256)
+        idx.append(i_buf[:listed])
+        bits.append(b_buf[:listed])
+        if n <= capacity:
+            return torch.cat(idx), torch.cat(bits)
+        capacity = n - capacity                              # the rest, still pending, in another pass
 
 
 def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
