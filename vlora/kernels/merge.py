@@ -349,6 +349,21 @@ def stacked_index(idx: torch.Tensor, w: torch.Tensor, row0: int, out: int) -> to
     return idx + (idx // per_layer) * ((w.shape[1] - out) * w.shape[2]) + row0 * w.shape[2]
 
 
+@dataclass
+class LaunchedMerge:
+    """A merge whose kernel is queued and whose record is not made yet (:func:`finish_merge`)."""
+
+    w: torch.Tensor
+    row0: int
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    codes: torch.Tensor
+    slots: torch.Tensor
+    tile: tuple[int, int, int]
+    done: torch.cuda.Event | None = None     # recorded after the kernel on CUDA
+
+
 def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
                  tile: tuple[int, int, int] | None = None, restore: bool = True) -> SliceRestore | None:
     """Merge ``scale * (A B)^T`` into rows ``[row0, row0 + out)`` of every layer of ``w``, in place.
@@ -359,6 +374,15 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     ``restore=False`` writes no restore record (returns None; not undoable exactly): a merge that reuses a
     record, and the benchmarks' cost-of-exactness baseline.
     """
+    launched = launch_merge_(w, row0, a, b, scale, tile, restore)
+    return finish_merge(launched) if restore else None
+
+
+def launch_merge_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, scale: float,
+                  tile: tuple[int, int, int] | None = None, restore: bool = True) -> LaunchedMerge:
+    """The kernel of :func:`merge_slice_`, queued: the weights merged but for the further exceptions of the
+    flagged rows, codes and slots written. :func:`finish_merge` makes the record (it waits for the kernel only,
+    so a caller may queue the kernels of every slice first and finish each on a side stream)."""
     assert w.is_contiguous() and a.dtype == b.dtype == w.dtype
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
@@ -377,22 +401,34 @@ def merge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
     _merge_kernel[(L * to * ti,)](w, a, b, codes, slots, row0, r, inn, out, w.stride(0), w.stride(1), code_row, scale,
                                   to, ti, BM=bm, BN=bn, BK=k_tile(r), EVEN=out % bm == 0 and inn % bn == 0,
                                   IEEE=_ieee(w), num_warps=num_warps, RESTORE=restore, **_consts(w), **slot_consts)
-    if not restore:
-        return None
+    done = None
+    if w.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+    return LaunchedMerge(w, row0, a, b, scale, codes, slots, (bm, bn, num_warps), done)
+
+
+def finish_merge(m: LaunchedMerge) -> SliceRestore:
+    """The record of a launched merge: the slots gathered into the list, the flagged rows finished, on the
+    current stream (which first waits for the merge's kernel)."""
+    if m.done is not None:
+        torch.cuda.current_stream(m.w.device).wait_event(m.done)
+    w, bn = m.w, m.tile[1]
+    inn, out = w.shape[2], m.b.shape[2]
+    ti = m.slots.numel() // (w.shape[0] * out)
     nbits = torch.iinfo(INT_OF[w.dtype]).bits
-    where = slots.nonzero().squeeze(1)                       # tile rows with an exception
-    v = slots[where]
+    where = m.slots.nonzero().squeeze(1)                     # tile rows with an exception
+    v = m.slots[where]
     row, t = where // ti, where % ti                         # row: layer * out + row in the slice
     first = ((v >> nbits) & 0xFF) - 1
     idx = [row * inn + t * bn + first]
     bits = [(v & ((1 << nbits) - 1)).to(INT_OF[w.dtype])]    # the low bits, wrapped into the signed type
-    pending = ((v >> (nbits + 8)) & 1).bool()
-    if pending.any():
-        more_idx, more_bits = _finish_rows(w, row0, a, b, scale, codes, row[pending].contiguous(),
-                                           t[pending].contiguous(), bn)
+    pending = ((v >> (nbits + 8)) & 1).nonzero().squeeze(1)
+    if pending.numel():
+        more_idx, more_bits = _finish_rows(w, m.row0, m.a, m.b, m.scale, m.codes, row[pending], t[pending], bn)
         idx.append(more_idx)
         bits.append(more_bits)
-    return SliceRestore(codes, stacked_index(torch.cat(idx), w, row0, out), torch.cat(bits), (bm, bn, num_warps),
+    return SliceRestore(m.codes, stacked_index(torch.cat(idx), w, m.row0, out), torch.cat(bits), m.tile,
                         int(where.numel()))
 
 

@@ -249,9 +249,13 @@ def _uniform(starts: list[int]) -> bool:
 
 
 def _merge_fused(rec: MergeRecord, weights, widths, staged=None, reuse: MergeRecord | None = None) -> None:
+    """Queue every slice's kernel, then make the records (host gathers and syncs) on a side stream, each after
+    its own kernel, so that they overlap the kernels of the slices after it; the caller's stream then waits for
+    them."""
     from vlora.kernels import merge as kernels
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
+    launched = {}
     for group, w in weights.items():
         row0 = 0
         for j, width in enumerate(widths[group]):
@@ -262,8 +266,21 @@ def _merge_fused(rec: MergeRecord, weights, widths, staged=None, reuse: MergeRec
                     kernels.merge_slice_(w, row0, a, b, rec.scale, tile=reuse.slices[(group, j)].tile,
                                          restore=False)
                 else:
-                    rec.slices[(group, j)] = kernels.merge_slice_(w, row0, a, b, rec.scale)
+                    launched[(group, j)] = kernels.launch_merge_(w, row0, a, b, rec.scale)
             row0 += width
+    if not launched:
+        return
+    w = next(iter(weights.values()))
+    if not w.is_cuda:
+        rec.slices.update({key: kernels.finish_merge(m) for key, m in launched.items()})
+        return
+    main, side = torch.cuda.current_stream(w.device), torch.cuda.Stream(w.device)
+    with torch.cuda.stream(side):                  # each waits for its kernel's event (queued after its inputs)
+        rec.slices.update({key: kernels.finish_merge(m) for key, m in launched.items()})
+    main.wait_stream(side)
+    for sr in rec.slices.values():                 # made on the side stream, used later on the caller's
+        for t in sr.tensors():
+            t.record_stream(main)
 
 
 @torch.no_grad()
