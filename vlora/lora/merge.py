@@ -248,10 +248,23 @@ def _uniform(starts: list[int]) -> bool:
     return len({y - x for x, y in zip(starts, starts[1:])}) <= 1
 
 
+_RECORD_STREAMS: dict = {}
+
+
+def _record_stream(device: torch.device):
+    """The side stream records are made on, of high priority: the block scheduler runs its small kernels as
+    soon as blocks of the queued merge kernels finish. At normal priority they waited for every kernel queued
+    before them (2026-11-25, H100: the first slice's record was made after the last slice's kernel)."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _RECORD_STREAMS:
+        _RECORD_STREAMS[key] = torch.cuda.Stream(key, priority=-100)    # mapped to the highest the GPU has
+    return _RECORD_STREAMS[key]
+
+
 def _merge_fused(rec: MergeRecord, weights, widths, staged=None, reuse: MergeRecord | None = None) -> None:
-    """Queue every slice's kernel, then make the records (host gathers and syncs) on a side stream, each after
-    its own kernel, so that they overlap the kernels of the slices after it; the caller's stream then waits for
-    them."""
+    """Queue every slice's kernel, then make the records (host gathers and syncs) on a high-priority side
+    stream, each after its own kernel, so that they overlap the kernels of the slices after it; the caller's
+    stream then waits for them."""
     from vlora.kernels import merge as kernels
 
     staged = staged if staged is not None else stage_factors(rec.adapter, weights, widths)
@@ -274,7 +287,7 @@ def _merge_fused(rec: MergeRecord, weights, widths, staged=None, reuse: MergeRec
     if not w.is_cuda:
         rec.slices.update({key: kernels.finish_merge(m) for key, m in launched.items()})
         return
-    main, side = torch.cuda.current_stream(w.device), torch.cuda.Stream(w.device)
+    main, side = torch.cuda.current_stream(w.device), _record_stream(w.device)
     with torch.cuda.stream(side):                  # each waits for its kernel's event (queued after its inputs)
         rec.slices.update({key: kernels.finish_merge(m) for key, m in launched.items()})
     main.wait_stream(side)

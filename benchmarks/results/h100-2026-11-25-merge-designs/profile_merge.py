@@ -37,3 +37,33 @@ if ev:
     t1 = max(e.time_range.end for e in ev)
     busy = sum(e.time_range.end - e.time_range.start for e in ev)
     print(f"GPU span {(t1 - t0) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms")
+unmerge_(weights, widths, rec)
+torch.cuda.synchronize()
+# the timeline: every GPU kernel (start, duration) and the host's calls, from the merge's start
+print("\nGPU timeline (ms from the first kernel):")
+t0 = min(e.time_range.start for e in ev)
+for e in sorted(ev, key=lambda e: e.time_range.start):
+    if e.time_range.end - e.time_range.start > 20:
+        print(f"  {(e.time_range.start - t0) / 1e3:8.3f} +{(e.time_range.end - e.time_range.start) / 1e3:7.3f}  {e.name[:70]}")
+# the kernels alone, queued back to back, no records made
+from vlora.kernels import merge as kernels  # noqa: E402
+import time  # noqa: E402
+for rep in range(3):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    launched = []
+    for grp, w in weights.items():
+        row0 = 0
+        for j, width in enumerate(widths[grp]):
+            a, b = staged[(grp, j)]
+            launched.append(kernels.launch_merge_(w, row0, a, b, adapter.scaling))
+            row0 += width
+    torch.cuda.synchronize()
+    t_k = time.perf_counter() - t
+    t = time.perf_counter()
+    recs = [kernels.finish_merge(m) for m in launched]  # noqa: F841
+    torch.cuda.synchronize()
+    t_f = time.perf_counter() - t
+    print(f"kernels alone {t_k * 1e3:.2f} ms, then the records made one after another {t_f * 1e3:.2f} ms")
+    for m, sr in zip(launched, recs):
+        kernels.unmerge_slice_(m.w, m.row0, m.a, m.b, m.scale, sr)
