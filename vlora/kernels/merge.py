@@ -127,8 +127,9 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
             r1 = r1 & m1
         # the row's first exception goes to its slot, its original bits re-read from the row (unchanged: the
         # tile is stored below); the others stay unmerged with code 15, the slot flagged, for the host
-        first = tl.minimum(tl.min(tl.where(r0, j[None, :], BN), axis=1), tl.min(tl.where(r1, j[None, :] + H, BN),
-                                                                                axis=1))
+        # (the halves combined element by element first: one reduction each for the first and the count)
+        first = tl.min(tl.minimum(tl.where(r0, j[None, :], BN), tl.where(r1, j[None, :] + H, BN)), axis=1)
+        many = tl.sum(r0.to(tl.int32) + r1.to(tl.int32), axis=1) > 1
         has = first < BN
         if not EVEN:
             has = has & (rows < OUT)
@@ -136,7 +137,7 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
         fb = fb.to(INT_T, bitcast=True).to(SLOT_T) & ((1 << BITS) - 1)
         p0 = r0 & (j[None, :] != first[:, None])
         p1 = r1 & (j[None, :] + H != first[:, None])
-        pend = (tl.max(p0.to(tl.int32), axis=1) | tl.max(p1.to(tl.int32), axis=1)).to(SLOT_T)
+        pend = many.to(SLOT_T)
         slot = tl.where(has, (pend << (BITS + 8)) | ((first + 1).to(SLOT_T) << BITS) | fb, 0)
         srow = (l.to(tl.int64) * OUT + rows) * tiles_i + ti
         tl.store(slot_ptr + srow, slot, mask=rows < OUT)
