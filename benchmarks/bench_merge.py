@@ -157,7 +157,7 @@ def main() -> None:
           f"from the pool")
     print(f"restore record {rec.restore_bytes() / 2**20:.1f} MiB ({rec.restore_bytes() / touched:.1%} of the "
           f"weights), {rec.num_exceptions()} exceptions ({res['exceptions_in_slots']} in the row slots, the rest "
-          f"finished on the host); bitwise exact: {exact}")
+          f"finished after the kernel); bitwise exact: {exact}")
     if plain_ms is not None:
         print(f"the merge writing no restore record (as when it reuses one): {plain_ms:.2f} ms, "
               f"{plain_ms * 1e-3 / floor:.2f}x its floor; making the record adds {res['merge_ms'] - plain_ms:.2f} ms")

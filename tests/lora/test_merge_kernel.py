@@ -1,5 +1,5 @@
 """The fused Triton merge/unmerge (interpreter on CPU, real kernels on GPU): bitwise exact after many cycles,
-exceptions in the row slots and, past a row's first, finished on the host, merged weights equal to the torch
+exceptions in the row slots and, past a row's first, finished after the kernel, merged weights equal to the torch
 path's up to rounding."""
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ def test_fused_cycles_are_bitwise_exact(tmp_path, monkeypatch, dtype, tile):
     weights = stacked_weights(dtype)
     original = {k: v.clone() for k, v in weights.items()}
     rng = random.Random(0)
-    in_slots = on_host = 0
+    in_slots = finished = 0
     for cycle in range(12):
         a = adapters[cycle % len(adapters)]
         rec = merge_(weights, WIDTHS, a, scale=rng.choice([a.scaling, -a.scaling, 7.5]), kernel=True)
         assert rec.kernel and any(not torch.equal(weights[g], original[g]) for g in weights)
         in_slots += sum(sr.from_slots for sr in rec.slices.values())
-        on_host += sum(sr.exc_index.numel() - sr.from_slots for sr in rec.slices.values())
+        finished += sum(sr.exc_index.numel() - sr.from_slots for sr in rec.slices.values())
         unmerge_(weights, WIDTHS, rec)
         for g in weights:
             assert torch.equal(weights[g].view(torch.uint8), original[g].view(torch.uint8)), (cycle, g)
-    assert in_slots > 0 and on_host > 0               # the large scales put several exceptions in a tile row
+    assert in_slots > 0 and finished > 0               # the large scales put several exceptions in a tile row
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_merge_equals_torch_merge(tmp_path, dtype):
     """Same merged weights as the torch path, up to one unit in the last place (sums in another order). The
-    elements finished on the host (ΔW summed in float64, rounded once) may differ more from the torch path's
+    elements finished after the kernel (ΔW summed in float64, rounded once) may differ more from the torch path's
     float32 sums, but are within one unit of the exact sum."""
     a = adapters_for(tmp_path, dtype, n=2)[1]
     ref, fused, orig = stacked_weights(dtype), stacked_weights(dtype), stacked_weights(dtype)
@@ -99,7 +99,7 @@ def test_unmerge_walks_and_ranks_above_one_k_tile_are_exact(monkeypatch, walk):
 
 def test_merge_without_restore_record_merges_the_same():
     """``restore=False`` (a merge reusing its record; the benchmarks' cost-of-exactness baseline) writes the same
-    merged weights as the kernel that makes a record, except the elements finished on the host (in its list)."""
+    merged weights as the kernel that makes a record, except the elements finished after it (in its list)."""
     from vlora.kernels.merge import merge_slice_
 
     g = torch.Generator().manual_seed(4)
@@ -114,7 +114,7 @@ def test_merge_without_restore_record_merges_the_same():
 
 
 def test_pending_exceptions_past_the_first_pass_room_are_finished_in_more_passes(monkeypatch):
-    """With room for one listed exception a pass, the host finishing runs pass after pass until every flagged
+    """With room for one listed exception a pass, the finishing runs pass after pass until every flagged
     row is done; the record is still complete and the unmerge exact."""
     from vlora.kernels import merge as kernels
 
@@ -138,9 +138,9 @@ def _slice_index(idx, out_packed, row0, out, inn):
 
 
 def test_exception_indices_point_into_the_stacked_weights():
-    """The record's list (slots gathered, host-finished further exceptions) holds flat indices into the whole
+    """The record's list (slots gathered, the further exceptions finished after the kernel) holds flat indices into the whole
     stacked tensor and the original bits there, for a slice that starts below row 0 and ends above the last;
-    the host-finished elements are merged and coded as exceptions."""
+    the finished elements are merged and coded as exceptions."""
     from vlora.kernels.merge import merge_slice_
 
     g = torch.Generator().manual_seed(5)
@@ -165,7 +165,7 @@ def test_exception_indices_point_into_the_stacked_weights():
 def test_a_merge_reusing_its_record_writes_the_same_weights_and_stays_exact(tmp_path):
     """A restore record depends only on the base weights, the adapter and the scale: the next merge of the same
     adapter reuses it (writing the weights alone) and merges to the same bits as the kernel's merge, except
-    where the host finished an exception; every unmerge restores the weights bit for bit. Any other adapter or
+    where an exception was finished after the kernel; every unmerge restores the weights bit for bit. Any other adapter or
     scale, or a torch write to the weights in between, makes a new record."""
     from vlora.kernels import merge as kernels
     from vlora.lora.merge import can_reuse
@@ -184,7 +184,7 @@ def test_a_merge_reusing_its_record_writes_the_same_weights_and_stays_exact(tmp_
             differ = (weights[g].view(torch.int16) != first[g].view(torch.int16)).view(-1).nonzero().squeeze(1)
             sr_idx = torch.cat([sr.exc_index for (grp, _), sr in rec.slices.items() if grp == g] or
                                [torch.empty(0, dtype=torch.int64)])
-            assert torch.isin(differ, sr_idx).all(), (cycle, g)  # only host-finished elements may differ
+            assert torch.isin(differ, sr_idx).all(), (cycle, g)  # only the finished elements may differ
         unmerge_(weights, WIDTHS, rec)
         for g in weights:
             assert torch.equal(weights[g].view(torch.int16), original[g].view(torch.int16)), (cycle, g)
@@ -203,7 +203,7 @@ def test_gpu_fused_merge_is_exact_on_7b_shapes(monkeypatch, walk, tile):
     """One Llama-2-7B-sized layer stack slice (4 layers) in bf16, rank 64, and one the tile does not divide: exact
     after 5 cycles, the unmerge a tile per program or walking strips (its ΔW must equal the merge's bit for
     bit); the merge without a record (as when one is reused) writes the same bits as the one that made it, but
-    for the exceptions finished on the host."""
+    for the exceptions finished after the kernel."""
     from vlora.kernels import merge as kernels
     from vlora.kernels.merge import merge_slice_, unmerge_slice_
 

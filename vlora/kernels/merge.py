@@ -14,15 +14,16 @@ are kept elsewhere:
 
 * the first of each tile row in the row's *slot*: one integer holding its
   column and its original bits, found by a min-reduction along the row. With
-  LoRA-sized ΔW about one tile row in eight has an exception;
+  a random rank-64 adapter on Llama-2-7B shapes about one tile row (128
+  elements) in five has an exception;
 * any further one of that row is left unmerged by the kernel, with code 15,
-  and the slot is flagged. They are rare (5-6% of the exceptions at rank 64 on
-  Llama-2-7B shapes, in under 1% of the tile rows): the host finds them through
-  the flagged slots, merges them and lists their original bits
-  (``vlora.lora.merge``). No atomics and no list in the kernel: both cost it
-  registers, and with them time, even where no tile needed them.
+  and the slot is flagged. They are 11% of the exceptions in that case: two
+  small kernels (:func:`_finish_rows`) find them through the flagged slots,
+  merge them and list their original bits. No atomics and no list in the
+  merge kernel: both cost it registers, and with them time, even where no
+  tile needed them (benchmarks/results/h100-2026-11-25-merge-designs/).
 
-After the launch the slots and the host-finished elements are gathered into the
+After the launch the slots and the finished elements are gathered into the
 slice's list (flat indices into the stacked weights, original bits), so the
 record is codes + one list. Unmerge recomputes the identical ΔW (same tiles,
 same halves), applies ``round(W' - ΔW)`` and the codes, and scatters the list
@@ -126,7 +127,7 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
             r0 = r0 & m0
             r1 = r1 & m1
         # the row's first exception goes to its slot, its original bits re-read from the row (unchanged: the
-        # tile is stored below); the others stay unmerged with code 15, the slot flagged, for the host
+        # tile is stored below); the others stay unmerged with code 15, the slot flagged, for _finish_rows
         # (the halves combined element by element first: one reduction each for the first and the count)
         first = tl.min(tl.minimum(tl.where(r0, j[None, :], BN), tl.where(r1, j[None, :] + H, BN)), axis=1)
         many = tl.sum(r0.to(tl.int32) + r1.to(tl.int32), axis=1) > 1
@@ -338,7 +339,7 @@ class SliceRestore:
     exc_index: torch.Tensor      # int64 flat indices into the stacked weights [L, out_packed, in]
     exc_bits: torch.Tensor       # their original bit patterns
     tile: tuple[int, int, int]   # the merge's tile: the unmerge and a merge that reuses this record compute ΔW with it
-    from_slots: int = 0          # how many of the exceptions the row slots held (the rest: finished on the host)
+    from_slots: int = 0          # how many of the exceptions the row slots held (the rest: finished by _finish_rows)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.exc_index, self.exc_bits]

@@ -19,9 +19,10 @@ codes plus 12 bytes per exception, held only while the adapter is merged.
 On CUDA (or with ``kernel=True``) the same idea runs fused in one Triton launch
 per slice (``vlora.kernels.merge``): ΔW tile on the tensor cores, weights read
 and written once, 4-bit codes covering [-7, 6] units (far fewer exceptions),
-the first exception of every tile row kept in its slot by the kernel, the rare
-rest merged and listed on the host. A record remembers which path made it, and
-unmerge takes the same path, so ΔW is recomputed identically.
+the first exception of every tile row kept in its slot by the kernel, the
+rest merged and listed by two small kernels after it. A record remembers
+which path made it, and unmerge takes the same path, so ΔW is recomputed
+identically.
 """
 
 from __future__ import annotations
