@@ -83,6 +83,27 @@ def test_merge_build_launches_every_k_tile():
     assert build_merge(torch.float32, torch.device("cpu"), 16) == 18
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_merge_build_runs_the_finishing_kernels(monkeypatch, dtype):
+    """The start-up merges leave exceptions past each row's first in every dtype, so the kernels that finish them
+    are built at start-up too (with weights of 1e-30, float16 had none: they were built at the first real
+    merge)."""
+    from vlora.engine.warmup import build_merge
+    from vlora.kernels import merge as kernels
+
+    finished = []
+    real = kernels._finish_rows
+
+    def spy(*args, **kw):
+        idx, bits = real(*args, **kw)
+        finished.append(idx.numel())
+        return idx, bits
+
+    monkeypatch.setattr(kernels, "_finish_rows", spy)
+    build_merge(dtype, torch.device("cpu"), 1)
+    assert len(finished) == 2 and all(n > 0 for n in finished)
+
+
 @pytest.mark.gpu
 def test_gpu_merge_after_start_up_builds_nothing():
     """A merging policy's engine builds the merge kernels at start-up: merges (one reusing its record) and

@@ -114,8 +114,8 @@ def test_merge_without_restore_record_merges_the_same():
 
 
 def test_pending_exceptions_past_the_first_pass_room_are_finished_in_more_passes(monkeypatch):
-    """With room for one listed exception a pass, the finishing runs pass after pass until every flagged
-    row is done; the record is still complete and the unmerge exact."""
+    """With room for one listed exception in its first pass, the finishing lists the rest in a second pass; the
+    record is still complete and the unmerge exact."""
     from vlora.kernels import merge as kernels
 
     monkeypatch.setattr(kernels, "pending_capacity", lambda rows: 1)

@@ -151,7 +151,7 @@ def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
         # a slice the tile divides (no masks) and one it does not, sizes multiples of 16 as in models; weights
         # so small that every element is an exception, which builds the host-finishing kernels too
         for inn in (bn, bn + 16):
-            w = torch.full((1, bm, inn), 1e-30, dtype=dtype, device=device)
+            w = torch.full((1, bm, inn), torch.finfo(dtype).tiny, dtype=dtype, device=device)
             a = torch.ones(1, inn, r, dtype=dtype, device=device)
             b = torch.ones(1, r, bm, dtype=dtype, device=device)
             rec = kernels.merge_slice_(w, 0, a, b, 1.0)

@@ -126,16 +126,20 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
         if not EVEN:
             r0 = r0 & m0
             r1 = r1 & m1
-        # the row's first exception goes to its slot, its original bits re-read from the row (unchanged: the
-        # tile is stored below); the others stay unmerged with code 15, the slot flagged, for _finish_rows
-        # (the halves combined element by element first: one reduction each for the first and the count)
-        first = tl.min(tl.minimum(tl.where(r0, j[None, :], BN), tl.where(r1, j[None, :] + H, BN)), axis=1)
+        # the row's first exception goes to its slot: the least key (column << BITS | original bits) of the
+        # row's exceptions, from registers; the others stay unmerged with code 15, the slot flagged, for
+        # _finish_rows (the halves combined element by element first: one reduction for the first, one for
+        # the count)
+        low = (1 << BITS) - 1
+        none = tl.full((BM, H), BN, dtype=SLOT_T) << BITS
+        k0 = tl.where(r0, (j[None, :].to(SLOT_T) << BITS) | (w0.to(INT_T, bitcast=True).to(SLOT_T) & low), none)
+        k1 = tl.where(r1, ((j[None, :] + H).to(SLOT_T) << BITS) | (w1.to(INT_T, bitcast=True).to(SLOT_T) & low),
+                      none)
+        key = tl.min(tl.minimum(k0, k1), axis=1)
+        first = (key >> BITS).to(tl.int32)
+        fb = key & low
         many = tl.sum(r0.to(tl.int32) + r1.to(tl.int32), axis=1) > 1
         has = first < BN
-        if not EVEN:
-            has = has & (rows < OUT)
-        fb = tl.load(wl + rows * stride_wo + ti * BN + tl.where(has, first, 0), mask=has, other=0.0)
-        fb = fb.to(INT_T, bitcast=True).to(SLOT_T) & ((1 << BITS) - 1)
         p0 = r0 & (j[None, :] != first[:, None])
         p1 = r1 & (j[None, :] + H != first[:, None])
         pend = many.to(SLOT_T)
@@ -164,8 +168,10 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
 # (the same halves, the same K steps), so the restore stays bit for bit (the GPU tests check it). The merge stays
 # one tile per program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design on an H100,
 # benchmarks/results/h100-2026-11-22-merge/attempts/). The slots are not read here: the merge gathers every
-# exception into the record's list, which the host scatters back (reading the slots in this kernel cost it 0.4
-# of 3.1 ms on a gate slice, against 0.4 ms for the gather: benchmarks/results/h100-2026-11-25-merge-designs/).
+# exception into the record's list, which the host scatters back (reading the slots in this kernel cost it
+# 0.30-0.37 of 2.5 ms on a gate slice with the (64, 128, 4) tile, against 0.37-0.45 ms for the gather: about
+# even, and the unmerge is the half of a reused switch that cannot be avoided;
+# benchmarks/results/h100-2026-11-25-merge-designs/).
 @compiles.jit(ints=("row0", "tiles_i", "strips"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, code_row, scale,
                     tiles_i, strips, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
@@ -313,10 +319,11 @@ def k_tile(rank: int) -> int:
     return max(16, min(64, triton.next_power_of_2(rank)))
 
 
-def variant(rank: int) -> tuple[int, bool, bool]:
-    """What of the rank the merge kernels are specialised on: the K tile, whether it is a multiple of 16, and
-    whether it is 1 (Triton specialises integers equal to 1 too)."""
-    return k_tile(rank), rank % 16 == 0, rank == 1
+def variant(rank: int) -> tuple[int, bool, bool, bool]:
+    """What of the rank the merge kernels are specialised on: the K tile, whether it is a multiple of 16,
+    whether it is 1 (Triton specialises integers equal to 1 too), and whether it fits one K tile (the unmerge
+    loads A once per strip then)."""
+    return k_tile(rank), rank % 16 == 0, rank == 1, rank <= k_tile(rank)
 
 
 def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
@@ -389,7 +396,8 @@ def launch_merge_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, 
     L, _, inn = w.shape
     r, out = b.shape[1], b.shape[2]
     bm, bn, num_warps = tuple(tile or TILE)
-    assert bn % 2 == 0
+    assert bn <= 128 and bn & (bn - 1) == 0, "BN: a power of two up to 128 (a slot holds the column + 1 in 8 bits)"
+    assert out * inn < 2 ** 31, "offsets within a layer are int32"
     to, ti = _tiles(out, inn, bm, bn)
     code_row = ti * bn // 2
     slot_dtype, slot_consts = _slot_consts(w)
@@ -406,7 +414,7 @@ def launch_merge_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, 
     done = None
     if w.is_cuda:
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(w.device))
     return LaunchedMerge(w, row0, a, b, scale, codes, slots, (bm, bn, num_warps), done)
 
 
