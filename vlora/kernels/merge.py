@@ -332,6 +332,8 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
 # 2026-11-25 (the gate slice of Llama-2-7B shapes, rank 64; benchmarks/results/h100-2026-11-25-merge-designs/)
 # (64, 128, 4) had the fastest merge with a record (4.9 ms against 5.0 for (64, 64, 4) and 6.0 for (32, 128, 4)),
 # without one (2.16 ms against 2.38 and 2.87), and a 2.5 ms unmerge walking strips of 512 rows (3.2 and 2.4).
+# On an H200 the same day, a sweep of seven tiles over the whole model chose it too
+# (benchmarks/results/h200-2026-11-25-merge-halves/).
 TILE = (64, 128, 4)
 UNMERGE_WALK = (512, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
 
