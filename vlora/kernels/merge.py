@@ -412,7 +412,7 @@ def launch_merge_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, 
                                   to, ti, BM=bm, BN=bn, BK=k_tile(r), EVEN=out % bm == 0 and inn % bn == 0,
                                   IEEE=_ieee(w), num_warps=num_warps, RESTORE=restore, **_consts(w), **slot_consts)
     done = None
-    if w.is_cuda:
+    if restore and w.is_cuda:                                # what finish_merge waits for
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(w.device))
     return LaunchedMerge(w, row0, a, b, scale, codes, slots, (bm, bn, num_warps), done)
@@ -451,8 +451,9 @@ def _finish_rows(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor, s
                  row: torch.Tensor, t: torch.Tensor, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the elements the kernel left (code 15) in the flagged tile rows ``(row, t)`` of the slice at ``row0``
     of ``w``, mark them exceptions (code 0) and return their (flat indices in the slice, original bits). Their
-    ΔW is summed in float64 and the sum rounded once, not as on the tensor cores: the merged values may differ
-    from the kernel's in the last place, and the record restores them from the list either way."""
+    ΔW is summed in float64 and the merged value rounded to float32, then to the weights' dtype, not as on the
+    tensor cores: it may differ from the kernel's in the last place, and the record restores it from the list
+    either way."""
     L, _, inn = w.shape
     out = b.shape[2]
     P = row.numel()

@@ -291,7 +291,8 @@ def _merge_fused(rec: MergeRecord, weights, widths, staged=None, reuse: MergeRec
     main, side = torch.cuda.current_stream(w.device), _record_stream(w.device)
     with torch.cuda.stream(side):                  # each waits for its kernel's event (queued after its inputs)
         rec.slices.update({key: kernels.finish_merge(m) for key, m in launched.items()})
-    main.wait_stream(side)
+    main.wait_stream(side)       # before ``launched`` (codes, slots: the caller's stream's memory) is dropped,
+    #                              so the caller's next use of that memory comes after the side stream's reads
     for sr in rec.slices.values():                 # made on the side stream, used later on the caller's
         for t in sr.tensors():
             t.record_stream(main)
