@@ -61,9 +61,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB)."""
     memory_policy: str = "unified"
-    """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra: unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (for chats whose histories overflow the pool; against lru-fixed on an H200, mean TTFT -31% with a 48 GiB host tier and -67% with 72 GiB; not compared with unified there, docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
+    """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra: unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (for chats whose histories overflow the pool; docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
     host_kv_gb: float = 4.0
-    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA. In docs/memory.md's H200 chat runs, mean TTFT was 269-273 ms with 72 GiB against 735 ms with 48 GiB (separate runs)."""
+    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA."""
     adapter_pool_fraction: float = 0.1
     """lru-fixed: share of the pool's pages reserved for adapters."""
 
