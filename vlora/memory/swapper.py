@@ -392,9 +392,9 @@ class CacheSwapper:
         """Swap in by decreasing ``Eval`` while usage is under the low watermark (a block brought back makes
         its children candidates: candidates are re-ranked until none fits). Blocks go on the copy stream only
         while the copies in flight would take the link less than ``fill_window_s``: a request's own swap-in
-        queues behind them on that stream, so an idle fill of the whole gap (on a 96 GB pool, 30% is about a
-        second at the assumed 25 GB/s) would hold up every prefix asked for meanwhile. The rest waits for later
-        ticks."""
+        queues behind them on that stream, so an idle fill of the whole gap (a large share of the pool, which
+        takes the host link many iterations' time to copy) would hold up every prefix asked for meanwhile. The
+        rest waits for later ticks."""
         moved, capped = True, False
         while moved and self.usage() < self.low:
             moved = False
