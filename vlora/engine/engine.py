@@ -1,8 +1,10 @@
-"""The engine: add requests, step the batch, abort. ``step`` is the whole loop.
+"""The engine: add requests, step the batch, abort. ``step`` is the whole loop:
 
-    out = scheduler.schedule()      # which sequences, how many tokens each
-    tokens = runner.run(out)        # forward + sample
-    return self._finish(out, tokens)  # append, stop checks, free, stream
+    plan = self._schedule()         # who runs, how many tokens each, in which mode (a StepPlan)
+    memory.prepare(plan, modes)     # adapters resident and pinned
+    tokens = self._run(plan)        # forward + sample
+    outputs = self._finish(plan, tokens)  # append, stop checks, free, stream
+    memory.after(plan, ...)         # swapper monitor, adapter prefetch, drain when idle
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import ModelRunner
-from vlora.engine.scheduler import Scheduler, SchedulerOutput
+from vlora.engine.plan import StepPlan
+from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import blocks_for_memory
+from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
-from vlora.memory.swapper import CacheSwapper
-from vlora.memory.tree import PrefixTree
 from vlora.models.lmm import ImageInputError, build_lmm, build_random_lmm, is_lmm_dir, is_random_lmm
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
 from vlora.models.task_head import TaskResult
@@ -101,23 +103,8 @@ class Engine:
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel,
                                         self.pool)
-        self.prefix_cache = self.swapper = None
-        store = self.adapters.store
-        if fixed and store is not None:           # fixed pools: adapters never give their pages to KV
-            self.pool.reclaimers.remove(store.reclaim)
-            self.pool.reclaimable.remove(store.reclaimable)
-        if cc.prefix_caching:
-            self.prefix_cache = PrefixTree(self.pool, cc.block_size)
-            self.pool.reclaimable.insert(0, self.prefix_cache.reclaimable)
-            if cc.memory_policy != "fastlibra":   # LRU: cached KV gives way first, and is discarded
-                self.pool.reclaimers.insert(0, self.prefix_cache.evict)
-            else:                                 # FastLibra's cost model over KV blocks and adapters
-                self.swapper = CacheSwapper(self.pool, self.prefix_cache, store, self.adapters.find,
-                                            host_kv_bytes=int(cc.host_kv_gb * 2**30))
-                self.pool.reclaimers.insert(0, self.swapper.reclaim)
-                self.pool.reclaimable.insert(0, lambda: self.swapper.leaving)   # swap-outs under way
-            if store is not None:
-                store.on_evict.append(self.prefix_cache.drop_adapter)
+        self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
+        self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
@@ -291,66 +278,33 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        plan = self._schedule()                     # who runs, how many tokens each, in which mode
+        self.memory.prepare(plan, self.runner.modes)  # the plan's adapters pinned, the merged one resident
+        tokens = self._run(plan) if not plan.is_empty else {}   # forward + sample
+        outputs = self._finish(plan, tokens)         # append, stop checks, free pages, stream deltas
+        self.memory.after(plan, list(self.scheduler.waiting), idle=not self.scheduler.num_unfinished)
+        return outputs
+
+    def _schedule(self) -> StepPlan:
+        """SLO rejections, the mode policy's pick, the requests whose adapters can be resident, then the
+        scheduler's fit of them into the token budget and free pages; the policy's weights applied."""
         for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator):
             self.scheduler.finish(seq, "rejected")
             self._seqs.pop(seq.request_id, None)
             self._pending.append(self._output(seq, [], error=reason))
-        plan = self.orchestrator.plan(self.scheduler.unfinished(), self.runner.modes, self.adapters)
-        ready = self._adapters_ready()
-        out = self.scheduler.schedule(_both(None if plan is None else plan.batch, ready))
-        if out.is_empty and plan is not None:   # the plan's requests cannot run now (memory): run anyone;
-            first = out                         # outputs never depend on the mode, only speed does
-            out = self.scheduler.schedule(ready)
-            out = SchedulerOutput(out.scheduled, first.preempted + out.preempted, first.truncated + out.truncated)
-        self.orchestrator.apply(plan, self.runner.modes, self.adapters)
-        self._merged_resident(out)
-        tokens = self._run(out) if not out.is_empty else {}
-        if self.swapper is not None:
-            if out.is_empty:                    # nothing runs until a prefix copied back lands: wait for it
-                self.swapper.wait_oldest()      # instead of spinning
-            self.swapper.tick(len(out.scheduled))
-        store = self.adapters.store
-        if store is not None:                   # queued requests' adapters, while pages are spare
-            store.prefetch([s.adapter for s in self.scheduler.waiting if s.adapter is not None],
-                           keep_free_pages=self.pool.num_pages // 4)
-        outputs = self._finish(out, tokens)
-        if self.swapper is not None and not self.scheduler.running and not self.scheduler.waiting:
-            self.swapper.drain()                # idle: the pages of swap-outs under way come back now
-        return outputs
+        modes, sched = self.runner.modes, self.scheduler
+        decision = self.orchestrator.plan(sched.unfinished(), modes, self.adapters)
+        room = max(0, self.config.scheduler.max_num_seqs - len(sched.running))
+        ready = self.memory.runnable(sched.running, list(sched.waiting), room, modes.merged)
+        out = sched.schedule(_both(None if decision is None else decision.batch, ready))
+        preempted, truncated = out.preempted, out.truncated
+        if out.is_empty and decision is not None:   # the policy's requests cannot run now (memory): run anyone;
+            out = sched.schedule(ready)             # outputs never depend on the mode, only speed does
+            preempted, truncated = preempted + out.preempted, truncated + out.truncated
+        self.orchestrator.apply(decision, modes, self.adapters)
+        return StepPlan(out.scheduled, preempted, truncated, decision)
 
-    def _adapters_ready(self) -> set[str] | None:
-        """Kernel path: bring the adapters of running requests, then of the waiting ones that could be admitted
-        now, into the pool (evicting idle ones); they stay protected from eviction this iteration. Returns the
-        ids of requests that can run now (None: every one)."""
-        store = self.adapters.store
-        if store is None:
-            return None
-        merged = self.runner.modes.merged
-        running = [s.adapter for s in self.scheduler.running if s.adapter is not None]
-        room = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
-        waiting = [s.adapter for s in list(self.scheduler.waiting)[:room] if s.adapter is not None]
-        keep = {a.name for a in running} | ({merged.name} if merged is not None else set())
-        # waiting requests that hold cached blocks (a prefix being copied back): the KV below their adapter is
-        # pinned, and an adapter leaves the pool only with its KV unused
-        keep |= {s.adapter.name for s in self.scheduler.waiting if s.blocks and s.adapter is not None}
-        ok = store.ensure(running + waiting, keep)
-        store.protected = keep | ok
-        seqs = self.scheduler.unfinished()
-        if all(s.adapter is None or s.adapter.name in ok for s in seqs):
-            return None
-        return {s.request_id for s in seqs if s.adapter is None or s.adapter.name in ok}
-
-    def _merged_resident(self, out: SchedulerOutput) -> None:
-        """Mixed mode subtracts the merged adapter through the kernels: it must be in the pool; if it cannot
-        be, unmerge (outputs do not depend on the mode)."""
-        store, modes = self.adapters.store, self.runner.modes
-        if store is None or modes.merged is None:
-            return
-        store.protected = store.protected | {s.seq.adapter.name for s in out.scheduled if s.seq.adapter is not None}
-        if modes.merged.name not in store.ensure([modes.merged], store.protected):
-            modes.unmerge()
-
-    def _run(self, out: SchedulerOutput) -> dict[str, int]:
+    def _run(self, out: StepPlan) -> dict[str, int]:
         mode = self.runner.modes.mode_for([s.seq.adapter for s in out.scheduled])
         t0 = time.perf_counter()
         tokens = self.runner.run(out.scheduled)
@@ -362,7 +316,7 @@ class Engine:
         self.last_mode = mode
         return tokens
 
-    def _finish(self, out: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+    def _finish(self, out: StepPlan, tokens: dict[str, int]) -> list[RequestOutput]:
         results, self._pending = self._pending, []
         for seq in out.truncated:
             self._seqs.pop(seq.request_id, None)
