@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 
@@ -18,6 +19,7 @@ import torch
 from vlora.config import EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
+from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import ModelRunner
@@ -33,6 +35,8 @@ from vlora.models.lmm import ImageInputError, build_lmm, build_random_lmm, is_lm
 from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
 from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,6 +133,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []       # outputs of aborts, flushed by the next step
+        self._forward_failures = 0                    # iterations in a row whose forward failed
         self._rng = torch.Generator(self.device).manual_seed(config.model.seed)
 
     @property
@@ -304,43 +309,86 @@ class Engine:
         self.orchestrator.apply(decision, modes, self.adapters)
         return StepPlan(out.scheduled, preempted, truncated, decision)
 
-    def _run(self, out: StepPlan) -> dict[str, int]:
-        mode = self.runner.modes.mode_for([s.seq.adapter for s in out.scheduled])
+    def _run(self, plan: StepPlan) -> dict[str, int | TaskResult | RequestFailed]:
+        """Forward + sample. A forward that fails without being pinned on one request fails every request
+        of the iteration (a :class:`RequestFailed` each) and puts the base weights back; a CUDA error, or the
+        forward failing ``MAX_FORWARD_FAILURES`` iterations in a row, raises :class:`EngineFatal`."""
+        mode = self.runner.modes.mode_for([s.seq.adapter for s in plan.scheduled])
         t0 = time.perf_counter()
-        tokens = self.runner.run(out.scheduled)
+        try:
+            tokens = self.runner.run(plan.scheduled)
+        except Exception as e:
+            return self._forward_failed(plan, e)
+        self._forward_failures = 0
         seconds = time.perf_counter() - t0
-        decodes = sum(1 for s in out.scheduled if s.start >= len(s.seq.prompt_token_ids))
-        prefill = sum(s.num_tokens for s in out.scheduled if s.start < len(s.seq.prompt_token_ids))
-        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in out.scheduled))
+        decodes = sum(1 for s in plan.scheduled if s.start >= len(s.seq.prompt_token_ids))
+        prefill = sum(s.num_tokens for s in plan.scheduled if s.start < len(s.seq.prompt_token_ids))
+        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in plan.scheduled))
         self.estimator.observe(prefill, decodes, seconds)
         self.last_mode = mode
         return tokens
 
-    def _finish(self, out: StepPlan, tokens: dict[str, int]) -> list[RequestOutput]:
+    def _forward_failed(self, plan: StepPlan, exc: Exception) -> dict[str, RequestFailed]:
+        self._forward_failures += 1
+        if is_fatal(exc):
+            raise EngineFatal(f"the device failed: {describe(exc)}") from exc
+        if self._forward_failures >= MAX_FORWARD_FAILURES:
+            raise EngineFatal(f"the forward failed {self._forward_failures} iterations in a row; last: "
+                              f"{describe(exc)}") from exc
+        log.error("iteration failed; failing its %d request(s)", len(plan.scheduled), exc_info=exc)
+        self.memory.release_pins()
+        if self.runner.modes.merged is not None:    # back to the base weights (exact); the policy decides anew
+            self.runner.modes.unmerge()
+        failed = RequestFailed(f"the batched forward failed: {describe(exc)}")
+        return {s.seq.request_id: failed for s in plan.scheduled}
+
+    def _finish(self, plan: StepPlan, tokens: dict) -> list[RequestOutput]:
+        """Each request of the plan on its own: an error in one (its token a :class:`RequestFailed`, or its stop
+        checks or detokenizing raising) finishes it with ``finish_reason="error"`` and frees its memory."""
         results, self._pending = self._pending, []
-        for seq in out.truncated:
+        for seq in plan.truncated:
             self._seqs.pop(seq.request_id, None)
             results.append(self._output(seq, []))
-        for s in out.scheduled:
-            seq = s.seq
+        for s in plan.scheduled:
+            seq, token = s.seq, tokens.get(s.seq.request_id)
+            if isinstance(token, RequestFailed):    # its KV of this iteration is not counted computed
+                results.append(self._fail(seq, str(token)))
+                continue
             seq.num_computed += s.num_tokens
-            token = tokens.get(seq.request_id)
             if token is None:
                 continue
-            if isinstance(token, TaskResult):   # answered by the adapter's task head: no decode
-                seq.task = token
-                self.scheduler.finish(seq, "stop")
-                del self._seqs[seq.request_id]
-                results.append(self._output(seq, []))
-                continue
-            seq.output_token_ids.append(token)
-            seq.last_progress = time.monotonic()
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self._seqs[seq.request_id]
-            results.append(self._output(seq, [token]))
+            try:
+                results.append(self._advance(seq, token))
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                log.exception("request %s failed after its forward", seq.request_id)
+                results.append(self._fail(seq, f"finishing the step failed: {describe(e)}"))
         return results
+
+    def _advance(self, seq: Sequence, token: int | TaskResult) -> RequestOutput:
+        """Append a sampled token (or a task head's answer) to ``seq``; stop checks; its output."""
+        if isinstance(token, TaskResult):   # answered by the adapter's task head: no decode
+            seq.task = token
+            self.scheduler.finish(seq, "stop")
+            del self._seqs[seq.request_id]
+            return self._output(seq, [])
+        seq.output_token_ids.append(token)
+        seq.last_progress = time.monotonic()
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+        return self._output(seq, [token])
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` with ``finish_reason="error"``; its pages go back (to the prefix cache or the pool)."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
+                             seq.text, True, "error", [], "", reason, seq.task)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
