@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from vlora.config import EngineConfig
+from vlora.config import ConfigError, EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
@@ -83,6 +83,10 @@ class Engine:
                 self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device,
                                                                mc.max_model_len)
             self.tokenizer = _load_tokenizer(model_dir)
+        tp = mc.tensor_parallel_size
+        if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
+            self.model = _tensor_parallel(self.model, config, self.dtype, self.device, self.vision)
+        kv_heads = getattr(self.model, "kv_heads_per_rank", self.model.cfg.num_kv_heads)   # this rank's KV heads
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -90,7 +94,7 @@ class Engine:
 
         cc = config.cache
         num_blocks = cc.num_blocks or blocks_for_memory(cc.kv_cache_memory_gb, cfg.num_layers, cc.block_size,
-                                                        cfg.num_kv_heads, cfg.head_dim, self.dtype)
+                                                        kv_heads, cfg.head_dim, self.dtype)
         self.block_size = cc.block_size
         lc = config.lora
         kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
@@ -98,20 +102,22 @@ class Engine:
         if cc.num_blocks and kernel_lora:            # room for max_loras adapters beside the KV blocks asked for
             pages += lc.max_loras * _adapter_pages(cfg, lc.max_lora_rank, cc.block_size)
         fixed = cc.memory_policy == "lru-fixed"
-        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, kv_heads, cfg.head_dim,
                                 self.dtype, self.device,
                                 adapter_limit=int(pages * cc.adapter_pool_fraction) if fixed else None)
         self.allocator = self.pool                    # KV blocks are pages of the unified pool
         kv = self.pool.kv
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
-                                        self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel,
-                                        self.pool)
+                                        self.dtype, self.device, config.lora.check_base_model,
+                                        "torch" if tp > 1 else config.lora.lora_kernel, self.pool)
+        if tp > 1:
+            self.model.registry = self.adapters
         self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
         self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
-        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
+        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda and tp == 1)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
@@ -278,6 +284,11 @@ class Engine:
         self.orchestrator.profile = self.mode_costs
         return self.mode_costs
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        if hasattr(self.model, "close"):
+            self.model.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
@@ -405,6 +416,23 @@ class Engine:
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
                              seq.text, seq.is_finished, seq.finish_reason, new_tokens,
                              self.detokenizer.stream_delta(seq), error, seq.task)
+
+
+def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, vision):
+    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet."""
+    from vlora.parallel.group import WorkerSpec, tensor_parallel
+
+    mc, tp = config.model, config.model.tensor_parallel_size
+    why = ("an LMM (the vision tower is not split yet)" if vision is not None
+           else f"policy {config.scheduler.policy!r} (merges are not split yet; use unmerged)"
+           if config.scheduler.policy != "unmerged"
+           else "lora_kernel triton (the adapter pool is not split yet)" if config.lora.lora_kernel == "triton"
+           else "memory_policy fastlibra (the swapper copies rank 0's pages only)"
+           if config.cache.memory_policy == "fastlibra" else None)
+    if why is not None:
+        raise ConfigError(f"tensor_parallel_size {tp} does not support {why}")
+    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0)
+    return tensor_parallel(model, tp, spec)
 
 
 def _adapter_pages(cfg, rank: int, block_size: int) -> int:
