@@ -33,6 +33,7 @@ def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) ->
     for cls in classes:
         group = parser.add_argument_group(cls.__name__)
         for name, help_text in field_help(cls).items():
+            help_text = help_text.replace("%", "%%")          # argparse formats help with %
             default = cls.__dataclass_fields__[name].default
             kind = type(default) if default is not None else str
             if kind is bool:

@@ -39,6 +39,7 @@ from vlora.lora.batch import LoRABatch, LoRASegment, PackedAdapter
 from vlora.models.forward_batch import ForwardBatch
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast stays off (the GPU hosts here run without it)
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")   # a failed or timed-out NCCL collective ends its
 #                                                                 process instead of leaving it hung
 
