@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import make_peft_adapter, make_tiny_model
 from vlora import LLM, SamplingParams
-from vlora.engine.async_engine import AsyncEngine, EngineFailed, Job, ShuttingDown
+from vlora.engine.async_engine import AsyncEngine, EngineFailed, Job, RequestFailed, ShuttingDown
 from vlora.engine.faults import EngineFatal
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 4, 1, 4, 2, 1, 3, 5, 6]]
@@ -149,6 +149,24 @@ def test_a_fatal_error_ends_the_async_engine(llm, monkeypatch):
     assert len(fatal) == 1 and isinstance(fatal[0], EngineFatal) and not ae.is_running
     assert ae._thread is not None and not ae._thread.is_alive()
     assert llm.engine.allocator.num_free == PAGES           # the request in flight was aborted, its pages freed
+
+
+def test_a_failed_request_fails_its_api_call_only(llm, reference):
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        bad = SamplingParams(max_tokens=6, temperature=1e-300)
+        good = await ae.submit([Job(PROMPTS[0], None, greedy(), "g0"), Job(PROMPTS[1], "a", greedy(), "g1")])
+        failing = await ae.submit([Job(PROMPTS[2], None, greedy(n=40), "b0"), Job(PROMPTS[1], None, bad, "b1")])
+        with pytest.raises(RequestFailed, match="b1 failed: sampling failed"):
+            await failing.results()
+        outs = await good.results()
+        assert ae.is_running and ae.failure is None
+        await ae.shutdown(timeout=10)
+        return [o.token_ids for o in outs]
+
+    assert asyncio.run(main()) == reference
+    assert idle(llm.engine)                  # the failed call's other request was aborted, its pages freed
 
 
 SERVER = textwrap.dedent("""
