@@ -39,7 +39,7 @@ class ModelConfig:
     build_kernels: bool = True
     """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
     tensor_parallel_size: int = 1
-    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection. Above 1 it needs the torch paths (kernels and lora_kernel auto or torch), the unmerged policy and no fastlibra swapper."""
+    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection. Above 1 it runs the torch paths (kernels and lora_kernel auto or torch) and needs a memory policy other than fastlibra."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): the same tokens and logits as one process, for a batch of
-base rows and adapters of ranks 4/8/16 with chunked prefill, preemption and prefix caching; a killed worker ends
-the run with a clear error."""
+base rows and adapters of ranks 4/8/16 with chunked prefill, preemption, prefix caching, and merged and mixed
+modes; a killed worker ends the run with a clear error."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from tests.helpers import make_peft_adapter, make_tiny_model, prefill_logits
 from vlora import LLM, SamplingParams
 from vlora.engine.faults import EngineFatal
+from vlora.engine.modes import Mode
 from vlora.engine.sequence import Sequence
 
 RANKS = {"a4": 4, "a8": 8, "a16": 16}
@@ -66,6 +67,14 @@ def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tmp_path):
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert twice(two) == want_tokens
         assert two.engine.scheduler.num_preemptions > 0
+        ran = two.engine.orchestrator.mode_iterations
+        two.engine.merge_adapter("a8")               # each rank folds its slices of a8 into its shard
+        assert greedy(two) == want_tokens[:5] and ran[Mode.MIXED] > 0
+        only = two.generate([PROMPTS[2], PROMPTS[4]], "a8", SamplingParams(max_tokens=8, ignore_eos=True))
+        assert [o.token_ids for o in only] == [want_tokens[2], want_tokens[4]] and ran[Mode.MERGED] > 0
+        two.engine.unmerge_adapter()
+        unmerged = ran[Mode.UNMERGED]
+        assert greedy(two) == want_tokens[:5] and ran[Mode.UNMERGED] > unmerged
         two.engine.prefix_cache.clear()
         assert two.engine.allocator.num_free == BLOCKS
         two.engine.add_request(PROMPTS[0], "a8", SamplingParams(max_tokens=50, ignore_eos=True))

@@ -121,6 +121,10 @@ class Engine:
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
+        if tp > 1:                                    # merges fold each rank's slices into its shard
+            from vlora.parallel.group import ShardModes
+
+            self.runner.modes = ShardModes(self.model)
         sc = config.scheduler
         self.kernel_build = {}                        # what start-up built (vlora.engine.warmup)
         if use_kernels and cuda and mc.build_kernels:
@@ -424,8 +428,6 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
 
     mc, tp = config.model, config.model.tensor_parallel_size
     why = ("an LMM (the vision tower is not split yet)" if vision is not None
-           else f"policy {config.scheduler.policy!r} (merges are not split yet; use unmerged)"
-           if config.scheduler.policy != "unmerged"
            else "lora_kernel triton (the adapter pool is not split yet)" if config.lora.lora_kernel == "triton"
            else "memory_policy fastlibra (the swapper copies rank 0's pages only)"
            if config.cache.memory_policy == "fastlibra" else None)

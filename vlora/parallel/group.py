@@ -28,11 +28,14 @@ import pickle
 import socket
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from vlora.engine.modes import ModeSwitcher
 
 from vlora.engine.faults import EngineFatal, describe
 from vlora.lora.batch import LoRABatch, LoRASegment, PackedAdapter
@@ -65,6 +68,7 @@ class StepMessage:
     kv_shape: tuple[int, ...]               # rank 0's pages [P + 1, L, 2, block, Hkv_local, D]: the same here
     adapters: dict[str, PackedAdapter]      # adapters new to the workers (whole, on the CPU)
     dropped: tuple[str, ...] = ()           # adapters the engine no longer has
+    merged: str | None = None               # the adapter folded into the base weights (each rank: its slices)
 
 
 def _map(obj, fn):
@@ -141,15 +145,19 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, conn) -> None:
         shard = Shard.of(model.cfg, rank, world)
         shard_decoder(model, shard, _all_reduce)
         kv, parts = None, {}
+        modes = ModeSwitcher(SimpleNamespace(cfg=shard.local_config(model.cfg), stacked=model.stacked))
         with torch.inference_mode():
             while True:
                 msg: StepMessage | None = pickle.loads(conn.recv_bytes())
                 if msg is None:
                     os._exit(0)          # nothing to flush; leaving the group would wait on the others
-                for name in msg.dropped:
-                    parts.pop(name, None)
                 for name, a in msg.adapters.items():
                     parts[name] = shard_adapter(a, model.cfg, shard, device)
+                if msg.merged != (None if modes.merged is None else modes.merged.name):
+                    modes.unmerge() if msg.merged is None else modes.merge(parts[msg.merged])
+                for name in msg.dropped:
+                    parts.pop(name, None)
+                    modes.forget(name)
                 if kv is None or tuple(kv.shape) != msg.kv_shape:
                     kv = torch.zeros(msg.kv_shape, dtype=spec.dtype, device=device)
                 fb = _map(msg.batch, lambda t: t.to(device))
@@ -258,12 +266,17 @@ class TensorParallelModel(nn.Module):
         shard_decoder(inner, self.shard, _all_reduce)
         self.stacked = getattr(inner, "stacked", None)
         self.registry = None                     # the engine's adapters: those it forgets are dropped everywhere
+        self.modes: ShardModes | None = None     # rank 0's merges (the workers follow them)
         self._parts: dict[str, tuple[PackedAdapter, PackedAdapter]] = {}   # name -> (whole, rank 0's slices)
+        self._sent: dict[str, PackedAdapter] = {}                          # name -> the whole adapter workers have
         self._failed: str | None = None
 
     @property
     def layers(self):
         return self.inner.layers
+
+    def whole(self, name: str) -> PackedAdapter:
+        return self._parts[name][0]
 
     def _part(self, adapter: PackedAdapter) -> PackedAdapter:
         have = self._parts.get(adapter.name)
@@ -277,17 +290,23 @@ class TensorParallelModel(nn.Module):
         try:
             passes = _passes(fb.lora)
             used = {s.adapter.name: s.adapter for p in passes for s in p.segments}
-            new = {n: a for n, a in used.items() if n not in self._parts or self._parts[n][0] is not a}
+            merged = None if self.modes is None else self.modes.merged
+            if merged is not None:               # the workers merge their slices of it
+                used[merged.name] = merged
+            new = {n: a for n, a in used.items() if self._sent.get(n) is not a}
             dropped = ()
             if self.registry is not None:
-                dropped = tuple(n for n in self._parts if n not in self.registry and n not in used)
+                dropped = tuple(n for n in self._sent if n not in self.registry and n not in used)
                 for n in dropped:
-                    del self._parts[n]
+                    del self._sent[n]
+                    self._parts.pop(n, None)
             parts = {n: self._part(a) for n, a in used.items()}
             segs = tuple(tuple((s.start, s.end, s.adapter.name, s.scale) for s in p.segments) for p in passes)
             cpu = lambda t: t.cpu()              # noqa: E731
             self.group.send(StepMessage(_map(dataclasses.replace(fb, lora=None), cpu), segs, tuple(kv_cache.shape),
-                                        {n: _map(a, cpu) for n, a in new.items()}, dropped))
+                                        {n: _map(a, cpu) for n, a in new.items()}, dropped,
+                                        None if merged is None else merged.name))
+            self._sent.update(new)
             return self.inner(dataclasses.replace(fb, lora=_lora(segs, parts.__getitem__)), kv_cache)
         except Exception as e:
             reason = e.args[0] if isinstance(e, EngineFatal) else \
@@ -300,6 +319,26 @@ class TensorParallelModel(nn.Module):
 
     def close(self) -> None:
         self.group.close()
+
+
+class ShardModes(ModeSwitcher):
+    """Rank 0's mode switcher: merges fold rank 0's slices of an adapter into its shard (exact, per shard, as
+    on one GPU); the next step's message tells the workers to do the same with theirs. It speaks whole adapters
+    to the engine (``merged``, ``merge``), as the one-process switcher does."""
+
+    def __init__(self, model: TensorParallelModel):
+        super().__init__(SimpleNamespace(cfg=model.shard.local_config(model.cfg), stacked=model.stacked))
+        self.model = model
+        model.modes = self
+
+    @property
+    def merged(self) -> PackedAdapter | None:
+        return None if self.record is None else self.model.whole(self.record.adapter.name)
+
+    def merge(self, adapter: PackedAdapter) -> float:
+        if self.merged is adapter:
+            return 0.0
+        return super().merge(self.model._part(adapter))
 
 
 def tensor_parallel(model, world: int, spec: WorkerSpec) -> TensorParallelModel:
