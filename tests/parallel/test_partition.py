@@ -36,9 +36,9 @@ class ThreadSum:
         return reduce
 
 
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    path, adapters = build(tmp_path_factory.mktemp("partition"), kv_heads=2)
+@pytest.fixture(scope="module", params=["llama", "qwen2"])   # qwen2: biases on q, k, v
+def whole(tmp_path_factory, request):
+    path, adapters = build(tmp_path_factory.mktemp(request.param), kv_heads=2, model_type=request.param)
     return engine(path, adapters, 1).engine
 
 

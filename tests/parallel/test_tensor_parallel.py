@@ -23,8 +23,8 @@ NAMES = [None, "a4", "a8", "a16", "a8"]
 BLOCKS = 14           # the batch outgrows it: the newest sequences are preempted and recomputed
 
 
-def build(root, kv_heads):
-    path, hf = make_tiny_model(root, num_key_value_heads=kv_heads)
+def build(root, kv_heads, model_type="llama"):
+    path, hf = make_tiny_model(root, model_type, num_key_value_heads=kv_heads)
     adapters = {}
     for i, (name, rank) in enumerate(RANKS.items()):
         kw = {} if TARGETS[name] is None else {"targets": TARGETS[name]}
