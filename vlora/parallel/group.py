@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import socket
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -102,12 +101,6 @@ def _lora(passes, part) -> LoRABatch | None:
     return batch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init(rank: int, world: int, store, spec: WorkerSpec) -> None:
     dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=world, timeout=timedelta(seconds=spec.timeout_s))
@@ -153,8 +146,10 @@ def _worker(rank: int, world: int, port: int, spec: WorkerSpec, conn) -> None:
                     os._exit(0)          # nothing to flush; leaving the group would wait on the others
                 for name, a in msg.adapters.items():
                     parts[name] = shard_adapter(a, model.cfg, shard, device)
-                if msg.merged != (None if modes.merged is None else modes.merged.name):
-                    modes.unmerge() if msg.merged is None else modes.merge(parts[msg.merged])
+                if msg.merged is None:
+                    modes.unmerge()
+                elif modes.merged is None or modes.merged.name != msg.merged:
+                    modes.merge(parts[msg.merged])
                 for name in msg.dropped:
                     parts.pop(name, None)
                     modes.forget(name)
@@ -185,8 +180,8 @@ class TensorParallelGroup:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        store = _store(port, world, True, spec)
+        store = _store(0, world, True, spec)               # port 0: the store picks a free one
+        port = store.port
         self.world, self.spec = world, spec
         self.conns, self.procs = [], []
         for rank in range(1, world):
