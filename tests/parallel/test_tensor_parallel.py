@@ -82,7 +82,8 @@ def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tmp_path):
         worker = two.engine.model.group.procs[0]
         worker.kill()
         t0 = time.monotonic()
-        with pytest.raises(EngineFatal, match="worker 1 exited|tensor-parallel group failed"):
+        dead = "^(tensor-parallel worker 1 exited|the tensor-parallel group failed)"
+        with pytest.raises(EngineFatal, match=dead):
             for _ in range(50):
                 two.engine.step()
         assert time.monotonic() - t0 < 10

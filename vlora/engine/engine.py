@@ -345,6 +345,8 @@ class Engine:
 
     def _forward_failed(self, plan: StepPlan, exc: Exception) -> dict[str, RequestFailed]:
         self._forward_failures += 1
+        if isinstance(exc, EngineFatal):            # already says why (e.g. a tensor-parallel worker exited)
+            raise exc
         if is_fatal(exc):
             raise EngineFatal(f"the device failed: {describe(exc)}") from exc
         if self._forward_failures >= MAX_FORWARD_FAILURES:

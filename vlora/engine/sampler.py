@@ -28,7 +28,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
         if len(seq.output_token_ids) < seq.params.min_tokens:     # no stop allowed yet
             banned = list(eos_token_ids) + list(seq.params.stop_token_ids)
             if any(not 0 <= t < vocab for t in banned):
-                errors[i] = RequestFailed(f"sampling failed: stop_token_ids hold ids outside the vocabulary [0, {vocab})")
+                errors[i] = RequestFailed(f"sampling failed: stop_token_ids hold ids outside the vocabulary "
+                                          f"[0, {vocab})")
                 continue
             logits[i, banned] = float("-inf")
     out = logits.argmax(dim=-1)
