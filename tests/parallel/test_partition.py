@@ -37,8 +37,9 @@ class ThreadSum:
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])   # qwen2: biases on q, k, v
-def whole(tmp_path_factory, request):
-    path, adapters = build(tmp_path_factory.mktemp(request.param), kv_heads=2, model_type=request.param)
+def whole(tmp_path_factory, request, tiny_llama):
+    path, adapters = tiny_llama if request.param == "llama" else \
+        build(tmp_path_factory.mktemp(request.param), kv_heads=2, model_type=request.param)
     return engine(path, adapters, 1).engine
 
 

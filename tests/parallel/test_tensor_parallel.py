@@ -56,8 +56,8 @@ def twice(llm):
     return first + second
 
 
-def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tmp_path):
-    path, adapters = build(tmp_path, kv_heads=2)
+def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tiny_llama):
+    path, adapters = tiny_llama
     one = engine(path, adapters, 1, prefix_caching=True)
     want_logits, want_tokens = logits(one), twice(one)
     two = engine(path, adapters, 2, prefix_caching=True)
@@ -95,8 +95,8 @@ def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_on_two_gpus_gives_the_tokens_of_one(tmp_path):
-    path, adapters = build(tmp_path, kv_heads=2)
+def test_tp2_on_two_gpus_gives_the_tokens_of_one(tiny_llama):
+    path, adapters = tiny_llama
     kw = dict(adapters=adapters, num_blocks=BLOCKS, block_size=4, max_model_len=128, dtype="float32", device="cuda",
               max_num_seqs=8, max_num_batched_tokens=8, kernels="torch", lora_kernel="torch")
     want = greedy(LLM(str(path), **kw))
