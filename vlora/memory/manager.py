@@ -2,9 +2,9 @@
 
 The step loop talks to it at three points:
 
-    runnable(running, waiting, room)  # schedule: which requests' adapters can be resident now
-    prepare(plan, modes)              # before the run: the plan's adapters pinned, the merged one resident
-    after(plan, waiting, idle)        # after the run: swapper monitor, adapter prefetch, drain when idle
+    runnable(running, waiting, room, merged)  # schedule: which requests' adapters can be resident now
+    prepare(plan, modes)                      # before the run: the plan's adapters pinned, the merged one resident
+    after(plan, waiting, idle)                # after the run: swapper monitor, adapter prefetch, drain when idle
 
 Who gives pages to KV when the pool runs short is declared in ``RECLAIM_ORDER``
 (per memory policy), not left to the order components were built in.
