@@ -38,6 +38,8 @@ class ModelConfig:
     """LMMs: largest image accepted before preprocessing, width x height (checked before decoding)."""
     build_kernels: bool = True
     """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
+    tensor_parallel_size: int = 1
+    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection. Above 1 it runs the torch paths (kernels and lora_kernel auto or torch) and needs a memory policy other than fastlibra."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):
@@ -48,6 +50,10 @@ class ModelConfig:
             raise ConfigError("max_images_per_request and max_pixels_per_image must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kernels == "triton":
+            raise ConfigError("tensor_parallel_size > 1 runs the torch paths: kernels must be auto or torch")
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,13 @@ class LLM:
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
-                 adapter_pool_fraction: float = 0.1, config: EngineConfig | None = None):
+                 adapter_pool_fraction: float = 0.1, tensor_parallel_size: int = 1,
+                 config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               kernels=kernels, cuda_graphs=cuda_graphs, max_images_per_request=max_images_per_request,
-                              max_pixels_per_image=max_pixels_per_image),
+                              max_pixels_per_image=max_pixels_per_image,
+                              tensor_parallel_size=tensor_parallel_size),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
                               adapter_pool_fraction),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),
@@ -43,6 +45,10 @@ class LLM:
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
         for name, path in items:
             self.register_adapter(name, path)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.engine.close()
 
     @property
     def tokenizer(self):

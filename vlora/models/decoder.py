@@ -119,6 +119,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """One rank: a projection's output is already the whole sum."""
+    return t
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, index: int, act):
         super().__init__()
@@ -132,6 +137,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.reduce = _whole      # tensor parallelism: sums the partial outputs of o and down over the ranks
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -148,13 +154,13 @@ class DecoderLayer(nn.Module):
         v_cache[blk, off] = v
         attn = self._attention(q, k, v, fb, k_cache, v_cache)
         o_in = attn.reshape(-1, cfg.q_size)
-        h = h + lora_linear(o_in, self.o, fb.lora, i, "o")
+        h = h + self.reduce(lora_linear(o_in, self.o, fb.lora, i, "o"))
 
         x = self.mlp_norm(h)
         gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up")
         gate, up = gu.chunk(2, dim=-1)
         m = self.act(gate) * up
-        return h + lora_linear(m, self.down, fb.lora, i, "down")
+        return h + self.reduce(lora_linear(m, self.down, fb.lora, i, "down"))
 
     def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: tuple, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
@@ -170,11 +176,11 @@ class DecoderLayer(nn.Module):
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
         o_in = attn.view(-1, cfg.q_size)
-        x = add_rmsnorm_(h, lora_linear(o_in, self.o, fb.lora, i, "o", linear),
+        x = add_rmsnorm_(h, self.reduce(lora_linear(o_in, self.o, fb.lora, i, "o", linear)),
                          self.mlp_norm.weight, self.mlp_norm.eps)
         gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up", linear)
         m = silu_mul(gu)
-        d = lora_linear(m, self.down, fb.lora, i, "down", linear)
+        d = self.reduce(lora_linear(m, self.down, fb.lora, i, "down", linear))
         return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
 
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:

@@ -34,8 +34,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vlora.config import ServerConfig
-from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestGroup,
-                                       ShuttingDown)
+from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestFailed,
+                                       RequestGroup, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.llm import apply_chat_template
 from vlora.engine.sequence import RequestOutput
@@ -386,7 +386,7 @@ def _sse(chunks, group: RequestGroup) -> StreamingResponse:
             async for data in chunks:
                 yield data
         except EngineFailed as e:
-            yield _event(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error", code="engine_failed")))
+            yield _event(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error", code=_fail_code(e))))
         finally:
             group.abort()
         yield "data: [DONE]\n\n"
@@ -412,7 +412,11 @@ async def _finals_or_abort(group: RequestGroup, request: Request) -> list[Reques
     try:
         return results.result()
     except EngineFailed as e:
-        raise APIError(500, str(e), code="engine_failed") from None
+        raise APIError(500, str(e), code=_fail_code(e)) from None
+
+
+def _fail_code(e: EngineFailed) -> str:
+    return "request_failed" if isinstance(e, RequestFailed) else "engine_failed"
 
 
 async def _disconnected(request: Request) -> None:
@@ -507,5 +511,11 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
             async_engine.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                          timeout_graceful_shutdown=config.drain_timeout)).run()
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                   timeout_graceful_shutdown=config.drain_timeout))
+    # an engine that cannot go on has answered its requests; the process stops (exit status 1) so that a
+    # supervisor restarts it, rather than answering 503 for good
+    async_engine.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    server.run()
+    if async_engine.failure is not None:
+        raise SystemExit(f"vlora: the engine failed ({async_engine.failure!r}); exiting for a restart")
