@@ -1,7 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
 
-Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE,
-residual, RMSNorm, SwiGLU MLP, residual) -> RMSNorm -> LM head. Projections are
+Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE
+(Qwen3: each head of q and k RMS-normed first), residual, RMSNorm, SwiGLU MLP, residual) -> RMSNorm -> LM head. Projections are
 packed (qkv, gate_up); every projection passes through ``lora_linear`` so the
 iteration's adapters apply to their own token rows. Weight loading lives in
 ``loader.py``; batch metadata arrives in a ``ForwardBatch``.
@@ -43,6 +43,7 @@ class DecoderConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary frequencies per t/h/w section
+    qk_norm: bool = False       # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     @property
     def q_size(self) -> int:
@@ -128,6 +129,9 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -137,10 +141,10 @@ class DecoderLayer(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, i = self.cfg, self.index
         x = self.attn_norm(h)
-        qkv = lora_linear(x, self.qkv, fb.lora, i, "qkv")
+        qkv = self._qk_norm(lora_linear(x, self.qkv, fb.lora, i, "qkv"))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = apply_rope(q.reshape(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         page = k_cache.shape[1]
         blk, off = fb.slot_mapping // page, fb.slot_mapping % page
@@ -165,7 +169,7 @@ class DecoderLayer(nn.Module):
         from vlora.kernels.gemv import linear
 
         cfg, i = self.cfg, self.index
-        qkv = lora_linear(x, self.qkv, fb.lora, i, "qkv", linear)
+        qkv = self._qk_norm(lora_linear(x, self.qkv, fb.lora, i, "qkv", linear))
         q = rope_and_cache(qkv, *rope, fb.slot_mapping, k_cache, v_cache,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
@@ -176,6 +180,16 @@ class DecoderLayer(nn.Module):
         m = silu_mul(gu)
         d = lora_linear(m, self.down, fb.lora, i, "down", linear)
         return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, q + 2 kv] with each head of q and k RMS-normed (models with ``qk_norm``; others unchanged)."""
+        if not self.cfg.qk_norm:
+            return qkv
+        cfg = self.cfg
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim)).flatten(1)
+        k = self.k_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)).flatten(1)
+        return torch.cat((q, k, v), dim=-1)
 
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         out = torch.empty_like(q)

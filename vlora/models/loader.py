@@ -107,8 +107,11 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
     is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_vl_text")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     window = getattr(hf_config, "sliding_window", None)
-    if is_qwen2 and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen2_vl_text", "qwen3") and not getattr(hf_config, "use_sliding_window",
+                                                                                    False):
         window = None
+    elif hf_config.model_type == "qwen3":    # windows on some layers only (layer_types): one window for all is wrong
+        raise ModelLoadError("Qwen3 with use_sliding_window is not supported (its window covers some layers only)")
     eos = hf_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     return DecoderConfig(
@@ -122,7 +125,7 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
         bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
-        mrope_section=_mrope_section(hf_config),
+        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type == "qwen3",
     )
 
 
@@ -295,6 +298,8 @@ def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[i
         return prefix + "attn_norm.weight", None
     if rest == "post_attention_layernorm.weight":
         return prefix + "mlp_norm.weight", None
+    if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return prefix + rest.removeprefix("self_attn."), None
     module, _, kind = rest.rpartition(".")
     if module not in _PACKED or kind not in ("weight", "bias"):
         return None, None

@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": _DECODER,
     "mistral": _DECODER,
     "qwen2": _DECODER,
+    "qwen3": _DECODER,
     "llava": Architecture("lmm", "vlora.models.lmm", "build_llava"),
     "qwen2_vl": Architecture("lmm", "vlora.models.qwen2_vl", "build_qwen2_vl"),
 }
