@@ -15,6 +15,15 @@ from vlora import LLM, SamplingParams
 # model_type -> (transformers config and model class names, config overrides, LoRA targets of each adapter)
 ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), None),   # q_size 128 != hidden 64
+    # windowed and global layers alternating, a window shorter than the prompts, a scaled global rotary table,
+    # soft-capped logits
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=4, num_hidden_layers=3,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         final_logit_softcapping=5.0,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 1e6}}), None),
 }
 
 

@@ -114,19 +114,37 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         raise ModelLoadError("Qwen3 with use_sliding_window is not supported (its window covers some layers only)")
     eos = hf_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    gemma = _gemma3_fields(hf_config) if hf_config.model_type == "gemma3_text" else {}
+    if gemma:
+        window = None                        # per layer, in gemma["layer_windows"]
     return DecoderConfig(
         name=name, model_type=hf_config.model_type, vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        rms_norm_eps=hf_config.rms_norm_eps, hidden_act=hf_config.hidden_act,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        hidden_act=getattr(hf_config, "hidden_act", None) or hf_config.hidden_activation,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
         bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
-        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type == "qwen3",
+        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type in ("qwen3", "gemma3_text"), **gemma,
     )
+
+
+def _gemma3_fields(hf_config) -> dict:
+    """Gemma 3's departures from the Llama block (see DecoderConfig)."""
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ModelLoadError("attention logit soft-capping is not supported")
+    types = hf_config.layer_types
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != hf_config.num_hidden_layers:
+        raise ModelLoadError(f"layer_types {types!r}: expected one of sliding_attention / full_attention per layer")
+    return dict(norm_offset=True, sandwich_norms=True, embed_scale=hf_config.hidden_size ** 0.5,
+                attn_scale=hf_config.query_pre_attn_scalar ** -0.5,
+                final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
+                layer_windows=tuple(hf_config.sliding_window if t == "sliding_attention" else None for t in types))
 
 
 def _mrope_section(hf_config) -> tuple[int, ...] | None:
@@ -140,9 +158,12 @@ def _mrope_section(hf_config) -> tuple[int, ...] | None:
     return tuple(int(x) for x in section)
 
 
-def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float, str]:
-    """(inv_freq [head_dim/2], attention_scaling, rope_type) for every variant transformers knows."""
+def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float, str]:
+    """(inv_freq [head_dim/2], attention_scaling, rope_type) for every variant transformers knows; ``layer_type``:
+    the parameters of that kind of layer, for configs that keep one set per kind (Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
@@ -152,7 +173,8 @@ def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float, str]
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv, float(scaling), rope_type
 
 
@@ -164,7 +186,8 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
 
     hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
     cfg = decoder_config(hf_config, name=display_name(model_dir))
-    inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim)
+    per_type = cfg.layer_windows is not None    # rotary tables per kind of layer: global and windowed
+    inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim, "full_attention" if per_type else None)
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
     if rope_type == "dynamic":      # dynamic NTK equals the plain tables up to the trained length
         max_len = min(max_len, cfg.max_position_embeddings)
@@ -172,6 +195,9 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device)
+    if per_type:
+        local_freq, local_scaling, _ = rope_parameters(hf_config, cfg.head_dim, "sliding_attention")
+        model.rope_local = type(model.rope)(local_freq, local_scaling, max_len).to(device)
     load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     model = model.to(dtype).eval().requires_grad_(False)
     model.stack_projections()
@@ -254,7 +280,7 @@ def load_weights(model: DecoderLM, weights) -> None:
     filled: set[str] = set()
     params = dict(model.named_parameters())
     for name, tensor in weights:
-        target, rows = _target(name, sizes)
+        target, rows = _target(name, sizes, cfg.sandwich_norms)
         if target is None or (target == "lm_head" and cfg.tie_word_embeddings):
             continue
         if target not in params:
@@ -282,7 +308,12 @@ def load_weights(model: DecoderLM, weights) -> None:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[int, int] | None]:
+_SANDWICH = {"post_attention_layernorm.weight": "post_attn_norm.weight",   # Gemma: a norm after attention,
+             "pre_feedforward_layernorm.weight": "mlp_norm.weight",     # one before and one after the MLP
+             "post_feedforward_layernorm.weight": "post_mlp_norm.weight"}
+
+
+def _target(name: str, sizes: dict[str, list[int]], sandwich: bool = False) -> tuple[str | None, tuple[int, int] | None]:
     if name == "model.embed_tokens.weight":
         return "embed.weight", None
     if name == "model.norm.weight":
@@ -296,6 +327,8 @@ def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[i
     prefix = f"layers.{layer}."
     if rest == "input_layernorm.weight":
         return prefix + "attn_norm.weight", None
+    if sandwich and rest in _SANDWICH:
+        return prefix + _SANDWICH[rest], None
     if rest == "post_attention_layernorm.weight":
         return prefix + "mlp_norm.weight", None
     if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
