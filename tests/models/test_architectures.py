@@ -12,7 +12,12 @@ from tests.helpers import ALL_TARGETS, TINY, make_peft_adapter, perturb_norms_an
 from tests.models.test_parity import NAMES, PROMPTS, RANKS, peft_greedy, peft_logits, vlora_logits
 from vlora import LLM, SamplingParams
 
-# model_type -> (transformers config and model class names, config overrides, LoRA targets of each adapter)
+FUSED_TARGETS = {"a4": ["qkv_proj"], "a8": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                 "a16": ["o_proj", "gate_up_proj", "down_proj"]}
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
+                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+PHI_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# label -> (transformers config and model class names, config overrides, LoRA targets of each adapter)
 ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), None),   # q_size 128 != hidden 64
     # windowed and global layers alternating, a window shorter than the prompts, a scaled global rotary table,
@@ -24,17 +29,25 @@ ARCHS = {
                          rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                           "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                              "rope_theta": 1e6}}), None),
+    # fused qkv_proj / gate_up_proj in the checkpoint and in the adapters; longrope; a window shorter than prompts
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_parameters=LONGROPE, max_position_embeddings=256,
+                                                   original_max_position_embeddings=64, sliding_window=6,
+                                                   **PHI_TOKENS), FUSED_TARGETS),
+    # Phi-4-mini's partial rotary embedding (half of each head rotates)
+    "phi3-partial-rotary": ("Phi3Config", "Phi3ForCausalLM",
+                            dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                      partial_rotary_factor=0.5), **PHI_TOKENS), FUSED_TARGETS),
 }
 
 
-def build(tmp_path, model_type: str):
+def build(tmp_path, label: str):
     import transformers
 
-    cfg_cls, model_cls, overrides, targets = ARCHS[model_type]
+    cfg_cls, model_cls, overrides, targets = ARCHS[label]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **overrides})
     hf = perturb_norms_and_biases(getattr(transformers, model_cls)(cfg).eval())
-    path = tmp_path / f"tiny-{model_type}"
+    path = tmp_path / f"tiny-{label}"
     hf.save_pretrained(path)
     targets = targets or {"a4": ["q_proj", "v_proj"], "a8": ALL_TARGETS,
                           "a16": ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
@@ -87,3 +100,23 @@ def test_cuda_engine_matches_peft(arch, dtype, tol):
     for a, r, name in zip(vlora_logits(llm, PROMPTS, NAMES), peft_logits(pm, PROMPTS, NAMES), NAMES):
         a = a.float().cpu()
         assert (a - r).norm() / r.norm() <= tol, f"adapter {name}"
+
+
+def test_a_fused_adapter_that_does_not_fit_names_its_tensor(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vlora.lora.adapter import AdapterError
+
+    path, paths, _ = build(tmp_path, "phi3")
+    bad = tmp_path / "bad"
+    shutil.copytree(paths["a8"], bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "qkv_proj.lora_B" in k)
+    tensors[key] = tensors[key][1:].contiguous()
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    llm = LLM(str(path), num_blocks=16)
+    llm.register_adapter("good", paths["a8"])
+    with pytest.raises(AdapterError, match=r"qkv_proj\.lora_B.*expected \[128, r\]"):
+        llm.register_adapter("bad", bad)

@@ -45,6 +45,7 @@ class DecoderConfig:
     eos_token_ids: tuple[int, ...]
     mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary frequencies per t/h/w section
     qk_norm: bool = False       # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    rotary_dim: int | None = None   # RoPE on the first rotary_dim dimensions of each head only (Phi-4-mini)
     # Gemma 3: norms scale by 1 + weight (in float32), a norm after attention and after the MLP too, embeddings
     # times embed_scale, scores times attn_scale (not 1/sqrt(head_dim)), logits soft-capped, and per-layer
     # attention windows (None: global) whose layers take the local rotary table
@@ -133,7 +134,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos, sin [T, D] (rotate-half layout, as HF Llama)."""
+    """x [T, heads, D]; cos, sin [T, R] (rotate-half layout, as HF Llama), R <= D: the first R dimensions rotate."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
@@ -262,7 +266,7 @@ class DecoderLM(nn.Module):
     def fusable(self) -> bool:
         """Whether the fused kernels cover this model (Llama's norms, SwiGLU with SiLU, even head size)."""
         c = self.cfg
-        plain = not (c.norm_offset or c.sandwich_norms or c.embed_scale or c.layer_windows)
+        plain = not (c.norm_offset or c.sandwich_norms or c.embed_scale or c.layer_windows or c.rotary_dim)
         return plain and c.hidden_act == "silu" and c.head_dim % 2 == 0
 
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

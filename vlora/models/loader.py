@@ -129,7 +129,8 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
         bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
-        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type in ("qwen3", "gemma3_text"), **gemma,
+        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type in ("qwen3", "gemma3_text"),
+        rotary_dim=_rotary_dim(hf_config, head_dim), **gemma,
     )
 
 
@@ -158,6 +159,20 @@ def _mrope_section(hf_config) -> tuple[int, ...] | None:
     return tuple(int(x) for x in section)
 
 
+def _original_max_len(hf_config) -> int:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return int(params.get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+
+
+def _rotary_dim(hf_config, head_dim: int) -> int | None:
+    """Dimensions of each head RoPE rotates, where fewer than all (partial_rotary_factor < 1, e.g. Phi-4-mini)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
+    dim = int(head_dim * factor)
+    return None if dim == head_dim else dim
+
+
 def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float, str]:
     """(inv_freq [head_dim/2], attention_scaling, rope_type) for every variant transformers knows; ``layer_type``:
     the parameters of that kind of layer, for configs that keep one set per kind (Gemma 3)."""
@@ -167,7 +182,8 @@ def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None) -> 
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = _rotary_dim(hf_config, head_dim) or head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0, rope_type
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -191,6 +207,9 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
     if rope_type == "dynamic":      # dynamic NTK equals the plain tables up to the trained length
         max_len = min(max_len, cfg.max_position_embeddings)
+    if rope_type == "longrope":     # the short factors' table holds up to the original length; beyond it
+        #                             transformers switches every position to the long factors
+        max_len = min(max_len, _original_max_len(hf_config))
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
     model = model.to_empty(device=device)
@@ -266,10 +285,10 @@ def iter_safetensors(model_dir: Path):
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_PACKED = {  # HF name -> (our param, slice index in the packed weight)
+_PACKED = {  # HF name -> (our param, slice index in the packed weight; "all": a checkpoint packed the same way)
     "self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
     "self_attn.o_proj": ("o", None), "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1),
-    "mlp.down_proj": ("down", None),
+    "mlp.down_proj": ("down", None), "self_attn.qkv_proj": ("qkv", "all"), "mlp.gate_up_proj": ("gate_up", "all"),
 }
 
 
@@ -291,18 +310,9 @@ def load_weights(model: DecoderLM, weights) -> None:
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(tensor)
-        filled.add(f"{target}:{rows}")
-    expected = set()
-    for pname, p in params.items():
-        base = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-        parts = sizes.get(base)
-        if parts is None:
-            expected.add(f"{pname}:None")
-        else:
-            offs = [0]
-            for s in parts:
-                offs.append(offs[-1] + s)
-            expected.update(f"{pname}:{(offs[j], offs[j + 1])}" for j in range(len(parts)))
+        whole = rows is not None and rows == (0, params[target].shape[0])
+        filled.update(_slices(target, sizes) if whole else {f"{target}:{rows}"})
+    expected = set().union(*(_slices(pname, sizes) for pname in params))
     missing = sorted(expected - filled)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -311,6 +321,17 @@ def load_weights(model: DecoderLM, weights) -> None:
 _SANDWICH = {"post_attention_layernorm.weight": "post_attn_norm.weight",   # Gemma: a norm after attention,
              "pre_feedforward_layernorm.weight": "mlp_norm.weight",     # one before and one after the MLP
              "post_feedforward_layernorm.weight": "post_mlp_norm.weight"}
+
+
+def _slices(pname: str, sizes: dict[str, list[int]]) -> set[str]:
+    """Keys of the parts of parameter ``pname`` a checkpoint fills: its slices of a packed weight, or itself."""
+    parts = sizes.get(pname.rsplit(".", 1)[0].rsplit(".", 1)[-1])
+    if parts is None:
+        return {f"{pname}:None"}
+    offs = [0]
+    for n in parts:
+        offs.append(offs[-1] + n)
+    return {f"{pname}:{(offs[j], offs[j + 1])}" for j in range(len(parts))}
 
 
 def _target(name: str, sizes: dict[str, list[int]], sandwich: bool = False) -> tuple[str | None, tuple[int, int] | None]:
@@ -339,5 +360,7 @@ def _target(name: str, sizes: dict[str, list[int]], sandwich: bool = False) -> t
     param, idx = _PACKED[module]
     if idx is None:
         return f"{prefix}{param}.{kind}", None
+    if idx == "all":
+        return f"{prefix}{param}.{kind}", (0, sum(sizes[param]))
     start = sum(sizes[param][:idx])
     return f"{prefix}{param}.{kind}", (start, start + sizes[param][idx])

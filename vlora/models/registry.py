@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen2": _DECODER,
     "qwen3": _DECODER,
     "gemma3_text": _DECODER,
+    "phi3": _DECODER,
     "llava": Architecture("lmm", "vlora.models.lmm", "build_llava"),
     "qwen2_vl": Architecture("lmm", "vlora.models.qwen2_vl", "build_qwen2_vl"),
 }
