@@ -1,10 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a paged KV cache.
+"""Decoder of the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) and its relatives (Qwen3, Gemma 3 text,
+Phi-3 / Phi-4-mini) over a paged KV cache.
 
-Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE
-(Qwen3: each head of q and k RMS-normed first), residual, RMSNorm, SwiGLU MLP, residual) -> RMSNorm -> LM head. Projections are
-packed (qkv, gate_up); every projection passes through ``lora_linear`` so the
-iteration's adapters apply to their own token rows. Weight loading lives in
-``loader.py``; batch metadata arrives in a ``ForwardBatch``.
+Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE, residual, RMSNorm, gated MLP,
+residual) -> RMSNorm -> LM head; ``DecoderConfig``'s flags add what the relatives change (per-head q/k norms,
+norms after attention and the MLP, per-layer windows, partial rotary, ...). Projections are packed (qkv,
+gate_up); every projection passes through ``lora_linear`` so the iteration's adapters apply to their own token
+rows. Weight loading lives in ``loader.py``; batch metadata arrives in a ``ForwardBatch``.
 """
 
 from __future__ import annotations

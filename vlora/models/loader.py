@@ -1,4 +1,4 @@
-"""Load a decoder from a local HF directory or a GGUF file, and find the embedded default.
+"""Load a decoder from a local HF directory, a Hub id or a GGUF file, and find the embedded default.
 
 A GGUF file is converted once (config, tokenizer and weights dequantised by the
 ``gguf`` package through transformers) into an HF-style directory under the
@@ -334,7 +334,8 @@ def _slices(pname: str, sizes: dict[str, list[int]]) -> set[str]:
     return {f"{pname}:{(offs[j], offs[j + 1])}" for j in range(len(parts))}
 
 
-def _target(name: str, sizes: dict[str, list[int]], sandwich: bool = False) -> tuple[str | None, tuple[int, int] | None]:
+def _target(name: str, sizes: dict[str, list[int]],
+            sandwich: bool = False) -> tuple[str | None, tuple[int, int] | None]:
     if name == "model.embed_tokens.weight":
         return "embed.weight", None
     if name == "model.norm.weight":
