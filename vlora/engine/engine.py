@@ -28,7 +28,7 @@ from vlora.memory.pool import UnifiedPool
 from vlora.memory.swapper import CacheSwapper
 from vlora.memory.tree import PrefixTree
 from vlora.models.lmm import ImageInputError
-from vlora.models.registry import load_model
+from vlora.models.build import load_model
 from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
 

@@ -13,6 +13,9 @@ import os
 from pathlib import Path
 
 from vlora.models.hub import parse_hub_id, resolve_adapter_dir, snapshot_dir
+from vlora.models.lmm import RANDOM_LMMS
+from vlora.models.loader import RANDOM_PRESETS
+from vlora.models.registry import NAMED_MODELS, architecture_of, check_supported
 
 
 class LocateError(ValueError):
@@ -22,14 +25,9 @@ class LocateError(ValueError):
 def locate_model(model: str | None) -> str | None:
     """``model`` with a Hub id replaced by its snapshot directory; the embedded default (None), ``random:`` and
     ``demo:`` specs and ``.gguf`` files pass through (they are built or converted when the engine loads)."""
-    from vlora.models.registry import NAMED_MODELS, architecture_of, check_supported
-
     if model is None or model in NAMED_MODELS:
         return model
     if model.startswith("random:"):
-        from vlora.models.lmm import RANDOM_LMMS
-        from vlora.models.loader import RANDOM_PRESETS
-
         known = (*RANDOM_PRESETS, *RANDOM_LMMS)
         if model.removeprefix("random:") not in known:
             raise LocateError(f"{model}: unknown random model (known: {', '.join('random:' + k for k in known)})")

@@ -1,9 +1,8 @@
 """The architectures vlora serves: ``config.json``'s ``model_type`` -> the function that builds it, in one place.
 
 Builders are named by module and function and imported only when used, so this module imports nothing of
-vlora at load time: the model files import the loader, the loader consults the registry, and no module
-imports one that imports it back. ``load_model`` turns a model argument (a path, a Hub id, ``random:<preset>``
-or a named model such as ``demo:smollm2-llava``) into the built model.
+vlora: the model files import the loader, the loader consults the registry, and no module imports one that
+imports it back. ``vlora.models.build.load_model`` turns a model argument into the built model.
 """
 
 from __future__ import annotations
@@ -74,38 +73,3 @@ def named_model_dir(spec) -> Path | None:
         return None
     module, fn = NAMED_MODELS[spec]
     return getattr(importlib.import_module(module), fn)()
-
-
-@dataclass
-class LoadedModel:
-    model: object               # DecoderLM
-    max_model_len: int
-    vision: object | None       # an LMM's VisionModel; None for text-only models
-    model_dir: Path | None      # where its files (tokenizer) are; None for random:<preset> models
-
-
-def load_model(spec, dtype, device, max_model_len: int | None, max_images: int, max_pixels: int,
-               seed: int = 0) -> LoadedModel:
-    """Build the model that ``spec`` names, with its weights, on ``device``."""
-    from vlora.models.loader import build_random_decoder, is_random_spec, resolve_model_dir
-
-    if is_random_spec(spec):             # shapes of a known model, seeded random weights (benchmarks)
-        from vlora.models.lmm import build_random_lmm, is_random_lmm
-
-        if is_random_lmm(spec):
-            return LoadedModel(*build_random_lmm(spec, dtype, device, max_model_len, max_images, max_pixels, seed),
-                               None)
-        return LoadedModel(*build_random_decoder(spec, dtype, device, max_model_len, seed), None, None)
-    import json
-
-    from transformers import AutoConfig
-
-    model_dir = resolve_model_dir(spec)
-    arch = check_supported(architecture_of(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))),
-                           str(spec or model_dir))
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    if arch.kind == "decoder":
-        model, max_len = arch.build()(model_dir, dtype, device, max_model_len, hf_config=hf_config)
-        return LoadedModel(model, max_len, None, model_dir)
-    model, max_len, vision = arch.build()(model_dir, hf_config, dtype, device, max_model_len, max_images, max_pixels)
-    return LoadedModel(model, max_len, vision, model_dir)
