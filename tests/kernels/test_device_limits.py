@@ -13,6 +13,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from vlora.kernels import atmm, limits, tuning
+from vlora.kernels.atmm import TileConfig
 from vlora.kernels.attention import prefill_shared, prefill_tiles
 from vlora.kernels.merge import TILE, UNMERGE_WALK, k_tile, unmerge_shared, unmerge_stages
 
@@ -137,3 +138,23 @@ def test_a_config_triton_refuses_steps_down_once_and_is_remembered(monkeypatch):
     tried.clear()
     atmm._launch_fitting("shrink", big, (2, 2), torch.device("cpu"), launch)
     assert len(tried) == 1                        # the config that ran is used straight away
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kernels_fitted_to_a_small_device_give_the_reference_results(device, monkeypatch):
+    """A config too large for the device is cut down at launch, and the cut-down kernels compute the same."""
+    from tests.kernels.test_atmm import make_case, run_both
+
+    small = limits.DeviceLimits("small", 12 * 1024, 8)
+    monkeypatch.setattr(limits, "_limits", lambda dev: small)
+    big_s, big_e = TileConfig(32, 32, 128, num_stages=3), TileConfig(32, 64, 64, num_stages=3)
+    assert atmm.shared_need(big_s, 4, 4) > small.shared_bytes and atmm.shared_need(big_e, 4, 4) > small.shared_bytes
+    launched = []
+    real = atmm._launch_fitting
+    monkeypatch.setattr(atmm, "_launch_fitting", lambda k, cfg, sizes, dev, launch: (
+        launched.append((cfg, sizes)), real(k, cfg, sizes, dev, launch)))
+    w, x, segs = make_case("uniform", 5, [1, 7, 33, 2], ranks=[8, 16], dtype=torch.float32, device=device)
+    v, v_ref, y, y_ref, *_ = run_both(segs, w, x, big_s, big_e, device)
+    torch.testing.assert_close(v.double().cpu(), v_ref.cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.double().cpu(), y_ref.double().cpu(), rtol=1e-4, atol=1e-4)
+    assert len(launched) == 2 and all(atmm.shared_need(c, *s) <= small.shared_bytes for c, s in launched)
