@@ -297,7 +297,7 @@ class DecoderLM(nn.Module):
                 h = layer(h, fb, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1])
                 continue
             if layer.window not in local:
-                rope = self.rope_local or self.rope
+                rope = self.rope if self.rope_local is None else self.rope_local
                 local[layer.window] = (fb if fb.use_kernels else windowed(fb, layer.window),
                                        *rope(fb.positions, h.dtype))
             lfb, lcos, lsin = local[layer.window]

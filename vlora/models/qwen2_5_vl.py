@@ -139,8 +139,8 @@ class Qwen25VisionTower(Qwen2VisionTower):
         return self.merger(x)[torch.argsort(order)]
 
 
-def build_qwen2_5_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
-                     max_model_len: int | None, max_images: int, max_pixels: int) -> tuple[DecoderLM, int, Qwen2VLVision]:
+def build_qwen2_5_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                     max_images: int, max_pixels: int) -> tuple[DecoderLM, int, Qwen2VLVision]:
     """Decoder (Qwen2 with M-RoPE), its max length, and the vision side of a Qwen2.5-VL checkpoint."""
     text = hf_config.text_config
     text.tie_word_embeddings = bool(hf_config.tie_word_embeddings)
