@@ -71,12 +71,35 @@ def _parse_adapters(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _check_paths(args) -> dict[str, str]:
+    """Model, adapter and directory arguments checked (a Hub id downloaded) before any weights load; returns the
+    adapters, name -> directory. ``args.model`` becomes the local directory, so the engine does not look again."""
+    from vlora.models.locate import locate_adapter, locate_dir, locate_model
+
+    def checked(flag, fn, value):
+        try:
+            return fn(value)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+
+    adapters = {name: str(checked(f"--adapter {name}", locate_adapter, path))
+                for name, path in _parse_adapters(getattr(args, "adapter", [])).items()}
+    for d in getattr(args, "adapter_dirs", ()):
+        checked("--adapter-dir", locate_dir, d)
+    if getattr(args, "image_dir", None) is not None:
+        checked("--image-dir", locate_dir, args.image_dir)
+    if getattr(args, "trace", None) is not None and not os.path.isfile(args.trace):
+        raise ValueError(f"--trace: {args.trace}: no such file")
+    args.model = checked("--model", locate_model, args.model)
+    return adapters
+
+
 def cmd_generate(args) -> int:
     from vlora import LLM, SamplingParams
     from vlora.models.loader import cache_root
 
+    adapters = _check_paths(args)
     t0 = time.perf_counter()
-    adapters = _parse_adapters(args.adapter)
     llm = LLM(config=_engine_config(args))
     prompts = args.prompt or DEMO_PROMPTS
     if not adapters:
@@ -111,8 +134,8 @@ def cmd_serve(args) -> int:
 
     if args.api_key is None:
         args.api_key = os.environ.get("VLORA_API_KEY") or None
+    adapters = _check_paths(args)
     server_config = _pick(ServerConfig, args)          # fails before the model loads
-    adapters = _parse_adapters(args.adapter)
     engine = Engine(_engine_config(args))
     if not adapters:
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
@@ -214,6 +237,7 @@ def cmd_bench(args) -> int:
                       num_adapters=args.num_adapters, ranks=ints(args.ranks), input_range=ints(args.input_range),
                       output_range=ints(args.output_range), trace=args.trace, ttft_slo_s=args.ttft_slo,
                       seed=args.bench_seed, repeats=args.repeats)
+    _check_paths(args)
     engine = Engine(_engine_config(args))
     rows = run_sweep(engine, cfg, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
     path = write_report(rows, cfg, Path(args.out), default_meta(engine))
@@ -267,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer prompts through several adapters in one batch")
     _add_config_args(gen)
     gen.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                     help="PEFT adapter directory to serve (repeatable)")
+                     help="PEFT adapter to serve: a directory or a Hub id org/name[@revision] (repeatable)")
     gen.add_argument("--prompt", action="append", default=[], help="prompt (repeatable); default: a demo set")
     gen.add_argument("--max-tokens", type=int, default=48, help="most tokens generated per prompt")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -276,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, adapters, metrics)")
     _add_config_args(srv, ENGINE_CONFIGS + (ServerConfig,))
     srv.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                     help="PEFT adapter directory to serve from the start (repeatable); default: two demo adapters")
+                     help="PEFT adapter to serve from the start: a directory or a Hub id org/name[@revision] "
+                          "(repeatable); default: the demo adapters")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="server log level")
     srv.set_defaults(func=cmd_serve)

@@ -151,6 +151,8 @@ class ServerConfig:
     """Name of the base model in the API (the 'model' field). Default: the model's own name."""
     adapter_dirs: tuple[str, ...] = ()
     """Directory /v1/load_lora_adapter may load adapters from (repeatable); none: runtime loading is refused."""
+    allow_hub_adapters: bool = False
+    """Let /v1/load_lora_adapter take a Hugging Face Hub id (org/name[@revision]) as lora_path and download it into the Hub cache when no adapter directory holds that path."""
     image_dir: str | None = None
     """Directory that image_url file paths (file:// or plain) may point into; none: only data: URIs."""
     max_queued_requests: int = 256

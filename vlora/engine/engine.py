@@ -31,8 +31,8 @@ from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import blocks_for_memory
 from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
-from vlora.models.lmm import ImageInputError, build_lmm, build_random_lmm, is_lmm_dir, is_random_lmm
-from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
+from vlora.models.lmm import ImageInputError
+from vlora.models.build import load_model
 from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
 
@@ -63,26 +63,12 @@ class Engine:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
-        self.vision = None                   # LMMs: the vision tower + projector (VisionModel)
-        if is_random_lmm(mc.model):      # LLaVA shapes with seeded random weights (benchmarks)
-            self.model, self.max_model_len, self.vision = build_random_lmm(
-                mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                mc.max_pixels_per_image, mc.seed)
-            self.tokenizer = None
-        elif is_random_spec(mc.model):   # benchmark shapes with seeded random weights; prompts are token ids
-            self.model, self.max_model_len = build_random_decoder(mc.model, self.dtype, self.device,
-                                                                  mc.max_model_len, mc.seed)
-            self.tokenizer = None
-        else:
-            model_dir = resolve_model_dir(mc.model)
-            if is_lmm_dir(model_dir):
-                self.model, self.max_model_len, self.vision = build_lmm(
-                    model_dir, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                    mc.max_pixels_per_image)
-            else:
-                self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device,
-                                                               mc.max_model_len)
-            self.tokenizer = _load_tokenizer(model_dir)
+        loaded = load_model(mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
+                            mc.max_pixels_per_image, mc.seed)
+        self.model, self.max_model_len = loaded.model, loaded.max_model_len
+        self.vision = loaded.vision          # LMMs: the vision tower + projector (VisionModel)
+        # random:<preset> models have no tokenizer: prompts are token ids
+        self.tokenizer = _load_tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
         tp = mc.tensor_parallel_size
         if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
             self.model = _tensor_parallel(self.model, config, self.dtype, self.device, self.vision)

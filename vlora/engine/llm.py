@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
+from vlora.models.hub import resolve_adapter_dir
 from vlora.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -16,7 +17,7 @@ Prompt = str | list[int]
 
 @dataclass(frozen=True)
 class AdapterRequest:
-    """An adapter to register: a name requests use, and a PEFT directory."""
+    """An adapter to register: a name requests use, and a PEFT directory or Hub id (org/name[@revision])."""
 
     name: str
     path: str | os.PathLike
@@ -55,8 +56,9 @@ class LLM:
         return self.engine.tokenizer
 
     def register_adapter(self, name: str, path: str | os.PathLike) -> None:
-        """Validate and register a PEFT adapter; a refused one leaves the others untouched."""
-        self.engine.adapters.register(name, path)
+        """Validate and register a PEFT adapter (a directory, or a Hub id org/name[@revision]); a refused one
+        leaves the others untouched."""
+        self.engine.adapters.register(name, resolve_adapter_dir(path))
 
     def unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from vlora.kernels import compiles
+from vlora.kernels.limits import device_limits
 
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -331,6 +332,19 @@ TILE = (64, 128, 4)
 UNMERGE_WALK = (512, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
 
 
+def unmerge_shared(bm: int, bn: int, bk: int, w_bytes: int, f_bytes: int, stages: int) -> int:
+    """Estimated shared memory (bytes) of the unmerge: per pipeline stage a row tile of W, its codes and B's
+    tile; A's tile loaded once per strip."""
+    return stages * (bm * bn * w_bytes + bm * bn // 2 + bm * bk * f_bytes) + bk * bn * f_bytes
+
+
+def unmerge_stages(bm: int, bn: int, bk: int, w_bytes: int, f_bytes: int, stages: int, shared_bytes: int) -> int:
+    """The unmerge's pipeline stages, fewer where the device's shared memory cannot hold them."""
+    while stages > 1 and unmerge_shared(bm, bn, bk, w_bytes, f_bytes, stages) > shared_bytes:
+        stages -= 1
+    return stages
+
+
 @dataclass
 class SliceRestore:
     """What the unmerge of one slice needs besides ΔW: the codes and the exceptions' original bits."""
@@ -483,6 +497,8 @@ def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor,
     rows = max(bm, rows // bm * bm)
     tiles_i, strips = triton.cdiv(inn, bn), triton.cdiv(out, rows)
     bk = k_tile(r)
+    stages = unmerge_stages(bm, bn, bk, w.element_size(), a.element_size(), stages,
+                            device_limits(w.device).shared_bytes)
     _unmerge_kernel[(L * tiles_i * strips,)](w, a.contiguous(), b.contiguous(), rec.codes, row0, r, inn, out,
                                              w.stride(0), w.stride(1), rec.codes.shape[2], scale, tiles_i, strips,
                                              BM=bm, BN=bn, BK=bk, ROWS=rows, STAGES=stages, HOIST=r <= bk,

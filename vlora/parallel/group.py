@@ -117,11 +117,10 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(spec: WorkerSpec, device: torch.device):
-    from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
+    from vlora.models.build import load_model
 
-    if is_random_spec(spec.model):
-        return build_random_decoder(spec.model, spec.dtype, device, spec.max_model_len, spec.seed)[0]
-    return build_decoder(resolve_model_dir(spec.model), spec.dtype, device, spec.max_model_len)[0]
+    # the same model as the driver's (its seed too, for random:<preset> weights); decoders only
+    return load_model(spec.model, spec.dtype, device, spec.max_model_len, 1, 1, spec.seed).model
 
 
 def _worker(rank: int, world: int, port: int, spec: WorkerSpec, conn) -> None:

@@ -40,6 +40,7 @@ from vlora.engine.engine import Engine, RequestError
 from vlora.engine.llm import apply_chat_template
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
+from vlora.models.hub import HubError, is_hub_id, snapshot_dir
 from vlora.sampling_params import SamplingError, SamplingParams
 from vlora.server import protocol as P
 from vlora.server.images import ImageError, ImageLimits, load_image
@@ -311,18 +312,35 @@ class OpenAIServer:
 
     async def load_adapter(self, request: Request):
         req: P.LoadAdapterRequest = await self.read_request(request, P.LoadAdapterRequest)
-        if not self.config.adapter_dirs:
-            raise APIError(403, "loading adapters at run time is disabled (start the server with --adapter-dir)",
-                           param="lora_path", code="adapter_loading_disabled")
-        path = self.adapter_path(req.lora_path)
+        if not self.config.adapter_dirs and not self.config.allow_hub_adapters:
+            raise APIError(403, "loading adapters at run time is disabled (start the server with --adapter-dir or "
+                           "--allow-hub-adapters)", param="lora_path", code="adapter_loading_disabled")
         if req.lora_name == self.base_name:
             raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+        path = await self.adapter_source(req.lora_path)
         try:
             await self.engine.call(lambda e: e.adapters.register(req.lora_name, path))
         except AdapterError as e:
             raise APIError(400, str(e), param="lora_path", code="invalid_adapter") from None
         log.info("loaded adapter %r from %s", req.lora_name, path)
         return {"status": "ok", "lora_name": req.lora_name}
+
+    async def adapter_source(self, raw: str) -> str:
+        """An adapter directory for ``raw``: inside the adapter roots first, else (when allowed) the snapshot of
+        the Hub id ``raw``, downloaded off the event loop."""
+        hub = self.config.allow_hub_adapters and is_hub_id(raw)
+        if self.config.adapter_dirs:
+            try:
+                return self.adapter_path(raw)
+            except APIError:
+                if not hub:
+                    raise
+        if not hub:
+            raise APIError(400, f"lora_path {raw!r} is not a Hub id (org/name[@revision])", param="lora_path")
+        try:
+            return str(await asyncio.to_thread(snapshot_dir, raw, "adapter"))
+        except HubError as e:
+            raise APIError(404, str(e), param="lora_path", code="adapter_not_found") from None
 
     def adapter_path(self, raw: str) -> str:
         """``raw`` resolved (symlinks too) inside one of the adapter roots, or 403/404."""
