@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: dividing logits by them overflows float32 (inf, then NaN
+probabilities), and at such a temperature sampling already picks the most likely token."""
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range."""
 
@@ -14,7 +19,8 @@ class SamplingParams:
     max_tokens: int = 64
     """Most tokens to generate."""
     temperature: float = 0.0
-    """0 = greedy; otherwise logits are divided by it before sampling."""
+    """0 = greedy; otherwise logits are divided by it before sampling. Below GREEDY_BELOW (1e-5) it is greedy
+    (the value is stored as 0.0)."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = all)."""
     top_p: float = 1.0
@@ -43,6 +49,8 @@ class SamplingParams:
             raise SamplingError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not _finite_number(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         if not _finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
