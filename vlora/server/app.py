@@ -496,8 +496,10 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     parts = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS
                                                                     or p.startswith("function-")))]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or None
-    if err["type"] == "extra_forbidden":
-        return f"unknown field {quote(param)} (vlora refuses fields it does not know)", param
+    if err["type"] == "extra_forbidden":      # the field's own name, whatever characters it holds
+        key = str(err["loc"][-1])
+        param = f"{param.rpartition('.')[0]}.{key}".lstrip(".") if len(parts) > 1 else key
+        return f"unknown field {quote(key)} (vlora refuses fields it does not know)", param
     if err["type"] == "missing":
         return f"missing required field {quote(param)}", param
     msg = err["msg"] if len(err["msg"]) <= 2 * QUOTE_CHARS else err["msg"][:2 * QUOTE_CHARS] + "..."
