@@ -78,6 +78,21 @@ def test_temperature_1e_300_answers_greedily(live, ref, stream):
     assert text == want
 
 
+def test_top_p_too_small_for_float32_keeps_the_likeliest_token(live, ref):
+    """5e-324 is 0 in float32, where it once kept no token at all (found by the fuzz test)."""
+    [want] = ref.chat([(FIXED, None)], N, temperature=0.0)
+    with live.http() as h:
+        r = h.post("/v1/chat/completions", json=chat(top_p=5e-324, temperature=1.0, seed=1))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+
+
+def test_stop_token_ids_are_bounded(live):
+    with live.http() as h:
+        check_error(h.post("/v1/chat/completions", json=chat(stop_token_ids=[2] * 257)), 400, "stop_token_ids",
+                    "at most 256")
+
+
 @pytest.mark.parametrize("route,body,param", [
     ("/v1/chat/completions", chat(min_tokens=2, stop_token_ids=[1_000_000_000]), "stop_token_ids[0]"),
     ("/v1/chat/completions", chat(min_tokens=2, stop_token_ids=[2, 2**70]), "stop_token_ids[1]"),

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
+MAX_STOP_TOKEN_IDS = 256    # most stop_token_ids per request (each is checked at every generated token)
 
 
 class _Request(BaseModel):
@@ -65,7 +66,7 @@ class SamplingRequest(_Request):
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None     # extension
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     max_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
