@@ -123,7 +123,7 @@ def test_random_bodies_never_break_the_server(live, ref):
             assert h.get("/health").status_code == 200
 
         one()
-        for name in loaded:                             # leave the adapters as the other tests expect them
+        for name in set(loaded) & live.async_engine.adapter_names:   # leave the adapters as the other tests expect
             assert h.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
         live.wait_idle()
         assert live.engine.allocator.num_free == live.engine.allocator.num_blocks
