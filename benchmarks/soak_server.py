@@ -189,7 +189,7 @@ class Soak:
     async def leave_mid_body(self, path: str) -> None:
         """Announce a body, send part of it, and close the connection."""
         host, port = self.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        _, writer = await asyncio.open_connection(host, int(port))
         writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{{\"model\": ".encode())
         await writer.drain()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy: dividing logits by them overflows float32 (inf, then NaN
 probabilities), and at such a temperature sampling already picks the most likely token."""
@@ -28,7 +27,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens (0 = all)."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches p. Below TOP_P_MIN (1e-6) it is stored as TOP_P_MIN."""
+    """Keep the smallest set of tokens whose probability reaches p. Below TOP_P_MIN (1e-6) it is stored as
+    TOP_P_MIN."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens, whatever else is in the batch."""
     stop: tuple[str, ...] = ()

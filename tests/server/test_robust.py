@@ -10,7 +10,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, LiveServer
+from tests.server.conftest import LiveServer
 from tests.server.test_errors import BASE, check_error, image_chat
 from vlora.config import ServerConfig
 from vlora.sampling_params import GREEDY_BELOW, SamplingParams

@@ -42,7 +42,6 @@ from vlora.config import ServerConfig
 from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestGroup,
                                        ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
-from vlora.engine.llm import apply_chat_template
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingError, SamplingParams
@@ -105,7 +104,8 @@ class OpenAIServer:
         self.context_len = min(e.max_model_len, e.pool.num_pages * e.block_size)
         self.vocab_size = e.model.cfg.vocab_size
         # a text longer than this cannot fit the context whatever it holds: refused before it is tokenized
-        self.max_text_chars = None if self.work.max_token_chars is None else self.context_len * self.work.max_token_chars
+        chars = self.work.max_token_chars
+        self.max_text_chars = None if chars is None else self.context_len * chars
         self.image_placeholder = (None if e.vision is None or e.tokenizer is None else
                                   "".join(e.tokenizer.convert_ids_to_tokens(list(e.vision.image_prompt_ids))))
         self.metrics = ServerMetrics(self.engine, self.base_name)

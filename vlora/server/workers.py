@@ -57,5 +57,5 @@ def _max_token_chars(tokenizer) -> int | None:
     one character per byte, for SentencePiece one per character), or None if the vocabulary is unknown."""
     try:
         return max(map(len, tokenizer.get_vocab()))
-    except Exception:       # no tokenizer, or one without a readable vocabulary: no early bound
+    except (AttributeError, TypeError, ValueError, NotImplementedError):   # no tokenizer or no readable vocabulary
         return None
