@@ -1,13 +1,27 @@
-.PHONY: run test bench setup
+.PHONY: run test test-latest lock bench setup
+
+# the virtualenv every target uses; CI points it at a fresh folder
+VENV ?= .venv
+export VENV
 
 setup:
 	bash scripts/setup.sh
 
 run: setup
-	.venv/bin/vlora serve
+	$(VENV)/bin/vlora serve
 
 test: setup
-	.venv/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q
+
+# the suite on today's newest releases (a fresh virtualenv, nothing pinned but CPU torch): run before `make lock`
+test-latest:
+	v=$$(VENV=$$(mktemp -d)/venv bash scripts/lock.sh --latest) && $$v/bin/python -m pytest -q
+
+# re-resolve the dependencies into requirements.lock, then run the suite on it
+lock:
+	bash scripts/lock.sh
+	rm -f $(VENV)/.vlora-installed
+	$(MAKE) test
 
 bench: setup
-	.venv/bin/python benchmarks/bench_cpu_generate.py
+	$(VENV)/bin/python benchmarks/bench_cpu_generate.py

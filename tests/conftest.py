@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Caches the tests write (the converted embedded model, demo LMM, demo adapters, Hugging Face files)
+# live in one temporary folder per session, removed at its end: the suite leaves nothing in HOME.
+_CACHE = tempfile.mkdtemp(prefix="vlora-tests-")
+for _var, _sub in (("VLORA_CACHE", "vlora"), ("HF_HOME", "huggingface"), ("TRITON_CACHE_DIR", "triton")):
+    os.environ[_var] = os.path.join(_CACHE, _sub)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

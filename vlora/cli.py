@@ -33,6 +33,7 @@ def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) ->
     for cls in classes:
         group = parser.add_argument_group(cls.__name__)
         for name, help_text in field_help(cls).items():
+            help_text = help_text.replace("%", "%%")  # argparse formats help with %
             default = cls.__dataclass_fields__[name].default
             kind = type(default) if default is not None else str
             if kind is bool:
@@ -70,12 +71,35 @@ def _parse_adapters(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _check_paths(args) -> dict[str, str]:
+    """Model, adapter and directory arguments checked (a Hub id downloaded) before any weights load; returns the
+    adapters, name -> directory. ``args.model`` becomes the local directory, so the engine does not look again."""
+    from vlora.models.locate import locate_adapter, locate_dir, locate_model
+
+    def checked(flag, fn, value):
+        try:
+            return fn(value)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+
+    adapters = {name: str(checked(f"--adapter {name}", locate_adapter, path))
+                for name, path in _parse_adapters(getattr(args, "adapter", [])).items()}
+    for d in getattr(args, "adapter_dirs", ()):
+        checked("--adapter-dir", locate_dir, d)
+    if getattr(args, "image_dir", None) is not None:
+        checked("--image-dir", locate_dir, args.image_dir)
+    if getattr(args, "trace", None) is not None and not os.path.isfile(args.trace):
+        raise ValueError(f"--trace: {args.trace}: no such file")
+    args.model = checked("--model", locate_model, args.model)
+    return adapters
+
+
 def cmd_generate(args) -> int:
     from vlora import LLM, SamplingParams
     from vlora.models.loader import cache_root
 
+    adapters = _check_paths(args)
     t0 = time.perf_counter()
-    adapters = _parse_adapters(args.adapter)
     llm = LLM(config=_engine_config(args))
     prompts = args.prompt or DEMO_PROMPTS
     if not adapters:
@@ -110,8 +134,8 @@ def cmd_serve(args) -> int:
 
     if args.api_key is None:
         args.api_key = os.environ.get("VLORA_API_KEY") or None
+    adapters = _check_paths(args)
     server_config = _pick(ServerConfig, args)          # fails before the model loads
-    adapters = _parse_adapters(args.adapter)
     engine = Engine(_engine_config(args))
     if not adapters:
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
@@ -213,6 +237,7 @@ def cmd_bench(args) -> int:
                       num_adapters=args.num_adapters, ranks=ints(args.ranks), input_range=ints(args.input_range),
                       output_range=ints(args.output_range), trace=args.trace, ttft_slo_s=args.ttft_slo,
                       seed=args.bench_seed, repeats=args.repeats)
+    _check_paths(args)
     engine = Engine(_engine_config(args))
     rows = run_sweep(engine, cfg, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
     path = write_report(rows, cfg, Path(args.out), default_meta(engine))
@@ -260,43 +285,47 @@ def cmd_tune(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlora", description="Serve many LoRA adapters on one model, fast.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer prompts through several adapters in one batch")
     _add_config_args(gen)
     gen.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                     help="PEFT adapter directory to serve (repeatable)")
+                     help="PEFT adapter to serve: a directory or a Hub id org/name[@revision] (repeatable)")
     gen.add_argument("--prompt", action="append", default=[], help="prompt (repeatable); default: a demo set")
-    gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=48, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (default: random)")
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, adapters, metrics)")
     _add_config_args(srv, ENGINE_CONFIGS + (ServerConfig,))
     srv.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                     help="PEFT adapter directory to serve from the start (repeatable); default: two demo adapters")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                     help="PEFT adapter to serve from the start: a directory or a Hub id org/name[@revision] "
+                          "(repeatable); default: the demo adapters")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="server log level")
     srv.set_defaults(func=cmd_serve)
 
     ben = sub.add_parser("bench", help="serve a workload under each mode policy and write a report with plots")
     _add_config_args(ben)
     ben.add_argument("--workload", default="synthetic",
-                     choices=["synthetic", "retrieval", "video", "dynamic", "multiturn", "trace"])
+                     choices=["synthetic", "retrieval", "video", "dynamic", "multiturn", "trace"],
+                     help="workload profile: arrivals and adapter popularity (synthetic), an application profile, or a trace file")
     ben.add_argument("--sweep", default="rate", choices=["rate", "skewness", "streams"], help="what --points are")
     ben.add_argument("--points", default="1,2,4", help="comma-separated values of the swept quantity")
     ben.add_argument("--rate", type=float, default=2.0, help="request rate (req/s) when not sweeping it")
     ben.add_argument("--skewness", type=float, default=None,
                      help="share of the most popular adapter when not sweeping it (default: power law)")
-    ben.add_argument("--policies", default="vlora,unmerged,merged-only,dlora")
+    ben.add_argument("--policies", default="vlora,unmerged,merged-only,dlora",
+                     help="comma-separated inference-mode policies to compare")
     ben.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
-    ben.add_argument("--num-adapters", type=int, default=8)
+    ben.add_argument("--num-adapters", type=int, default=8, help="random adapters the workload spreads over")
     ben.add_argument("--ranks", default="8,16,32,64", help="ranks of the random adapters, round-robin")
     ben.add_argument("--input-range", default="8,256", help="MIN,MAX prompt tokens (synthetic, dynamic)")
     ben.add_argument("--output-range", default="8,128", help="MIN,MAX output tokens (synthetic, dynamic)")
     ben.add_argument("--trace", default=None, help="trace file (CSV or JSONL) for --workload trace")
     ben.add_argument("--ttft-slo", type=float, default=None, help="TTFT target (s) for every request: early abort")
-    ben.add_argument("--bench-seed", type=int, default=0)
+    ben.add_argument("--bench-seed", type=int, default=0, help="seed of the workload (arrivals, lengths, adapters)")
     ben.add_argument("--repeats", type=int, default=1,
                      help="runs of every (point, policy), repeat k on the workload of seed bench-seed + k")
     ben.add_argument("--out", default="bench-report", help="directory for report.md, results.json and plots")
@@ -310,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--tokens", default=None,
                      help="comma-separated token-count buckets to tune (default: all, 1 to 8192)")
     tun.add_argument("--segments", default=None, help="comma-separated segment-count buckets (default: 1,4,16,64)")
-    tun.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    tun.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="dtype to tune for")
     tun.add_argument("--output", type=__import__("pathlib").Path, default=None,
                      help="table path (default: vlora/kernels/configs/<gpu>.json)")
     tun.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
@@ -318,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds")
     tun.set_defaults(func=cmd_tune)
     _add_adapters_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, KeyError) as e:

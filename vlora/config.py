@@ -38,6 +38,8 @@ class ModelConfig:
     """LMMs: largest image accepted before preprocessing, width x height (checked before decoding)."""
     build_kernels: bool = True
     """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
+    tensor_parallel_size: int = 1
+    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection. Above 1 it runs the torch paths (kernels and lora_kernel auto or torch) and needs a memory policy other than fastlibra."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):
@@ -48,6 +50,10 @@ class ModelConfig:
             raise ConfigError("max_images_per_request and max_pixels_per_image must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kernels == "triton":
+            raise ConfigError("tensor_parallel_size > 1 runs the torch paths: kernels must be auto or torch")
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,9 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB)."""
     memory_policy: str = "unified"
-    """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra: unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (for chats whose histories overflow the pool; against lru-fixed on an H200, mean TTFT -31% with a 48 GiB host tier and -67% with 72 GiB; not compared with unified there, docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
+    """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra: unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (for chats whose histories overflow the pool; docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
     host_kv_gb: float = 4.0
-    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA. In docs/memory.md's H200 chat runs, mean TTFT was 269-273 ms with 72 GiB against 735 ms with 48 GiB (separate runs)."""
+    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA."""
     adapter_pool_fraction: float = 0.1
     """lru-fixed: share of the pool's pages reserved for adapters."""
 
@@ -145,6 +151,8 @@ class ServerConfig:
     """Name of the base model in the API (the 'model' field). Default: the model's own name."""
     adapter_dirs: tuple[str, ...] = ()
     """Directory /v1/load_lora_adapter may load adapters from (repeatable); none: runtime loading is refused."""
+    allow_hub_adapters: bool = False
+    """Let /v1/load_lora_adapter take a Hugging Face Hub id (org/name[@revision]) as lora_path and download it into the Hub cache when no adapter directory holds that path."""
     image_dir: str | None = None
     """Directory that image_url file paths (file:// or plain) may point into; none: only data: URIs."""
     max_queued_requests: int = 256

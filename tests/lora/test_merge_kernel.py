@@ -52,28 +52,35 @@ def test_fused_cycles_are_bitwise_exact(tmp_path, monkeypatch, dtype, tile):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_merge_equals_torch_merge(tmp_path, dtype):
-    """Same merged weights as the torch path, up to one unit in the last place (sums in another order). The
-    elements finished after the kernel (ΔW summed in float64, rounded once) may differ more from the torch path's
-    float32 sums, but are within one unit of the exact sum."""
+def test_fused_merge_is_as_accurate_as_torch_merge(tmp_path, dtype):
+    """Both paths' merged weights lie within the rounding-error bound of the exact (float64) sum W + s·Σ_k a_k·b_k,
+    which is relative to the terms' magnitude |W| + |s|·Σ_k|a_k·b_k|, not to the result's: where the delta cancels
+    the weight, two correct summation orders (Triton's dot and torch's matmul, whose order depends on the CPU's
+    vector units) differ by many units of the small result. The elements finished after the kernel (ΔW summed in
+    float64, rounded once) are within one unit of the exact sum."""
     a = adapters_for(tmp_path, dtype, n=2)[1]
     ref, fused, orig = stacked_weights(dtype), stacked_weights(dtype), stacked_weights(dtype)
     merge_(ref, WIDTHS, a, kernel=False)
     rec = merge_(fused, WIDTHS, a, kernel=True)
     unit = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -22
     for g in ref:
-        diff = (ref[g].float() - fused[g].float()).abs()
-        far = (diff > ref[g].float().abs() * unit + 1e-30).view(-1).nonzero().squeeze(1)
-        host = torch.cat([sr.exc_index[sr.from_slots:] for (grp, _), sr in rec.slices.items() if grp == g])
-        assert torch.isin(far, host).all(), g
-        exact = orig[g].double().clone()
-        row0 = 0
+        exact, mag = orig[g].double().clone(), orig[g].double().abs()
+        row0, rank = 0, 0
         for j, width in enumerate(WIDTHS[g]):
             if (g, j) in rec.factors:
-                fa, fb = rec.factors[(g, j)]
-                exact[:, row0:row0 + width] += rec.scale * torch.einsum("lir,lro->loi", fa.double(), fb.double())
+                fa, fb = (f.double() for f in rec.factors[(g, j)])
+                exact[:, row0:row0 + width] += rec.scale * torch.einsum("lir,lro->loi", fa, fb)
+                mag[:, row0:row0 + width] += abs(rec.scale) * torch.einsum("lir,lro->loi", fa.abs(), fb.abs())
+                rank = max(rank, fa.shape[-1])
             row0 += width
-        got, want = fused[g].view(-1)[far].double(), exact.view(-1)[far]
+        # one rounding of the result to the dtype, plus the float32 dot's (rank + 1 roundings of partial sums,
+        # each within float32's eps·mag)
+        bound = unit * exact.abs() + (rank + 1) * torch.finfo(torch.float32).eps * mag
+        for path, got in (("torch", ref[g]), ("fused", fused[g])):
+            err = (got.double() - exact).abs()
+            assert (err <= bound).all(), (path, g, float((err / bound).max()))
+        host = torch.cat([sr.exc_index[sr.from_slots:] for (grp, _), sr in rec.slices.items() if grp == g])
+        got, want = fused[g].view(-1)[host].double(), exact.view(-1)[host]
         assert ((got - want).abs() <= want.abs() * unit).all(), g
 
 

@@ -40,7 +40,12 @@ class AdapterNotFound(RequestError):
 
 
 class EngineFailed(RuntimeError):
-    """An engine step raised; the requests in flight were aborted."""
+    """The engine cannot go on (``on_fatal`` was called); the requests in flight were aborted."""
+
+
+class RequestFailed(EngineFailed):
+    """One request of the group failed while served (its reason); the group's others were aborted and the
+    engine serves on."""
 
 
 @dataclass(frozen=True)
@@ -166,11 +171,15 @@ def _deliver_all(items: list[tuple[RequestGroup, RequestOutput | BaseException]]
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queued_requests: int = 256):
+    def __init__(self, engine: Engine, max_queued_requests: int = 256,
+                 on_fatal: Callable[[BaseException], None] | None = None):
+        """``on_fatal(exc)``: called once on the engine thread when a step raises (the engine cannot go on),
+        after every request in flight has been answered with :class:`EngineFailed`; the server exits then."""
         if max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
+        self.on_fatal = on_fatal
         self._cv = threading.Condition()
         self._commands: deque[Callable[[], None]] = deque()   # guarded by _cv
         self._pending_adds = 0                                  # guarded by _cv
@@ -300,6 +309,11 @@ class AsyncEngine:
                     log.exception("engine step failed; aborting every request in flight")
                     self._fail(e)
                     outputs = []
+                    if self.on_fatal is not None:
+                        try:
+                            self.on_fatal(e)
+                        except Exception:
+                            log.exception("on_fatal callback failed")
                 self._dispatch(outputs)
                 if self._unloads:
                     self._finish_unloads()
@@ -362,6 +376,13 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._live[out.request_id]
+            if out.finish_reason == "error":       # the API call fails as a whole: its other requests stop
+                group = entry[0]
+                for rid in group.request_ids:
+                    if self._live.pop(rid, None) is not None:
+                        self.engine.abort(rid)
+                by_loop[group.loop].append((group, RequestFailed(f"request {out.request_id} failed: {out.error}")))
+                continue
             by_loop[entry[0].loop].append((entry[0], out))
         for loop, items in by_loop.items():
             try:

@@ -1,36 +1,42 @@
-"""The engine: add requests, step the batch, abort. ``step`` is the whole loop.
+"""The engine: add requests, step the batch, abort. ``step`` is the whole loop:
 
-    out = scheduler.schedule()      # which sequences, how many tokens each
-    tokens = runner.run(out)        # forward + sample
-    return self._finish(out, tokens)  # append, stop checks, free, stream
+    plan = self._schedule()         # who runs, how many tokens each, in which mode (a StepPlan)
+    memory.prepare(plan, modes)     # adapters resident and pinned
+    tokens = self._run(plan)        # forward + sample
+    outputs = self._finish(plan, tokens)  # append, stop checks, free, stream
+    memory.after(plan, ...)         # swapper monitor, adapter prefetch, drain when idle
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 
 import torch
 
-from vlora.config import EngineConfig
+from vlora.config import ConfigError, EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
+from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import ModelRunner
-from vlora.engine.scheduler import Scheduler, SchedulerOutput
+from vlora.engine.plan import StepPlan
+from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.kv_cache import blocks_for_memory
+from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
-from vlora.memory.swapper import CacheSwapper
-from vlora.memory.tree import PrefixTree
-from vlora.models.lmm import ImageInputError, build_lmm, build_random_lmm, is_lmm_dir, is_random_lmm
-from vlora.models.loader import build_decoder, build_random_decoder, is_random_spec, resolve_model_dir
+from vlora.models.lmm import ImageInputError
+from vlora.models.build import load_model
 from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,26 +63,16 @@ class Engine:
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
-        self.vision = None                   # LMMs: the vision tower + projector (VisionModel)
-        if is_random_lmm(mc.model):      # LLaVA shapes with seeded random weights (benchmarks)
-            self.model, self.max_model_len, self.vision = build_random_lmm(
-                mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                mc.max_pixels_per_image, mc.seed)
-            self.tokenizer = None
-        elif is_random_spec(mc.model):   # benchmark shapes with seeded random weights; prompts are token ids
-            self.model, self.max_model_len = build_random_decoder(mc.model, self.dtype, self.device,
-                                                                  mc.max_model_len, mc.seed)
-            self.tokenizer = None
-        else:
-            model_dir = resolve_model_dir(mc.model)
-            if is_lmm_dir(model_dir):
-                self.model, self.max_model_len, self.vision = build_lmm(
-                    model_dir, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                    mc.max_pixels_per_image)
-            else:
-                self.model, self.max_model_len = build_decoder(model_dir, self.dtype, self.device,
-                                                               mc.max_model_len)
-            self.tokenizer = _load_tokenizer(model_dir)
+        loaded = load_model(mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
+                            mc.max_pixels_per_image, mc.seed)
+        self.model, self.max_model_len = loaded.model, loaded.max_model_len
+        self.vision = loaded.vision          # LMMs: the vision tower + projector (VisionModel)
+        # random:<preset> models have no tokenizer: prompts are token ids
+        self.tokenizer = _load_tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
+        tp = mc.tensor_parallel_size
+        if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
+            self.model = _tensor_parallel(self.model, config, self.dtype, self.device, self.vision)
+        kv_heads = getattr(self.model, "kv_heads_per_rank", self.model.cfg.num_kv_heads)   # this rank's KV heads
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -84,7 +80,7 @@ class Engine:
 
         cc = config.cache
         num_blocks = cc.num_blocks or blocks_for_memory(cc.kv_cache_memory_gb, cfg.num_layers, cc.block_size,
-                                                        cfg.num_kv_heads, cfg.head_dim, self.dtype)
+                                                        kv_heads, cfg.head_dim, self.dtype)
         self.block_size = cc.block_size
         lc = config.lora
         kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
@@ -92,38 +88,29 @@ class Engine:
         if cc.num_blocks and kernel_lora:            # room for max_loras adapters beside the KV blocks asked for
             pages += lc.max_loras * _adapter_pages(cfg, lc.max_lora_rank, cc.block_size)
         fixed = cc.memory_policy == "lru-fixed"
-        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, kv_heads, cfg.head_dim,
                                 self.dtype, self.device,
                                 adapter_limit=int(pages * cc.adapter_pool_fraction) if fixed else None)
         self.allocator = self.pool                    # KV blocks are pages of the unified pool
         kv = self.pool.kv
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
-                                        self.dtype, self.device, config.lora.check_base_model, config.lora.lora_kernel,
-                                        self.pool)
-        self.prefix_cache = self.swapper = None
-        store = self.adapters.store
-        if fixed and store is not None:           # fixed pools: adapters never give their pages to KV
-            self.pool.reclaimers.remove(store.reclaim)
-            self.pool.reclaimable.remove(store.reclaimable)
-        if cc.prefix_caching:
-            self.prefix_cache = PrefixTree(self.pool, cc.block_size)
-            self.pool.reclaimable.insert(0, self.prefix_cache.reclaimable)
-            if cc.memory_policy != "fastlibra":   # LRU: cached KV gives way first, and is discarded
-                self.pool.reclaimers.insert(0, self.prefix_cache.evict)
-            else:                                 # FastLibra's cost model over KV blocks and adapters
-                self.swapper = CacheSwapper(self.pool, self.prefix_cache, store, self.adapters.find,
-                                            host_kv_bytes=int(cc.host_kv_gb * 2**30))
-                self.pool.reclaimers.insert(0, self.swapper.reclaim)
-                self.pool.reclaimable.insert(0, lambda: self.swapper.leaving)   # swap-outs under way
-            if store is not None:
-                store.on_evict.append(self.prefix_cache.drop_adapter)
+                                        self.dtype, self.device, config.lora.check_base_model,
+                                        "torch" if tp > 1 else config.lora.lora_kernel, self.pool)
+        if tp > 1:
+            self.model.registry = self.adapters
+        self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
+        self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
-        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
+        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda and tp == 1)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
+        if tp > 1:                                    # merges fold each rank's slices into its shard
+            from vlora.parallel.group import ShardModes
+
+            self.runner.modes = ShardModes(self.model)
         sc = config.scheduler
         self.kernel_build = {}                        # what start-up built (vlora.engine.warmup)
         if use_kernels and cuda and mc.build_kernels:
@@ -142,6 +129,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []       # outputs of aborts, flushed by the next step
+        self._forward_failures = 0                    # iterations in a row whose forward failed
         self._rng = torch.Generator(self.device).manual_seed(config.model.seed)
 
     @property
@@ -286,107 +274,124 @@ class Engine:
         self.orchestrator.profile = self.mode_costs
         return self.mode_costs
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        if hasattr(self.model, "close"):
+            self.model.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        plan = self._schedule()                     # who runs, how many tokens each, in which mode
+        self.memory.prepare(plan, self.runner.modes)  # the plan's adapters pinned, the merged one resident
+        tokens = self._run(plan) if not plan.is_empty else {}   # forward + sample
+        outputs = self._finish(plan, tokens)         # append, stop checks, free pages, stream deltas
+        self.memory.after(plan, list(self.scheduler.waiting), idle=not self.scheduler.num_unfinished)
+        return outputs
+
+    def _schedule(self) -> StepPlan:
+        """SLO rejections, the mode policy's pick, the requests whose adapters can be resident, then the
+        scheduler's fit of them into the token budget and free pages; the policy's weights applied."""
         for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator):
             self.scheduler.finish(seq, "rejected")
             self._seqs.pop(seq.request_id, None)
             self._pending.append(self._output(seq, [], error=reason))
-        plan = self.orchestrator.plan(self.scheduler.unfinished(), self.runner.modes, self.adapters)
-        ready = self._adapters_ready()
-        out = self.scheduler.schedule(_both(None if plan is None else plan.batch, ready))
-        if out.is_empty and plan is not None:   # the plan's requests cannot run now (memory): run anyone;
-            first = out                         # outputs never depend on the mode, only speed does
-            out = self.scheduler.schedule(ready)
-            out = SchedulerOutput(out.scheduled, first.preempted + out.preempted, first.truncated + out.truncated)
-        self.orchestrator.apply(plan, self.runner.modes, self.adapters)
-        self._merged_resident(out)
-        tokens = self._run(out) if not out.is_empty else {}
-        if self.swapper is not None:
-            if out.is_empty:                    # nothing runs until a prefix copied back lands: wait for it
-                self.swapper.wait_oldest()      # instead of spinning
-            self.swapper.tick(len(out.scheduled))
-        store = self.adapters.store
-        if store is not None:                   # queued requests' adapters, while pages are spare
-            store.prefetch([s.adapter for s in self.scheduler.waiting if s.adapter is not None],
-                           keep_free_pages=self.pool.num_pages // 4)
-        outputs = self._finish(out, tokens)
-        if self.swapper is not None and not self.scheduler.running and not self.scheduler.waiting:
-            self.swapper.drain()                # idle: the pages of swap-outs under way come back now
-        return outputs
+        modes, sched = self.runner.modes, self.scheduler
+        decision = self.orchestrator.plan(sched.unfinished(), modes, self.adapters)
+        room = max(0, self.config.scheduler.max_num_seqs - len(sched.running))
+        ready = self.memory.runnable(sched.running, list(sched.waiting), room, modes.merged)
+        out = sched.schedule(_both(None if decision is None else decision.batch, ready))
+        preempted, truncated = out.preempted, out.truncated
+        if out.is_empty and decision is not None:   # the policy's requests cannot run now (memory): run anyone;
+            out = sched.schedule(ready)             # outputs never depend on the mode, only speed does
+            preempted, truncated = preempted + out.preempted, truncated + out.truncated
+        self.orchestrator.apply(decision, modes, self.adapters)
+        return StepPlan(out.scheduled, preempted, truncated, decision)
 
-    def _adapters_ready(self) -> set[str] | None:
-        """Kernel path: bring the adapters of running requests, then of the waiting ones that could be admitted
-        now, into the pool (evicting idle ones); they stay protected from eviction this iteration. Returns the
-        ids of requests that can run now (None: every one)."""
-        store = self.adapters.store
-        if store is None:
-            return None
-        merged = self.runner.modes.merged
-        running = [s.adapter for s in self.scheduler.running if s.adapter is not None]
-        room = max(0, self.config.scheduler.max_num_seqs - len(self.scheduler.running))
-        waiting = [s.adapter for s in list(self.scheduler.waiting)[:room] if s.adapter is not None]
-        keep = {a.name for a in running} | ({merged.name} if merged is not None else set())
-        # waiting requests that hold cached blocks (a prefix being copied back): the KV below their adapter is
-        # pinned, and an adapter leaves the pool only with its KV unused
-        keep |= {s.adapter.name for s in self.scheduler.waiting if s.blocks and s.adapter is not None}
-        ok = store.ensure(running + waiting, keep)
-        store.protected = keep | ok
-        seqs = self.scheduler.unfinished()
-        if all(s.adapter is None or s.adapter.name in ok for s in seqs):
-            return None
-        return {s.request_id for s in seqs if s.adapter is None or s.adapter.name in ok}
-
-    def _merged_resident(self, out: SchedulerOutput) -> None:
-        """Mixed mode subtracts the merged adapter through the kernels: it must be in the pool; if it cannot
-        be, unmerge (outputs do not depend on the mode)."""
-        store, modes = self.adapters.store, self.runner.modes
-        if store is None or modes.merged is None:
-            return
-        store.protected = store.protected | {s.seq.adapter.name for s in out.scheduled if s.seq.adapter is not None}
-        if modes.merged.name not in store.ensure([modes.merged], store.protected):
-            modes.unmerge()
-
-    def _run(self, out: SchedulerOutput) -> dict[str, int]:
-        mode = self.runner.modes.mode_for([s.seq.adapter for s in out.scheduled])
+    def _run(self, plan: StepPlan) -> dict[str, int | TaskResult | RequestFailed]:
+        """Forward + sample. A forward that fails without being pinned on one request fails every request
+        of the iteration (a :class:`RequestFailed` each) and puts the base weights back; a CUDA error, or the
+        forward failing ``MAX_FORWARD_FAILURES`` iterations in a row, raises :class:`EngineFatal`."""
+        mode = self.runner.modes.mode_for([s.seq.adapter for s in plan.scheduled])
         t0 = time.perf_counter()
-        tokens = self.runner.run(out.scheduled)
+        try:
+            tokens = self.runner.run(plan.scheduled)
+        except Exception as e:
+            return self._forward_failed(plan, e)
+        self._forward_failures = 0
         seconds = time.perf_counter() - t0
-        decodes = sum(1 for s in out.scheduled if s.start >= len(s.seq.prompt_token_ids))
-        prefill = sum(s.num_tokens for s in out.scheduled if s.start < len(s.seq.prompt_token_ids))
-        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in out.scheduled))
+        decodes = sum(1 for s in plan.scheduled if s.start >= len(s.seq.prompt_token_ids))
+        prefill = sum(s.num_tokens for s in plan.scheduled if s.start < len(s.seq.prompt_token_ids))
+        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in plan.scheduled))
         self.estimator.observe(prefill, decodes, seconds)
         self.last_mode = mode
         return tokens
 
-    def _finish(self, out: SchedulerOutput, tokens: dict[str, int]) -> list[RequestOutput]:
+    def _forward_failed(self, plan: StepPlan, exc: Exception) -> dict[str, RequestFailed]:
+        self._forward_failures += 1
+        if isinstance(exc, EngineFatal):            # already says why (e.g. a tensor-parallel worker exited)
+            raise exc
+        if is_fatal(exc):
+            raise EngineFatal(f"the device failed: {describe(exc)}") from exc
+        if self._forward_failures >= MAX_FORWARD_FAILURES:
+            raise EngineFatal(f"the forward failed {self._forward_failures} iterations in a row; last: "
+                              f"{describe(exc)}") from exc
+        log.error("iteration failed; failing its %d request(s)", len(plan.scheduled), exc_info=exc)
+        self.memory.release_pins()
+        if self.runner.modes.merged is not None:    # back to the base weights (exact); the policy decides anew
+            self.runner.modes.unmerge()
+        failed = RequestFailed(f"the batched forward failed: {describe(exc)}")
+        return {s.seq.request_id: failed for s in plan.scheduled}
+
+    def _finish(self, plan: StepPlan, tokens: dict) -> list[RequestOutput]:
+        """Each request of the plan on its own: an error in one (its token a :class:`RequestFailed`, or its stop
+        checks or detokenizing raising) finishes it with ``finish_reason="error"`` and frees its memory."""
         results, self._pending = self._pending, []
-        for seq in out.truncated:
+        for seq in plan.truncated:
             self._seqs.pop(seq.request_id, None)
             results.append(self._output(seq, []))
-        for s in out.scheduled:
-            seq = s.seq
+        for s in plan.scheduled:
+            seq, token = s.seq, tokens.get(s.seq.request_id)
+            if isinstance(token, RequestFailed):    # its KV of this iteration is not counted computed
+                results.append(self._fail(seq, str(token)))
+                continue
             seq.num_computed += s.num_tokens
-            token = tokens.get(seq.request_id)
             if token is None:
                 continue
-            if isinstance(token, TaskResult):   # answered by the adapter's task head: no decode
-                seq.task = token
-                self.scheduler.finish(seq, "stop")
-                del self._seqs[seq.request_id]
-                results.append(self._output(seq, []))
-                continue
-            seq.output_token_ids.append(token)
-            seq.last_progress = time.monotonic()
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self._seqs[seq.request_id]
-            results.append(self._output(seq, [token]))
+            try:
+                results.append(self._advance(seq, token))
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                log.exception("request %s failed after its forward", seq.request_id)
+                results.append(self._fail(seq, f"finishing the step failed: {describe(e)}"))
         return results
+
+    def _advance(self, seq: Sequence, token: int | TaskResult) -> RequestOutput:
+        """Append a sampled token (or a task head's answer) to ``seq``; stop checks; its output."""
+        if isinstance(token, TaskResult):   # answered by the adapter's task head: no decode
+            seq.task = token
+            self.scheduler.finish(seq, "stop")
+            del self._seqs[seq.request_id]
+            return self._output(seq, [])
+        seq.output_token_ids.append(token)
+        seq.last_progress = time.monotonic()
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+        return self._output(seq, [token])
+
+    def _fail(self, seq: Sequence, reason: str) -> RequestOutput:
+        """Finish ``seq`` with ``finish_reason="error"``; its pages go back (to the prefix cache or the pool)."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
+                             seq.text, True, "error", [], "", reason, seq.task)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -403,6 +408,21 @@ class Engine:
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
                              seq.text, seq.is_finished, seq.finish_reason, new_tokens,
                              self.detokenizer.stream_delta(seq), error, seq.task)
+
+
+def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, vision):
+    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet."""
+    from vlora.parallel.group import WorkerSpec, tensor_parallel
+
+    mc, tp = config.model, config.model.tensor_parallel_size
+    why = ("an LMM (the vision tower is not split yet)" if vision is not None
+           else "lora_kernel triton (the adapter pool is not split yet)" if config.lora.lora_kernel == "triton"
+           else "memory_policy fastlibra (the swapper copies rank 0's pages only)"
+           if config.cache.memory_policy == "fastlibra" else None)
+    if why is not None:
+        raise ConfigError(f"tensor_parallel_size {tp} does not support {why}")
+    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0)
+    return tensor_parallel(model, tp, spec)
 
 
 def _adapter_pages(cfg, rank: int, block_size: int) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
+from vlora.models.hub import resolve_adapter_dir
 from vlora.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -16,7 +17,7 @@ Prompt = str | list[int]
 
 @dataclass(frozen=True)
 class AdapterRequest:
-    """An adapter to register: a name requests use, and a PEFT directory."""
+    """An adapter to register: a name requests use, and a PEFT directory or Hub id (org/name[@revision])."""
 
     name: str
     path: str | os.PathLike
@@ -31,11 +32,13 @@ class LLM:
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
-                 adapter_pool_fraction: float = 0.1, config: EngineConfig | None = None):
+                 adapter_pool_fraction: float = 0.1, tensor_parallel_size: int = 1,
+                 config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               kernels=kernels, cuda_graphs=cuda_graphs, max_images_per_request=max_images_per_request,
-                              max_pixels_per_image=max_pixels_per_image),
+                              max_pixels_per_image=max_pixels_per_image,
+                              tensor_parallel_size=tensor_parallel_size),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
                               adapter_pool_fraction),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),
@@ -44,13 +47,18 @@ class LLM:
         for name, path in items:
             self.register_adapter(name, path)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.engine.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def register_adapter(self, name: str, path: str | os.PathLike) -> None:
-        """Validate and register a PEFT adapter; a refused one leaves the others untouched."""
-        self.engine.adapters.register(name, path)
+        """Validate and register a PEFT adapter (a directory, or a Hub id org/name[@revision]); a refused one
+        leaves the others untouched."""
+        self.engine.adapters.register(name, resolve_adapter_dir(path))
 
     def unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)

@@ -1,12 +1,11 @@
 """What each inference mode costs on this GPU, measured at start-up: decode iterations and mode switches.
 
 V-LoRA's policy (Alg. 1) weighs an iteration in each mode and the switch between
-them. Learning those costs online from the iterations the policy happens to run
-leaves it blind where it stopped choosing a mode: on an H100 (2026-11-22,
-``benchmarks/results/h100-2026-11-22/policies-skew-*``) the two mixed
-iterations of each run read 17 ms against 8 ms unmerged (why is not known), and
-the mixed mode was never chosen again. So the engine times
-the modes once, before serving, on the same CUDA graphs the decode iterations
+them. Costs learnt online from the iterations the policy happens to run leave it
+blind where it stops choosing a mode: a few slow iterations make a mode look
+dear, the policy no longer runs it, and nothing measures it again
+(docs/decisions.md, 'Mode costs profiled at start-up'). So the engine times the
+modes once, before serving, on the same CUDA graphs the decode iterations
 replay:
 
 * one decode iteration per batch-size bucket and graph kind: no LoRA kernels

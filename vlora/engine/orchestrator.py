@@ -13,10 +13,9 @@ there needs a switch. Requests whose credit passes the threshold θ starve.
 
 Under light load — every pending request fits one batch — the algorithm
 would merge nothing: it takes shares of ``max_bs``, so nothing merges until
-more than half a full batch waits on one adapter. On an H100 (2026-11-21,
-``benchmarks/results/policies-10s-nvidia-h100``) the policy then never left
-unmerged mode, although merged iterations were the fastest (8 ms against
-14–15 ms per token at skewness 0.7–0.9). But a light load also
+more than half a full batch waits on one adapter, and the policy stays
+unmerged even when one adapter has most of the requests and merged iterations
+are the fastest (docs/decisions.md, 'Light-load rule'). But a light load also
 has nobody to displace, so no request should wait for a merge. The light-load
 rule (:func:`_light_load`):
 
@@ -24,8 +23,9 @@ rule (:func:`_light_load`):
   stays (no switch: leaving and re-merging whenever a request of another
   adapter comes and goes cost two switches each time), unless that means
   MIXED iterations slower than unmerged ones, for longer than leaving and
-  merging back would cost (:func:`stay_pays`; a mixed iteration was 0.7 ms
-  slower than an unmerged one at batch 1 on an H100, 2026-11-25);
+  merging back would cost (:func:`stay_pays`: in decode a mixed iteration
+  reads the same adapter bytes as an unmerged one and launches a second LoRA
+  pass, so it costs more);
 * else the most requested adapter has more than ``merge_share`` of them: it
   is merged, if the switch pays for itself (the iterations its requests may
   still run times the measured per-iteration saving of the mode it would
@@ -43,11 +43,12 @@ Costs are not constants. When the engine has profiled its modes
 (:meth:`Engine.profile_modes`, :mod:`vlora.engine.mode_costs`), the policy reads
 the replay time of a decode iteration for the batch at hand in each mode, and
 the switch that applies: a first merge, an unmerge, or a merge that reuses the
-restore record of the adapter unmerged last (11 ms against 38 ms on an H100).
-Without a profile it uses running means of the iterations and switches as they
-happen. Running means can leave a mode unmeasured: on 2026-11-22 two slow
-mixed iterations per run kept the policy out of mixed mode for good. They also
-mix first and reused merges.
+restore record of the adapter unmerged last, which writes only the weights and
+costs a fraction of a first merge (docs/decisions.md, 'Reused merges priced
+apart'). Without a profile it uses running means of the iterations and switches
+as they happen. Running means can leave a mode unmeasured: a few slow mixed
+iterations keep the policy out of mixed mode for good. They also mix first and
+reused merges.
 """
 
 from __future__ import annotations
@@ -128,13 +129,13 @@ def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) 
 def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = ()) -> bool:
     """Whether the adapter merged now may stay merged while ``others`` (other adapters' and the base model's
     requests) run beside its requests ``merged``, i.e. in MIXED mode. A mixed iteration runs a second LoRA pass
-    over the other rows (their adapter, minus the merged one) and may cost more than an unmerged one: on an
-    H200 (2026-11-22, ``benchmarks/results/h200-2026-11-22-run1/policies-skew-high``) 8.0 against 6.7 ms at
-    2-4 requests. Staying pays that extra for as long as the others run (the most tokens one of them may still
-    produce); leaving pays an unmerge now and, if the merged adapter's requests outlive the others, the merge
-    back (its record reused). Stay when the first is no more than the second; a mixed iteration no slower than
-    an unmerged one always stays. Unknown lengths weigh nothing but the iteration times. Unmeasured costs get
-    measured: mixed unmeasured -> stay (it runs), unmerged unmeasured -> leave (it runs)."""
+    over the other rows (their adapter, minus the merged one) and may cost more than an unmerged one
+    (docs/decisions.md, 'Mixed mode counted as a cost'). Staying pays that extra for as long as the others run
+    (the most tokens one of them may still produce); leaving pays an unmerge now and, if the merged adapter's
+    requests outlive the others, the merge back (its record reused). Stay when the first is no more than the
+    second; a mixed iteration no slower than an unmerged one always stays. Unknown lengths weigh nothing but the
+    iteration times. Unmeasured costs get measured: mixed unmeasured -> stay (it runs), unmerged unmeasured ->
+    leave (it runs)."""
     mixed_s, unmerged_s = costs.step_s.get(Mode.MIXED, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
     if mixed_s <= 0.0:
         return True

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch
 
+from vlora.engine.faults import RequestFailed, describe, is_fatal
 from vlora.engine.modes import ModeSwitcher
 from vlora.engine.sampler import sample
 from vlora.engine.scheduler import ScheduledSeq
@@ -195,9 +196,9 @@ class ModelRunner:
                 del s.seq.image_embeds[k]
 
     @torch.inference_mode()
-    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int | TaskResult]:
+    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int | TaskResult | RequestFailed]:
         """One forward over the scheduled chunks; returns request_id -> sampled token (a task head's answer
-        for ``task_head`` requests)."""
+        for ``task_head`` requests; a :class:`RequestFailed` for a request whose own part failed)."""
         ordered = self.order(scheduled)
         samplers = [s.seq for s in ordered if s.samples]
         logits = self._replay(ordered) if self.graphs is not None else None
@@ -222,7 +223,12 @@ class ModelRunner:
         heads = [i for i, seq in enumerate(samplers) if seq.params.task_head]
         if not heads:
             return {}, samplers, hidden
-        results = apply_heads(hidden[heads], [self.adapters.heads[samplers[i].adapter_name] for i in heads])
+        try:
+            results = apply_heads(hidden[heads], [self.adapters.heads[samplers[i].adapter_name] for i in heads])
+        except Exception as e:         # pin it on the request(s) whose head fails: each head on its own
+            if is_fatal(e):
+                raise
+            results = [_one_head(hidden[i:i + 1], self.adapters.heads.get(samplers[i].adapter_name)) for i in heads]
         keep = [i for i, seq in enumerate(samplers) if not seq.params.task_head]
         return ({samplers[i].request_id: r for i, r in zip(heads, results)}, [samplers[i] for i in keep],
                 hidden[keep])
@@ -243,6 +249,15 @@ class ModelRunner:
             lens.append(p + 1)
         minus = LoRABatch.segments_of(minus, scale=-self.modes.merged.scaling) if minus else []
         return self.graphs.run(ids, positions, slots, tables, lens, LoRABatch.segments_of(own), minus)
+
+
+def _one_head(hidden: torch.Tensor, head) -> TaskResult | RequestFailed:
+    try:
+        return apply_heads(hidden, [head])[0]
+    except Exception as e:
+        if is_fatal(e):
+            raise
+        return RequestFailed(f"task head failed: {describe(e)}")
 
 
 def _image_overlaps(seq, start: int, n: int):

@@ -2,34 +2,65 @@
 
 A request with a seed samples from its own generator, so its tokens do not depend
 on what else is in the batch, nor on preemption and recompute.
+
+A row that cannot be sampled (stop ids outside the vocabulary, probabilities
+that are not finite, e.g. from a temperature too small to divide by) gets a
+:class:`~vlora.engine.faults.RequestFailed` in place of its token; the other
+rows are untouched. Such a row's probabilities are replaced before
+``torch.multinomial`` sees them (on a GPU it would hit a device-side assert,
+which ends the whole process), and the check costs no sync per row: the flags
+come back with the tokens in one copy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vlora.engine.faults import RequestFailed, describe, is_fatal
 from vlora.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[int]:
-    """logits [S, V] float32, one row per sequence -> one token id per sequence."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> list[int | RequestFailed]:
+    """logits [S, V] float32, one row per sequence -> one token id per sequence (or why it could not be had)."""
+    vocab = logits.shape[-1]
+    errors: dict[int, RequestFailed] = {}
     for i, seq in enumerate(seqs):
         if len(seq.output_token_ids) < seq.params.min_tokens:     # no stop allowed yet
-            logits[i, list(eos_token_ids) + list(seq.params.stop_token_ids)] = float("-inf")
+            banned = list(eos_token_ids) + list(seq.params.stop_token_ids)
+            if any(not 0 <= t < vocab for t in banned):
+                errors[i] = RequestFailed(f"sampling failed: stop_token_ids hold ids outside the vocabulary "
+                                          f"[0, {vocab})")
+                continue
+            logits[i, banned] = float("-inf")
     out = logits.argmax(dim=-1)
+    checks: list[tuple[int, torch.Tensor]] = []       # (row, whether its probabilities were valid)
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.greedy:
+        if p.greedy or i in errors:
             continue
-        row = logits[i] / p.temperature
-        if p.top_k and p.top_k < row.shape[0]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p     # keep the smallest set reaching top_p
-            sorted_p[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
-    return out.tolist()
+        try:
+            row = logits[i] / p.temperature
+            if p.top_k and p.top_k < row.shape[0]:
+                kth = torch.topk(row, p.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = torch.softmax(row, dim=-1)
+            if p.top_p < 1.0:
+                sorted_p, idx = probs.sort(descending=True)
+                drop = sorted_p.cumsum(0) - sorted_p >= p.top_p     # keep the smallest set reaching top_p
+                sorted_p[drop] = 0.0
+                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+            ok = torch.isfinite(probs).all() & (probs >= 0).all() & (probs.sum() > 0)
+            probs = torch.where(ok, probs, torch.ones_like(probs))   # a placeholder draw, discarded below
+            out[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
+            checks.append((i, ok))
+        except Exception as e:
+            if is_fatal(e):
+                raise
+            errors[i] = RequestFailed(f"sampling failed: {describe(e)}")
+    tokens = out.tolist()
+    if checks:
+        for (i, _), ok in zip(checks, torch.stack([c for _, c in checks]).tolist()):
+            if not ok:
+                errors[i] = RequestFailed(f"sampling failed: the next-token probabilities are not finite at "
+                                          f"temperature {seqs[i].params.temperature!r}")
+    return [errors.get(i, t) for i, t in enumerate(tokens)]

@@ -44,7 +44,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0                      # leading blocks that came from the prefix cache (pinned there)
     generator: torch.Generator | None = None
-    finish_reason: str | None = None         # "stop" | "length" | "abort" | "rejected" (SLO early abort)
+    finish_reason: str | None = None         # "stop" | "length" | "abort" | "rejected" (SLO early abort) | "error"
     text: str = ""                           # detokenized output (stop string excluded)
     num_emitted_tokens: int = 0              # streamed so far
     num_emitted_chars: int = 0
@@ -117,5 +117,6 @@ class RequestOutput:
     finish_reason: str | None
     delta_token_ids: list[int]
     delta_text: str
-    error: str | None = None                 # why a request was refused after admission (finish "rejected")
+    error: str | None = None                 # why a request was refused after admission (finish "rejected") or
+    #                                          failed while served (finish "error")
     task: "TaskResult | None" = None         # task_head requests: the head's label and scores (no tokens)

@@ -35,8 +35,10 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from vlora.kernels import compiles
+from vlora.kernels.limits import device_limits
 from vlora.lora.batch import SegmentMeta  # noqa: F401  (re-exported: kernels take it)
 
 
@@ -251,21 +253,55 @@ def pdl(device: torch.device) -> bool:
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-SHARED_BYTES = 232448        # per-block shared memory of Hopper (H100, H200)
+def shared_need(cfg: TileConfig, a_bytes: int, b_bytes: int) -> int:
+    """Estimated shared memory (bytes) of ``cfg``: its pipeline stages of operand tiles, A [BM, BK] and B [BK, BN]
+    (the expand's v tile counted as A, at 4 bytes)."""
+    return max(cfg.num_stages, 1) * (cfg.block_m * cfg.block_k * a_bytes + cfg.block_k * cfg.block_n * b_bytes)
 
 
-def fit_shared(cfg: TileConfig, a_bytes: int, b_bytes: int) -> TileConfig:
-    """``cfg`` with fewer pipeline stages, then a shorter K tile, until its operand tiles fit in shared memory
-    (a tuned config meets 16-bit data; float32 doubles its footprint)."""
-    def need(c: TileConfig) -> int:
-        return max(c.num_stages, 1) * (c.block_m * c.block_k * a_bytes + c.block_k * c.block_n * b_bytes)
+def _smaller(cfg: TileConfig) -> TileConfig | None:
+    """The next config down: one pipeline stage fewer, then half the K tile, then half the N tile."""
+    if cfg.num_stages > 1:
+        return dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    if cfg.block_k > 16:
+        return dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+    if cfg.block_n > 16:
+        return dataclasses.replace(cfg, block_n=cfg.block_n // 2)
+    return None
 
-    while need(cfg) > SHARED_BYTES and (cfg.num_stages > 1 or cfg.block_k > 16):
-        if cfg.num_stages > 1:
-            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-        else:
-            cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2, num_stages=1)
+
+def fit_shared(cfg: TileConfig, a_bytes: int, b_bytes: int, shared_bytes: int | None = None) -> TileConfig:
+    """``cfg`` with fewer pipeline stages, then a shorter K tile (then a narrower N tile), until its operand tiles
+    fit in ``shared_bytes`` (default: the current device's opt-in shared memory per block). Tables are tuned for
+    16-bit data; float32 doubles a config's footprint, and smaller GPUs have less room."""
+    limit = device_limits().shared_bytes if shared_bytes is None else shared_bytes
+    while shared_need(cfg, a_bytes, b_bytes) > limit:
+        smaller = _smaller(cfg)
+        if smaller is None:
+            break
+        cfg = smaller
     return cfg
+
+
+# (kernel, config asked for, element sizes, device) -> the smaller config that launched where Triton found the
+# first one needs more shared memory than the device has (the estimate above undercounts it)
+_refitted: dict[tuple, TileConfig] = {}
+
+
+def _launch_fitting(kernel: str, cfg: TileConfig, sizes: tuple[int, int], device: torch.device, launch) -> None:
+    """``launch(cfg)``, stepping down to smaller configs while Triton refuses it for shared memory (it refuses
+    before running anything, so a retry computes nothing twice)."""
+    key = (kernel, cfg, sizes, str(device))
+    cfg = _refitted.get(key, cfg)
+    while True:
+        try:
+            launch(cfg)
+            return
+        except OutOfResources:
+            smaller = _smaller(cfg)
+            if smaller is None:
+                raise
+            cfg = _refitted[key] = smaller
 
 
 def expand_hoisted(cfg: TileConfig, max_rank: int | None) -> bool:
@@ -325,17 +361,21 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:
         return v[:cfg.planes]
-    cfg = fit_shared(cfg, x.element_size(), x.element_size())
-    m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
-    grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
-    reduce = cfg.split_k > 1 and bool(cfg.reduce)
-    counts = tile_counts(x.device, grid[0] * grid[1], lane) if reduce else v   # v: a pointer the kernel never uses
-    _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, counts, x.shape[1], x.stride(0), v.stride(0),
-                         v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,
-                         EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
-                         ALIGNED=aligned and x.shape[1] % 16 == 0, GDC=pdl(x.device),
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    cfg = fit_shared(cfg, x.element_size(), x.element_size(), device_limits(x.device).shared_bytes)
+
+    def launch(cfg: TileConfig) -> None:
+        m_tiles = triton.cdiv(meta.max_len, cfg.block_m)
+        grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
+        reduce = cfg.split_k > 1 and bool(cfg.reduce)
+        counts = tile_counts(x.device, grid[0] * grid[1], lane) if reduce else v   # v: a pointer never used
+        _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, counts, x.shape[1], x.stride(0),
+                             v.stride(0), v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,
+                             EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
+                             ALIGNED=aligned and x.shape[1] % 16 == 0, GDC=pdl(x.device),
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    _launch_fitting("shrink", cfg, (x.element_size(),) * 2, x.device, launch)
     return v[:cfg.planes]
 
 
@@ -356,19 +396,24 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     num_segs = meta.starts.shape[0]
     if num_segs == 0 or meta.max_len == 0:
         return y
-    cfg = fit_shared(cfg, 4, y.element_size())
-    hoist = expand_hoisted(cfg, max_rank)
-    if hoist:
-        cfg = dataclasses.replace(cfg, m_loop=1)
-    tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
-    m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
-    grid = (num_segs * m_progs, tiles.shape[0] // 2)
-    gdc = pdl(y.device)
-    _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
-                         meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
-                         N_LOOP=cfg.n_loop,
-                         SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),
-                         IEEE=y.dtype == torch.float32, HOIST=hoist, STAGES=max(1, cfg.num_stages), GDC=gdc,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}))
+    cfg = fit_shared(cfg, 4, y.element_size(), device_limits(y.device).shared_bytes)
+
+    def launch(cfg: TileConfig) -> None:
+        hoist = expand_hoisted(cfg, max_rank)
+        if hoist:
+            cfg = dataclasses.replace(cfg, m_loop=1)
+        tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
+        m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
+        grid = (num_segs * m_progs, tiles.shape[0] // 2)
+        gdc = pdl(y.device)
+        _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
+                             meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
+                             N_LOOP=cfg.n_loop,
+                             SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),
+                             IEEE=y.dtype == torch.float32, HOIST=hoist, STAGES=max(1, cfg.num_stages), GDC=gdc,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             **({"launch_pdl": True} if gdc else {}))
+
+    _launch_fitting("expand", cfg, (4, y.element_size()), y.device, launch)
     return y

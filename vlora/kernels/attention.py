@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from vlora.kernels import compiles
+from vlora.kernels.limits import device_limits
 
 
 @compiles.jit(ints=("part_len", "stride_tb"))       # stride_tb: the batch's longest block table
@@ -207,6 +208,29 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
+PREFILL_STAGES = 2
+
+
+def prefill_shared(bm: int, bn: int, head_dim: int, elem: int) -> int:
+    """Estimated shared memory (bytes) of the prefill kernel: the Q tile, the pipelined K and V tiles, and the
+    probabilities' tile P converted for P @ V."""
+    return bm * head_dim * elem + PREFILL_STAGES * 2 * bn * head_dim * elem + bm * bn * elem
+
+
+def prefill_tiles(head_dim: int, elem: int, shared_bytes: int, block_m: int | None = None,
+                  block_n: int | None = None) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill kernel: the given or default tiles, the key tile (then the query tile)
+    halved until they fit the device's shared memory."""
+    bm = block_m or (64 if head_dim <= 128 else 32)
+    bn = block_n or (64 if head_dim <= 64 else 32)
+    while prefill_shared(bm, bn, head_dim, elem) > shared_bytes and max(bm, bn) > 16:
+        if bn > 16:
+            bn //= 2
+        else:
+            bm //= 2
+    return bm, bn
+
+
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                   starts: torch.Tensor, q_lens: torch.Tensor, ctx_lens: torch.Tensor, max_q_len: int,
                   scale: float, window: int = 0, out: torch.Tensor | None = None,
@@ -224,12 +248,11 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return out
     page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     head_dim = triton.next_power_of_2(d)
-    bm = block_m or (64 if head_dim <= 128 else 32)
-    bn = block_n or (64 if head_dim <= 64 else 32)
+    bm, bn = prefill_tiles(head_dim, q.element_size(), device_limits(q.device).shared_bytes, block_m, block_n)
     grid = (starts.shape[0], q.shape[1], triton.cdiv(max_q_len, bm))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, tables, starts, q_lens, ctx_lens, scale, _window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), hkv * d, d, tables.stride(0),
         GROUP=q.shape[1] // hkv, PAGE=page, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=head_dim, D=d,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=2)
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=PREFILL_STAGES)
     return out

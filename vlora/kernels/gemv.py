@@ -2,20 +2,17 @@
 
 A decode step at batch 1-4 is a stream of the weights through the SMs; the
 product itself is negligible. cuBLAS picks tensor-core tiles at least 8 rows
-high and, for the narrow projections, split-K with a second reduce launch
-(``benchmarks/results/profile-b1-nvidia-h100.txt``). This kernel has no
-tensor-core padding, no split-K and no second launch: each program owns
-``BLOCK_N`` output columns, walks K in long contiguous ``BLOCK_K`` strips, keeps
-an elementwise fp32 partial product per (row, column, lane) and reduces it once
-at the end.
+high and, for the narrow projections, split-K with a second reduce launch.
+This kernel has no tensor-core padding, no split-K and no second launch: each
+program owns ``BLOCK_N`` output columns, walks K in long contiguous ``BLOCK_K``
+strips, keeps an elementwise fp32 partial product per (row, column, lane) and
+reduces it once at the end.
 
-Measured on an H100 (``benchmarks/results/gemv-nvidia-h100-80gb-hbm3.log``,
-2026-11-21, per-call launches): faster than cuBLAS on the wide projections
-(gate_up, LM head) at M = 1 and 2, slower at M = 4 (gate_up 101 vs 73 µs, LM
-head 144 vs 101 µs), and on the narrow ones (qkv, o, down) no faster at any M.
-In the CUDA-graph decode step at batch 1 it took the step from 5.83 to 5.53 ms
-(``results/e2e-nvidia-h100-80gb-hbm3.log``). :func:`linear` therefore uses it
-for M <= ``DISPATCH_M`` only.
+It beats cuBLAS on the wide projections (gate_up, LM head) at M = 1 and 2, is
+slower at M = 4, and is no faster on the narrow projections (qkv, o, down) at
+any M; over a whole decode step at batch 1 it still saves time. :func:`linear`
+therefore uses it for M <= ``DISPATCH_M`` only (docs/decisions.md, 'Skinny
+GEMM up to two rows').
 
 Rounding: fp32 accumulation, one rounding to the output dtype (like cuBLAS; the
 summation order differs, so results agree to the dtype's precision, not bitwise).
@@ -28,7 +25,7 @@ import triton
 import triton.language as tl
 
 MAX_M = 4
-DISPATCH_M = 2          # linear(): rows up to which the kernel beat cuBLAS on the H100 (see above)
+DISPATCH_M = 2          # linear(): rows up to which the kernel beats cuBLAS (see above)
 
 
 @triton.jit

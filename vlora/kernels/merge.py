@@ -13,15 +13,15 @@ exception (``c`` out of range, which every sign change is), whose original bits
 are kept elsewhere:
 
 * the first of each tile row in the row's *slot*: one integer holding its
-  column and its original bits, found by a min-reduction along the row. With
-  a random rank-64 adapter on Llama-2-7B shapes about one tile row (128
-  elements) in five has an exception;
+  column and its original bits, found by a min-reduction along the row. Most
+  tile rows have no exception, so one slot a row catches most of them;
 * any further one of that row is left unmerged by the kernel, with code 15,
-  and the slot is flagged. They are 11% of the exceptions in that case: two
+  and the slot is flagged. They are a small share of the exceptions: two
   small kernels (:func:`_finish_rows`) find them through the flagged slots,
   merge them and list their original bits. No atomics and no list in the
   merge kernel: both cost it registers, and with them time, even where no
-  tile needed them (benchmarks/results/h100-2026-11-25-merge-designs/).
+  tile needs them (docs/decisions.md, 'Exact merge: one slot per tile row,
+  no atomics').
 
 After the launch the slots and the finished elements are gathered into the
 slice's list (flat indices into the stacked weights, original bits), so the
@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from vlora.kernels import compiles
+from vlora.kernels.limits import device_limits
 
 INT_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -85,11 +86,9 @@ def _codes(w, d, INT_T: tl.constexpr, ORD_T: tl.constexpr, UORD_T: tl.constexpr)
 
 
 # Arguments that differ between the slices of one model are not specialised on. The rank is: A's rows are R
-# elements long, and only a known multiple of 16 lets its loads vectorise (unspecialised, the unmerge of a
-# rank-64 adapter took 25.4 ms instead of 18.3 on an H100, best tiles of two sweeps on 2026-11-22:
-# benchmarks/results/h100-2026-11-22/merge-nvidia-h100-80gb-hbm3.json and earlier/). The variants are then one
-# per (K tile, rank a multiple of 16 or not, rank 1), dtype and EVEN, which the engine builds at start-up
-# (vlora.engine.warmup.build_merge).
+# elements long, and only a known multiple of 16 lets its loads vectorise (docs/decisions.md, 'Merge kernels
+# specialised on the rank'). The variants are then one per (K tile, rank a multiple of 16 or not, rank 1), dtype
+# and EVEN, which the engine builds at start-up (vlora.engine.warmup.build_merge).
 @compiles.jit(ints=("row0", "tiles_o", "tiles_i"))
 def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, stride_wl, stride_wo, code_row,
                   scale, tiles_o, tiles_i, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -128,10 +127,9 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
             r1 = r1 & m1
         # the row's first exception goes to its slot, its original bits re-read from the row, then a barrier:
         # the tile's stores below come after every thread's re-read (other threads store these words). Taking
-        # the bits from registers instead (one min over a column|bits key) made the first merge of Llama-2-7B
-        # shapes 23.5 ms against 21.6 on an H100 (2026-11-25). The others stay unmerged with code 15, the slot
-        # flagged, for _finish_rows. (The halves are combined element by element first: one reduction for the
-        # first, one for the count.)
+        # the bits from registers instead (one min over a column|bits key) is slower (docs/decisions.md, 'Slot
+        # bits re-read from memory'). The others stay unmerged with code 15, the slot flagged, for _finish_rows.
+        # (The halves are combined element by element first: one reduction for the first, one for the count.)
         first = tl.min(tl.minimum(tl.where(r0, j[None, :], BN), tl.where(r1, j[None, :] + H, BN)), axis=1)
         many = tl.sum(r0.to(tl.int32) + r1.to(tl.int32), axis=1) > 1
         has = first < BN
@@ -164,12 +162,10 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, slot_ptr, row0, R, IN, OUT, st
 # The unmerge walks a strip of ROWS rows of one column tile, BM rows at a time, software-pipelined (STAGES), with A's
 # tile loaded once per strip when the rank fits one K tile. ΔW is the same product of the same tiles as the merge's
 # (the same halves, the same K steps), so the restore stays bit for bit (the GPU tests check it). The merge stays
-# one tile per program: walking strips made it slower (44 -> 62-66 ms in a sweep of that design on an H100,
-# benchmarks/results/h100-2026-11-22-merge/attempts/). The slots are not read here: the merge gathers every
-# exception into the record's list, which the host scatters back (reading the slots in this kernel cost it
-# 0.30-0.37 of 2.5 ms on a gate slice with the (64, 128, 4) tile, against 0.37-0.45 ms for the gather: about
-# even, and the unmerge is the half of a reused switch that cannot be avoided;
-# benchmarks/results/h100-2026-11-25-merge-designs/).
+# one tile per program: walking strips makes it slower. The slots are not read here: the merge gathers every
+# exception into the record's list, which the host scatters back. Reading the slots in this kernel costs about
+# what the gather costs, and the unmerge is the half of a reused switch that cannot be avoided, so the work stays
+# with the merge (docs/decisions.md, 'Merge one tile per program, unmerge in strips').
 @compiles.jit(ints=("row0", "tiles_i", "strips"))
 def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl, stride_wo, code_row, scale,
                     tiles_i, strips, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROWS: tl.constexpr,
@@ -234,8 +230,9 @@ def _unmerge_kernel(w_ptr, a_ptr, b_ptr, codes_ptr, row0, R, IN, OUT, stride_wl,
 
 # The exceptions past a row's first, which the merge left unmerged with code 15 in the rows whose slot it flagged:
 # listed (flat index in the slice, original bits) with their codes set to 0, G flagged rows a program and one
-# atomic add each, then merged with ΔW summed in float64. Done in torch instead, the gathers of [rows, BN] index
-# tensors made a first merge of Llama-2-7B shapes take 16 ms more than its kernels on an H100 (2026-11-25).
+# atomic add each, then merged with ΔW summed in float64. In Triton, not torch: torch would gather [rows, BN]
+# index tensors on the host side of the merge and sync on them (docs/decisions.md, 'Flagged rows finished in
+# Triton').
 @compiles.jit(ints=("P", "row0", "capacity"))
 def _list_pending_kernel(w_ptr, codes_ptr, rows_ptr, t_ptr, count_ptr, idx_ptr, bits_ptr, P, row0, IN, OUT,
                          stride_wl, stride_wo, code_row, capacity, BN: tl.constexpr, G: tl.constexpr,
@@ -328,14 +325,24 @@ def _tiles(out: int, inn: int, bm: int, bn: int) -> tuple[int, int]:
     return triton.cdiv(out, bm), triton.cdiv(inn, bn)
 
 
-# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives. On an H100 on
-# 2026-11-25 (the gate slice of Llama-2-7B shapes, rank 64; benchmarks/results/h100-2026-11-25-merge-designs/)
-# (64, 128, 4) had the fastest merge with a record (4.9 ms against 5.0 for (64, 64, 4) and 6.0 for (32, 128, 4)),
-# without one (2.16 ms against 2.38 and 2.87), and a 2.5 ms unmerge walking strips of 512 rows (3.2 and 2.4).
-# On an H200 the same day, a sweep of seven tiles over the whole model chose it too
-# (benchmarks/results/h200-2026-11-25-merge-halves/).
+# Tile of both kernels: (BM, BN, warps). ``benchmarks/bench_merge.py --sweep`` times the alternatives. (64, 128, 4)
+# gives the fastest merge with a record and without one, and an unmerge walking strips of 512 rows about as fast
+# as the best (docs/decisions.md, 'Exact merge tiles').
 TILE = (64, 128, 4)
 UNMERGE_WALK = (512, 3)      # the unmerge's strip: rows (a multiple of BM) and pipeline stages
+
+
+def unmerge_shared(bm: int, bn: int, bk: int, w_bytes: int, f_bytes: int, stages: int) -> int:
+    """Estimated shared memory (bytes) of the unmerge: per pipeline stage a row tile of W, its codes and B's
+    tile; A's tile loaded once per strip."""
+    return stages * (bm * bn * w_bytes + bm * bn // 2 + bm * bk * f_bytes) + bk * bn * f_bytes
+
+
+def unmerge_stages(bm: int, bn: int, bk: int, w_bytes: int, f_bytes: int, stages: int, shared_bytes: int) -> int:
+    """The unmerge's pipeline stages, fewer where the device's shared memory cannot hold them."""
+    while stages > 1 and unmerge_shared(bm, bn, bk, w_bytes, f_bytes, stages) > shared_bytes:
+        stages -= 1
+    return stages
 
 
 @dataclass
@@ -490,6 +497,8 @@ def unmerge_slice_(w: torch.Tensor, row0: int, a: torch.Tensor, b: torch.Tensor,
     rows = max(bm, rows // bm * bm)
     tiles_i, strips = triton.cdiv(inn, bn), triton.cdiv(out, rows)
     bk = k_tile(r)
+    stages = unmerge_stages(bm, bn, bk, w.element_size(), a.element_size(), stages,
+                            device_limits(w.device).shared_bytes)
     _unmerge_kernel[(L * tiles_i * strips,)](w, a.contiguous(), b.contiguous(), rec.codes, row0, r, inn, out,
                                              w.stride(0), w.stride(1), rec.codes.shape[2], scale, tiles_i, strips,
                                              BM=bm, BN=bn, BK=bk, ROWS=rows, STAGES=stages, HOIST=r <= bk,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import statistics
 import time
@@ -23,6 +24,9 @@ from pathlib import Path
 import torch
 
 from vlora.kernels.atmm import TileConfig
+from vlora.kernels.limits import DeviceLimits, device_limits
+
+log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
@@ -56,18 +60,27 @@ def gpu_name(device: torch.device | None = None) -> str:
 
 
 class TilingTable:
-    def __init__(self, entries: dict[str, list[int]] | None = None, meta: dict | None = None):
+    """Tuned configs by shape key, and the limits of the device they run on (the fallback sizes its split-K
+    by the device's SM count; every config is fitted to its shared memory at launch, :func:`atmm.fit_shared`)."""
+
+    def __init__(self, entries: dict[str, list[int]] | None = None, meta: dict | None = None,
+                 limits: DeviceLimits | None = None):
         self.entries = {k: TileConfig(*v) for k, v in (entries or {}).items()}
         self.meta = meta or {}
+        self.limits = limits or device_limits()
 
     @classmethod
-    def load(cls, name: str | None = None, path: Path | None = None) -> "TilingTable":
+    def load(cls, name: str | None = None, path: Path | None = None,
+             limits: DeviceLimits | None = None) -> "TilingTable":
         """The table of GPU ``name`` (default: this one) in the shipped configs, or the file ``path``."""
         path = path or CONFIG_DIR / f"{name or gpu_name()}.json"
         if not path.is_file():
-            return cls()
+            if name is None and torch.cuda.is_available():
+                log.warning("no ATMM tiling table for this GPU (%s): the LoRA kernels use fallback tile configs "
+                            "fitted to its limits; `vlora tune` profiles and writes one", path.name)
+            return cls(limits=limits)
         data = json.loads(path.read_text())
-        return cls(data["entries"], {k: v for k, v in data.items() if k != "entries"})
+        return cls(data["entries"], {k: v for k, v in data.items() if k != "entries"}, limits)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,11 +95,12 @@ class TilingTable:
         # the fallback sees the key's buckets, not the raw counts: one config per key, so the set of kernel
         # variants is finite and known up front (vlora.engine.warmup compiles them all)
         return heuristic_config(op, _bucket(tokens, TOKEN_BUCKETS), _bucket(segments, SEGMENT_BUCKETS), dim,
-                                pow2_bucket(rank))
+                                pow2_bucket(rank), self.limits.num_sms)
 
 
-def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, num_sms: int = 132) -> TileConfig:
-    """A reasonable config when the table has no entry (memory-bound skinny GEMMs)."""
+def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, num_sms: int) -> TileConfig:
+    """A reasonable config when the table has no entry (memory-bound skinny GEMMs): split-K until the grid
+    has two programs per SM of the device."""
     per_seg = max(1, tokens // max(1, segments))
     if op == "shrink":      # what the H200 table picks most: thin M tiles, N fit to R, long K tiles, split-K
         bm = 16 if per_seg <= 256 else 32

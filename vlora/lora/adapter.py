@@ -31,6 +31,11 @@ _KEY_RE = re.compile(r"(?:base_model\.model\.)?(?:model\.language_model\.|langua
                      r"(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 _LORA_KEY_RE = re.compile(r"(?:.*\.)?(\w+)\.lora_[AB](?:\.[^.]+)?\.weight")
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# Fused projections (Phi-3): a LoRA on qkv_proj / gate_up_proj is the same LoRA on each of its parts, A shared and
+# B's rows split by the parts' widths; it is served as that LoRA on the parts.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_KEY_RE = re.compile(r"(?P<pre>.*\.)(?P<module>qkv_proj|gate_up_proj)\.lora_(?P<ab>[AB])"
+                           r"(?P<post>(?:\.[^.]+)?\.weight)")
 
 
 class AdapterError(ValueError):
@@ -105,7 +110,7 @@ def _config_targets(config: dict) -> set[str] | None:
         return None
     if not isinstance(targets, (list, tuple)) or not all(isinstance(t, str) for t in targets):
         raise AdapterError(f"{_CONFIG}: target_modules must be a string or a list of strings, got {targets!r}")
-    names = {t.rsplit(".", 1)[-1] for t in targets}
+    names = {part for t in targets for part in FUSED.get(t.rsplit(".", 1)[-1], (t.rsplit(".", 1)[-1],))}
     bad = sorted(names - set(LORA_TARGETS))
     if bad:
         raise AdapterError(f"{_CONFIG}: target_modules {bad} not supported; LoRA is served only on {list(LORA_TARGETS)}")
@@ -133,9 +138,36 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     return layer, m[3], m[4]
 
 
+def _split_fused(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """``tensors`` with each fused projection's A and B rewritten as its parts' (see ``FUSED``)."""
+    out = {}
+    for key, t in tensors.items():
+        m = _FUSED_KEY_RE.fullmatch(key)
+        if m is None:
+            out[key] = t
+            continue
+        parts = FUSED[m["module"]]
+        if m["ab"] == "A":
+            pieces = [t] * len(parts)
+        else:
+            widths = [shape.out_features[p] for p in parts]
+            if t.dim() != 2 or t.shape[0] != sum(widths):
+                raise AdapterError(f"{_WEIGHTS}: {key!r} has shape {list(t.shape)}, expected [{sum(widths)}, r] "
+                                   f"({' + '.join(map(str, widths))} rows of {', '.join(parts)}; base model "
+                                   f"{shape.name!r})")
+            pieces = t.split(widths)
+        for part, piece in zip(parts, pieces):
+            name = f"{m['pre']}{part}.lora_{m['ab']}{m['post']}"
+            if name in tensors:
+                raise AdapterError(f"{_WEIGHTS}: {key!r} and {name!r} both adapt {part}")
+            out[name] = piece
+    return out
+
+
 def _finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf in ``t`` (non-empty): one min/max pass, which propagates NaN. On the 2-core CPU
-    (2026-11-21) it took 10 µs against 92 µs for ``isfinite(t).all()`` on a rank-8 factor of 4096 columns."""
+    """No NaN or Inf in ``t`` (non-empty): one min/max pass, which propagates NaN. It reads ``t`` once, where
+    ``isfinite(t).all()`` also writes a boolean tensor the size of ``t`` and reads that again (docs/decisions.md,
+    'Finite check by min/max')."""
     lo, hi = torch.aminmax(t)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
@@ -182,6 +214,7 @@ def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_r
         raise AdapterError(f"{path / _WEIGHTS}: cannot be read as safetensors ({e})") from None
     if not tensors:
         raise AdapterError(f"{_WEIGHTS}: holds no tensors")
+    tensors = _split_fused(tensors, shape)
     found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
     for key in sorted(tensors):
         layer, module, ab = _parse_key(key, shape.num_layers)

@@ -197,9 +197,10 @@ def stage_factors(adapter: PackedAdapter, weights: dict[str, torch.Tensor],
 def stage_from_pool(adapter: PackedAdapter, buf: torch.Tensor, weights: dict[str, torch.Tensor],
                     widths: dict[str, tuple[int, ...]]) -> dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None:
     """:func:`stage_factors` from where the adapter sits in the unified pool ``buf`` (on the weights' device, in
-    their dtype): one strided copy per factor and slice, no host gather and no host-to-device copy (the host
-    path took 160 ms per adapter on an H100 for Llama-2-7B shapes at rank 64). None when the adapter is not in
-    the pool. The results are copies: the pool's pages may be reused while the adapter stays merged."""
+    their dtype): one strided copy per factor and slice, no host gather and no host-to-device copy, which on a
+    large model would cost more than the merge itself (docs/decisions.md, 'Merge factors staged from the pool').
+    None when the adapter is not in the pool. The results are copies: the pool's pages may be reused while the
+    adapter stays merged."""
     host = adapter.placement.host
     if adapter.offsets is None or host is None or buf.dtype != next(iter(weights.values())).dtype:
         return None
@@ -254,8 +255,9 @@ _RECORD_STREAMS: dict = {}
 
 def _record_stream(device: torch.device):
     """The side stream records are made on, of high priority: the block scheduler runs its small kernels as
-    soon as blocks of the queued merge kernels finish. At normal priority they waited for every kernel queued
-    before them (2026-11-25, H100: the first slice's record was made after the last slice's kernel)."""
+    soon as blocks of the queued merge kernels finish, so each slice's record is made while the next slice's
+    kernel runs. At normal priority they would wait for every merge kernel queued before them
+    (docs/decisions.md, 'Restore records on a high-priority stream')."""
     key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
     if key not in _RECORD_STREAMS:
         _RECORD_STREAMS[key] = torch.cuda.Stream(key, priority=-100)    # mapped to the highest the GPU has

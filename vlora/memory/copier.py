@@ -1,13 +1,12 @@
 """Copies of KV blocks between the GPU pool and host memory that overlap the running iterations.
 
-A KV block swapped back in for a queued request used to be copied on the
-compute stream when the request was admitted: every running request's next
-step waited behind it. With Llama-2-7B a 2,000-token history is about 1 GiB:
-by the arithmetic in ``docs/memory.md``, tens of milliseconds over PCIe, about
-as long as an H100 takes to recompute it. :class:`StreamCopier` issues the copy on a copy stream
+A KV block swapped back in for a queued request, copied on the compute stream
+when the request is admitted, would hold up every running request's next step
+behind it, and a long history takes about as long to copy over PCIe as the GPU
+takes to recompute it. :class:`StreamCopier` issues the copy on a copy stream
 instead and hands back a completion token (a CUDA event): the scheduler admits
 the request once its blocks have landed, and the iterations in between run
-undisturbed.
+undisturbed (docs/decisions.md, 'Swap-ins on a copy stream').
 
 The swapper has two copiers: one for swap-ins, one for swap-outs (GPU to
 host: on CUDA the two directions may use separate copy engines). A copier has four

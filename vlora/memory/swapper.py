@@ -39,8 +39,8 @@ Host memory for KV is one buffer of page-sized slots (pinned on CUDA, and
 then allocated at start-up: pinning gigabytes stalls for seconds). Swap-outs
 run on a copy stream of their own. Those of the busy watermark keep their
 page until the copy has landed (:attr:`leaving`), so the iterations never
-wait for them: on the compute stream, at 3.5 sessions/s on an H200, they
-would have held it for about 750 GB of copies in 137 s. Those that make room
+wait for them: on the compute stream they would queue the iterations behind
+them (docs/decisions.md, 'Swap-outs off the compute stream'). Those that make room
 now free their page at once, and the current stream waits for the copies
 before it writes it. Swap-ins run on a copy stream (:mod:`vlora.memory.copier`) beside the
 iterations. Until a block's copy has landed the block is *in flight*: pinned
@@ -205,10 +205,8 @@ class CacheSwapper:
     def _swap_out_block(self, node, defer: bool = False) -> None:
         """Move a GPU leaf block to host memory, or forget it when host memory is full of more valuable blocks.
         A block with no children is weighed alone: copying it out only to displace a block worth more would
-        spend the link for less (at 3 sessions/s on an H100,
-        2026-11-22, 105,000 blocks went out and 80,000 host blocks were forgotten for them:
-        benchmarks/results/h100-2026-11-22-pressure/pool48gb-rate3). A block with host
-        blocks below it takes a slot whatever it is worth (forgetting it would forget them too)."""
+        spend the link for less (docs/decisions.md, 'A childless block weighed before its swap-out'). A block
+        with host blocks below it takes a slot whatever it is worth (forgetting it would forget them too)."""
         worth = None if node.children else self.eval(node)
         slot = self._slot(node, worth) if self.host_slots else None
         if slot is None:
@@ -394,9 +392,9 @@ class CacheSwapper:
         """Swap in by decreasing ``Eval`` while usage is under the low watermark (a block brought back makes
         its children candidates: candidates are re-ranked until none fits). Blocks go on the copy stream only
         while the copies in flight would take the link less than ``fill_window_s``: a request's own swap-in
-        queues behind them on that stream, so an idle fill of the whole gap (on a 96 GB pool, 30% is about a
-        second at the assumed 25 GB/s) would hold up every prefix asked for meanwhile. The rest waits for later
-        ticks."""
+        queues behind them on that stream, so an idle fill of the whole gap (a large share of the pool, which
+        takes the host link many iterations' time to copy) would hold up every prefix asked for meanwhile. The
+        rest waits for later ticks."""
         moved, capped = True, False
         while moved and self.usage() < self.low:
             moved = False

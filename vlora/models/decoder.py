@@ -1,14 +1,16 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+"""Decoder of the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) and its relatives (Qwen3, Gemma 3 text,
+Phi-3 / Phi-4-mini) over a paged KV cache.
 
-Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE,
-residual, RMSNorm, SwiGLU MLP, residual) -> RMSNorm -> LM head. Projections are
-packed (qkv, gate_up); every projection passes through ``lora_linear`` so the
-iteration's adapters apply to their own token rows. Weight loading lives in
-``loader.py``; batch metadata arrives in a ``ForwardBatch``.
+Reads top to bottom as the math: embed -> N x (RMSNorm, GQA attention with RoPE, residual, RMSNorm, gated MLP,
+residual) -> RMSNorm -> LM head; ``DecoderConfig``'s flags add what the relatives change (per-head q/k norms,
+norms after attention and the MLP, per-layer windows, partial rotary, ...). Projections are packed (qkv,
+gate_up); every projection passes through ``lora_linear`` so the iteration's adapters apply to their own token
+rows. Weight loading lives in ``loader.py``; batch metadata arrives in a ``ForwardBatch``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -43,6 +45,21 @@ class DecoderConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary frequencies per t/h/w section
+    qk_norm: bool = False       # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    rotary_dim: int | None = None   # RoPE on the first rotary_dim dimensions of each head only (Phi-4-mini)
+    # Gemma 3: norms scale by 1 + weight (in float32), a norm after attention and after the MLP too, embeddings
+    # times embed_scale, scores times attn_scale (not 1/sqrt(head_dim)), logits soft-capped, and per-layer
+    # attention windows (None: global) whose layers take the local rotary table
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    final_logit_softcap: float | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+
+    def window(self, layer: int) -> int | None:
+        """Attention window of ``layer`` (None: it sees the whole context)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     @property
     def q_size(self) -> int:
@@ -63,14 +80,19 @@ class DecoderConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """Llama: weight * normed(x) in x's dtype; ``offset`` (Gemma): (1 + weight) * normed(x) in float32."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 
@@ -113,10 +135,18 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos, sin [T, D] (rotate-half layout, as HF Llama)."""
+    """x [T, heads, D]; cos, sin [T, R] (rotate-half layout, as HF Llama), R <= D: the first R dimensions rotate."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """One rank: a projection's output is already the whole sum."""
+    return t
 
 
 class DecoderLayer(nn.Module):
@@ -125,22 +155,29 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.cfg = cfg
         self.act = act
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda dim: RMSNorm(dim, cfg.rms_norm_eps, cfg.norm_offset)   # noqa: E731
+        self.window = cfg.window(index)
+        self.attn_norm = norm(cfg.hidden_size)
         self.qkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
+        if cfg.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(cfg.hidden_size), norm(cfg.hidden_size)
+        self.mlp_norm = norm(cfg.hidden_size)
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
+        self.reduce = _whole      # tensor parallelism: sums the partial outputs of o and down over the ranks
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         cfg, i = self.cfg, self.index
         x = self.attn_norm(h)
-        qkv = lora_linear(x, self.qkv, fb.lora, i, "qkv")
+        qkv = self._qk_norm(lora_linear(x, self.qkv, fb.lora, i, "qkv"))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = apply_rope(q.reshape(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         page = k_cache.shape[1]
         blk, off = fb.slot_mapping // page, fb.slot_mapping % page
@@ -148,13 +185,15 @@ class DecoderLayer(nn.Module):
         v_cache[blk, off] = v
         attn = self._attention(q, k, v, fb, k_cache, v_cache)
         o_in = attn.reshape(-1, cfg.q_size)
-        h = h + lora_linear(o_in, self.o, fb.lora, i, "o")
+        o = self.reduce(lora_linear(o_in, self.o, fb.lora, i, "o"))
+        h = h + (self.post_attn_norm(o) if cfg.sandwich_norms else o)
 
         x = self.mlp_norm(h)
         gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up")
         gate, up = gu.chunk(2, dim=-1)
         m = self.act(gate) * up
-        return h + lora_linear(m, self.down, fb.lora, i, "down")
+        d = self.reduce(lora_linear(m, self.down, fb.lora, i, "down"))
+        return h + (self.post_mlp_norm(d) if cfg.sandwich_norms else d)
 
     def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: tuple, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, next_norm: "RMSNorm") -> torch.Tensor:
@@ -165,17 +204,27 @@ class DecoderLayer(nn.Module):
         from vlora.kernels.gemv import linear
 
         cfg, i = self.cfg, self.index
-        qkv = lora_linear(x, self.qkv, fb.lora, i, "qkv", linear)
+        qkv = self._qk_norm(lora_linear(x, self.qkv, fb.lora, i, "qkv", linear))
         q = rope_and_cache(qkv, *rope, fb.slot_mapping, k_cache, v_cache,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         attn = self._attention(q, None, None, fb, k_cache, v_cache)
         o_in = attn.view(-1, cfg.q_size)
-        x = add_rmsnorm_(h, lora_linear(o_in, self.o, fb.lora, i, "o", linear),
+        x = add_rmsnorm_(h, self.reduce(lora_linear(o_in, self.o, fb.lora, i, "o", linear)),
                          self.mlp_norm.weight, self.mlp_norm.eps)
         gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up", linear)
         m = silu_mul(gu)
-        d = lora_linear(m, self.down, fb.lora, i, "down", linear)
+        d = self.reduce(lora_linear(m, self.down, fb.lora, i, "down", linear))
         return add_rmsnorm_(h, d, next_norm.weight, next_norm.eps)
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, q + 2 kv] with each head of q and k RMS-normed (models with ``qk_norm``; others unchanged)."""
+        if not self.cfg.qk_norm:
+            return qkv
+        cfg = self.cfg
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim)).flatten(1)
+        k = self.k_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)).flatten(1)
+        return torch.cat((q, k, v), dim=-1)
 
     def _attention(self, q, k, v, fb: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -183,7 +232,7 @@ class DecoderLayer(nn.Module):
         if fb.use_kernels:
             from vlora.kernels.attention import paged_decode, paged_prefill
 
-            window = self.cfg.sliding_window or 0
+            window = self.window or 0
             if nd:
                 paged_decode(q[:nd], k_cache, v_cache, fb.decode_block_tables, fb.decode_lens, self.scale, window,
                              out=out[:nd], max_ctx=fb.decode_max_len)
@@ -215,18 +264,23 @@ class DecoderLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         act = ACT2FN[cfg.hidden_act]
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rope = RotaryEmbedding(inv_freq, attention_scaling, max_len, cfg.mrope_section)
+        self.rope_local: RotaryEmbedding | None = None    # the windowed layers' table where it differs (Gemma 3)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
     @property
     def fusable(self) -> bool:
-        """Whether the fused kernels cover this model (SwiGLU with SiLU, even head size)."""
-        return self.cfg.hidden_act == "silu" and self.cfg.head_dim % 2 == 0
+        """Whether the fused kernels cover this model (Llama's norms, SwiGLU with SiLU, even head size)."""
+        c = self.cfg
+        plain = not (c.norm_offset or c.sandwich_norms or c.embed_scale or c.layer_windows or c.rotary_dim)
+        return plain and c.hidden_act == "silu" and c.head_dim % 2 == 0
 
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm. kv_cache: the pool's pages [num_pages, L, 2, block_size, Hkv, D]."""
         h = self.embed(fb.input_ids)
+        if self.cfg.embed_scale is not None:
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         if fb.embed_rows is not None:        # image tokens: the vision tower's rows replace the lookup
             h.index_copy_(0, fb.embed_rows, fb.embed_values.to(h.dtype))
         if fb.use_kernels and self.fusable:
@@ -243,8 +297,17 @@ class DecoderLM(nn.Module):
                 x = layer.forward_fused(h, x, fb, rope, kv_cache[:, i, 0], kv_cache[:, i, 1], nxt)
             return x
         cos, sin = self.rope(fb.positions, h.dtype)
+        local = {}                   # window -> (batch with that window's masks, cos, sin), built once per forward
         for i, layer in enumerate(self.layers):
-            h = layer(h, fb, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1])
+            if layer.window == self.cfg.sliding_window:
+                h = layer(h, fb, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1])
+                continue
+            if layer.window not in local:
+                rope = self.rope if self.rope_local is None else self.rope_local
+                local[layer.window] = (fb if fb.use_kernels else windowed(fb, layer.window),
+                                       *rope(fb.positions, h.dtype))
+            lfb, lcos, lsin = local[layer.window]
+            h = layer(h, lfb, lcos, lsin, kv_cache[:, i, 0], kv_cache[:, i, 1])
         return self.norm(h)
 
     def stack_projections(self) -> dict[str, torch.Tensor]:
@@ -266,5 +329,26 @@ class DecoderLM(nn.Module):
         if fast:
             from vlora.kernels.gemv import linear
 
-            return linear(hidden, w).float()
-        return F.linear(hidden, w).float()
+            logits = linear(hidden, w).float()
+        else:
+            logits = F.linear(hidden, w).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def windowed(fb: ForwardBatch, window: int | None) -> ForwardBatch:
+    """``fb`` (built for global attention) with the reference path's masks limited to the last ``window`` keys
+    of each query (the attention kernels take the window as an argument instead)."""
+    if window is None:
+        return fb
+    decode_mask = fb.decode_mask
+    if decode_mask is not None:
+        key = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+        decode_mask = decode_mask & (key > fb.decode_lens.unsqueeze(1) - 1 - window).view(decode_mask.shape)
+    prefills = []
+    for p in fb.prefills:
+        q = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=fb.input_ids.device).unsqueeze(1)
+        k = torch.arange(p.ctx_len, device=q.device).unsqueeze(0)
+        mask = (k <= q) & (k > q - window)
+        prefills.append(dataclasses.replace(p, mask=mask if p.mask is None else p.mask & mask))
+    return dataclasses.replace(fb, decode_mask=decode_mask, prefills=tuple(prefills))

@@ -29,9 +29,8 @@ import torch
 
 from vlora.models.decoder import DecoderLM
 from vlora.models.loader import ModelLoadError, build_decoder, build_random_decoder, iter_safetensors
+from vlora.models.registry import is_lmm_type
 from vlora.models.vision import VisionConfig, VisionTower
-
-LMM_TYPES = ("llava", "qwen2_vl")
 
 
 class ImageInputError(ValueError):
@@ -50,6 +49,7 @@ class ImageSpan:
     frames: int = 1             # images / video frames it holds (each counts toward max_images_per_request)
     grid: tuple[int, int, int] | None = None   # Qwen2-VL: (t, h, w) of its tokens (patch grid after merging);
     #                                            gives the tokens' M-RoPE positions
+    time_step: float = 1.0      # M-RoPE: temporal positions per step of t (Qwen2.5-VL videos: absolute time)
 
     def keys(self, start: int, end: int) -> list[tuple[str, int]]:
         """Prefix-cache keys of prompt positions [start, end) inside this span."""
@@ -58,7 +58,7 @@ class ImageSpan:
 
 def is_lmm_dir(model_dir: Path) -> bool:
     try:
-        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") in LMM_TYPES
+        return is_lmm_type(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type"))
     except (OSError, ValueError):
         return False
 
@@ -300,16 +300,9 @@ def image_processor(model_dir: Path, cfg: VisionConfig):
     return CLIPImageProcessorPil(size={"shortest_edge": s}, crop_size={"height": s, "width": s})
 
 
-def build_lmm(model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-              max_images: int, max_pixels: int) -> tuple[DecoderLM, int, VisionModel]:
-    """Decoder (the checkpoint's language model), its max length, and the vision side."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    if hf_config.model_type == "qwen2_vl":
-        from vlora.models.qwen2_vl import build_qwen2_vl
-
-        return build_qwen2_vl(model_dir, hf_config, dtype, device, max_model_len, max_images, max_pixels)
+def build_llava(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                max_images: int, max_pixels: int) -> tuple[DecoderLM, int, VisionModel]:
+    """Decoder (the checkpoint's language model), its max length, and the vision side of a LLaVA checkpoint."""
     text = hf_config.text_config
     model, max_len = build_decoder(model_dir, dtype, device, max_model_len, hf_config=text,
                                    weights=lambda: _language_weights(model_dir))

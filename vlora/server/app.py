@@ -30,6 +30,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from huggingface_hub import constants as hub_constants
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -39,11 +40,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vlora.config import ServerConfig
-from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestGroup,
-                                       ShuttingDown)
+from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestFailed,
+                                       RequestGroup, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
+from vlora.models.hub import HubError, is_hub_id, snapshot_dir
 from vlora.sampling_params import SamplingError, SamplingParams
 from vlora.server import protocol as P
 from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
@@ -347,12 +349,12 @@ class OpenAIServer:
 
     async def load_adapter(self, request: Request):
         req: P.LoadAdapterRequest = await self.read_request(request, P.LoadAdapterRequest)
-        if not self.config.adapter_dirs:
-            raise APIError(403, "loading adapters at run time is disabled (start the server with --adapter-dir)",
-                           param="lora_path", code="adapter_loading_disabled")
-        path = self.adapter_path(req.lora_path)
+        if not self.config.adapter_dirs and not self.config.allow_hub_adapters:
+            raise APIError(403, "loading adapters at run time is disabled (start the server with --adapter-dir or "
+                           "--allow-hub-adapters)", param="lora_path", code="adapter_loading_disabled")
         if req.lora_name == self.base_name:
             raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+        path = await self.adapter_source(req.lora_path)
         try:
             await self.engine.call(lambda e: e.adapters.register(req.lora_name, path))
         except AdapterError as e:
@@ -370,10 +372,28 @@ class OpenAIServer:
                 message = message.replace(form, "<adapter dir>")
         return message
 
-    def adapter_path(self, raw: str) -> str:
-        """``raw`` resolved (symlinks too) inside one of the adapter roots, or 400/403/404."""
+    async def adapter_source(self, raw: str) -> str:
+        """An adapter directory for ``raw``: inside the adapter roots first, else (when allowed) the snapshot of
+        the Hub id ``raw``, downloaded off the event loop."""
         if "\x00" in raw:
             raise APIError(400, "lora_path must not contain a NUL character", param="lora_path")
+        hub = self.config.allow_hub_adapters and is_hub_id(raw)
+        if self.config.adapter_dirs:
+            try:
+                return self.adapter_path(raw)
+            except APIError:
+                if not hub:
+                    raise
+        if not hub:
+            raise APIError(400, f"lora_path {quote(raw)} is not a Hub id (org/name[@revision])", param="lora_path")
+        try:
+            return str(await asyncio.to_thread(snapshot_dir, raw, "adapter"))
+        except HubError as e:
+            message = str(e).replace(hub_constants.HF_HUB_CACHE, "<Hugging Face cache>")
+            raise APIError(404, message, param="lora_path", code="adapter_not_found") from None
+
+    def adapter_path(self, raw: str) -> str:
+        """``raw`` resolved (symlinks too) inside one of the adapter roots, or 403/404."""
         inside = []
         for root in self.config.adapter_dirs:
             root = os.path.realpath(root)
@@ -434,7 +454,7 @@ def _sse(chunks, group: RequestGroup) -> StreamingResponse:
             async for data in chunks:
                 yield data
         except EngineFailed as e:
-            yield _event(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error", code="engine_failed")))
+            yield _event(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error", code=_fail_code(e))))
         finally:
             group.abort()
         yield "data: [DONE]\n\n"
@@ -460,7 +480,11 @@ async def _finals_or_abort(group: RequestGroup, request: Request) -> list[Reques
     try:
         return results.result()
     except EngineFailed as e:
-        raise APIError(500, str(e), code="engine_failed") from None
+        raise APIError(500, str(e), code=_fail_code(e)) from None
+
+
+def _fail_code(e: EngineFailed) -> str:
+    return "request_failed" if isinstance(e, RequestFailed) else "engine_failed"
 
 
 async def _disconnected(request: Request) -> None:
@@ -608,5 +632,11 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
             async_engine.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                          timeout_graceful_shutdown=config.drain_timeout)).run()
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                   timeout_graceful_shutdown=config.drain_timeout))
+    # an engine that cannot go on has answered its requests; the process stops (exit status 1) so that a
+    # supervisor restarts it, rather than answering 503 for good
+    async_engine.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    server.run()
+    if async_engine.failure is not None:
+        raise SystemExit(f"vlora: the engine failed ({async_engine.failure!r}); exiting for a restart")

@@ -1,0 +1,12 @@
+"""One tiny Llama checkpoint with adapters of ranks 4/8/16, built once for the tensor-parallel tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel.test_tensor_parallel import build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("tp-llama"), kv_heads=2)

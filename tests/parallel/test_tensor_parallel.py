@@ -1,0 +1,107 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): the same tokens and logits as one process, for a batch of
+base rows and adapters of ranks 4/8/16 with chunked prefill, preemption, prefix caching, and merged and mixed
+modes; a killed worker ends the run with a clear error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.helpers import make_peft_adapter, make_tiny_model, prefill_logits
+from vlora import LLM, SamplingParams
+from vlora.engine.faults import EngineFatal
+from vlora.engine.modes import Mode
+from vlora.engine.sequence import Sequence
+
+RANKS = {"a4": 4, "a8": 8, "a16": 16}
+TARGETS = {"a4": ["q_proj", "v_proj"], "a8": None, "a16": ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+PROMPTS = [[5, 17, 33, 2, 99, 120, 7, 8, 9], [1, 2, 3], [250, 4, 4, 4, 9, 31, 77, 12, 13, 14, 200], [42, 43],
+           [7, 7, 8, 200, 3]]
+NAMES = [None, "a4", "a8", "a16", "a8"]
+BLOCKS = 14           # the batch outgrows it: the newest sequences are preempted and recomputed
+
+
+def build(root, kv_heads, model_type="llama"):
+    path, hf = make_tiny_model(root, model_type, num_key_value_heads=kv_heads)
+    adapters = {}
+    for i, (name, rank) in enumerate(RANKS.items()):
+        kw = {} if TARGETS[name] is None else {"targets": TARGETS[name]}
+        adapters[name] = make_peft_adapter(hf, root / name, rank, seed=10 + i, **kw)
+    return path, adapters
+
+
+def engine(path, adapters, tp, **kw):
+    return LLM(str(path), adapters=adapters, num_blocks=BLOCKS, block_size=4, max_model_len=128, dtype="float32",
+               max_num_seqs=8, max_num_batched_tokens=8, tensor_parallel_size=tp, **kw)   # prefill in chunks
+
+
+def logits(llm):
+    eng = llm.engine
+    return prefill_logits(eng, [Sequence(f"t{i}", list(p), SamplingParams(), None if a is None else eng.adapters.get(a),
+                                         i) for i, (p, a) in enumerate(zip(PROMPTS, NAMES))])
+
+
+def greedy(llm):
+    return [o.token_ids for o in llm.generate(PROMPTS, NAMES, SamplingParams(max_tokens=8, ignore_eos=True))]
+
+
+def twice(llm):
+    """The batch, then again (its prompts' blocks found in the prefix cache)."""
+    first = greedy(llm)
+    hits = llm.engine.prefix_cache.hit_tokens
+    second = greedy(llm)
+    assert llm.engine.prefix_cache.hit_tokens > hits
+    return first + second
+
+
+def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tiny_llama):
+    path, adapters = tiny_llama
+    one = engine(path, adapters, 1, prefix_caching=True)
+    want_logits, want_tokens = logits(one), twice(one)
+    two = engine(path, adapters, 2, prefix_caching=True)
+    try:
+        assert two.engine.pool.kv.shape[-2] == 1                     # each rank keeps its own KV head only
+        for got, want in zip(logits(two), want_logits):
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert twice(two) == want_tokens
+        assert two.engine.scheduler.num_preemptions > 0
+        ran = two.engine.orchestrator.mode_iterations
+        two.engine.merge_adapter("a8")               # each rank folds its slices of a8 into its shard
+        assert greedy(two) == want_tokens[:5] and ran[Mode.MIXED] > 0
+        only = two.generate([PROMPTS[2], PROMPTS[4]], "a8", SamplingParams(max_tokens=8, ignore_eos=True))
+        assert [o.token_ids for o in only] == [want_tokens[2], want_tokens[4]] and ran[Mode.MERGED] > 0
+        two.engine.unmerge_adapter()
+        unmerged = ran[Mode.UNMERGED]
+        assert greedy(two) == want_tokens[:5] and ran[Mode.UNMERGED] > unmerged
+        two.engine.prefix_cache.clear()
+        assert two.engine.allocator.num_free == BLOCKS
+        two.engine.add_request(PROMPTS[0], "a8", SamplingParams(max_tokens=50, ignore_eos=True))
+        two.engine.step()
+        worker = two.engine.model.group.procs[0]
+        worker.kill()
+        t0 = time.monotonic()
+        dead = "^(tensor-parallel worker 1 exited|the tensor-parallel group failed)"
+        with pytest.raises(EngineFatal, match=dead):
+            for _ in range(50):
+                two.engine.step()
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(EngineFatal):                             # the group stays failed
+            two.engine.step()
+    finally:
+        two.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_two_gpus_gives_the_tokens_of_one(tiny_llama):
+    path, adapters = tiny_llama
+    kw = dict(adapters=adapters, num_blocks=BLOCKS, block_size=4, max_model_len=128, dtype="float32", device="cuda",
+              max_num_seqs=8, max_num_batched_tokens=8, kernels="torch", lora_kernel="torch")
+    want = greedy(LLM(str(path), **kw))
+    two = LLM(str(path), tensor_parallel_size=2, **kw)
+    try:
+        assert greedy(two) == want
+    finally:
+        two.close()

@@ -1,0 +1,166 @@
+"""Qwen2.5-VL: Qwen2-VL's request path (patches, grids, M-RoPE; ``qwen2_vl.py``) with its own ViT.
+
+What the tower changes: RMSNorm and a gated (SwiGLU, with biases) MLP in every block; window attention in all
+blocks but ``fullatt_block_indexes``: the patches are reordered window by window (a window is
+``window_size`` pixels square, in units of merged 2x2 patch groups; windows never cross frames), the windowed
+blocks attend inside each window, the full ones inside each frame, and the merger's output is put back in
+grid order. The merger normalises with RMSNorm. In the decoder's M-RoPE a video's temporal positions advance
+``tokens_per_second * temporal_patch_size / fps`` per group of frames (absolute time), not 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlora.models.decoder import DecoderLM, RMSNorm
+from vlora.models.loader import ModelLoadError, build_decoder
+from vlora.models.qwen2_vl import (PatchEmbed, Qwen2VisionConfig, Qwen2VisionTower, Qwen2VLVision, VisionAttention,
+                                   _language_weights, image_processor, load_vision_weights)
+
+# frames of a video given as a list are taken as sampled at this rate (the Qwen2.5-VL processor's default)
+VIDEO_FPS = 2.0
+
+
+@dataclass(frozen=True)
+class Qwen25VisionConfig(Qwen2VisionConfig):
+    window_size: int = 112                  # pixels
+    full_blocks: tuple[int, ...] = ()       # blocks attending over whole frames
+    tokens_per_second: float = 2.0
+
+
+def vision_config(hf_config) -> Qwen25VisionConfig:
+    vc = hf_config.vision_config
+    head = vc.hidden_size // vc.num_heads
+    if vc.hidden_size % vc.num_heads or head % 4:
+        raise ModelLoadError(f"vision head size {vc.hidden_size}/{vc.num_heads} must be a multiple of 4 (2D RoPE)")
+    if vc.out_hidden_size != hf_config.text_config.hidden_size:
+        raise ModelLoadError(f"vision merger output {vc.out_hidden_size} != text hidden size "
+                             f"{hf_config.text_config.hidden_size}")
+    unit = vc.spatial_merge_size * vc.patch_size
+    if vc.window_size % unit:
+        raise ModelLoadError(f"window_size {vc.window_size} must be a multiple of spatial_merge_size * patch_size "
+                             f"= {unit}")
+    rope = getattr(vc, "rope_parameters", None) or {}
+    return Qwen25VisionConfig(
+        embed_dim=vc.hidden_size, depth=vc.depth, num_heads=vc.num_heads, mlp_dim=vc.intermediate_size,
+        hidden_act=vc.hidden_act, in_channels=vc.in_channels, patch_size=vc.patch_size,
+        temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+        text_hidden_size=vc.out_hidden_size, rope_theta=float(rope.get("rope_theta", 10000.0)),
+        window_size=vc.window_size, full_blocks=tuple(vc.fullatt_block_indexes),
+        tokens_per_second=float(vc.tokens_per_second))
+
+
+def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """(order of the merged patch groups, window by window [G]; each window's patch count, in that order).
+    ``grids``: patch grids (t, h, w); ``window``: window side in merged groups."""
+    order, sizes, base = [], [], 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        for f in range(t):
+            for r in range(0, gh, window):
+                for c in range(0, gw, window):
+                    block = idx[f, r:r + window, c:c + window].flatten()
+                    order.append(block + base)
+                    sizes.append(block.numel() * merge * merge)
+        base += t * gh * gw
+    return torch.cat(order), sizes
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig, act):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.embed_dim, 1e-6)
+        self.norm2 = RMSNorm(cfg.embed_dim, 1e-6)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
+        self.mlp = GatedMLP(cfg.embed_dim, cfg.mlp_dim, act)
+
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig):
+        super().__init__()
+        wide = cfg.embed_dim * cfg.merge_size ** 2
+        self.ln_q = RMSNorm(cfg.embed_dim, 1e-6)
+        self.mlp = nn.Sequential(nn.Linear(wide, wide), nn.GELU(), nn.Linear(wide, cfg.text_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.mlp[0].in_features))
+
+
+class Qwen25VisionTower(Qwen2VisionTower):
+    """Qwen2.5-VL ViT + merger: patches [P, C*tp*p*p] with patch grids (t, h, w) -> [P / m^2, D_text]."""
+
+    def __init__(self, cfg: Qwen25VisionConfig):
+        nn.Module.__init__(self)
+        from transformers.activations import ACT2FN
+
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        act = ACT2FN[cfg.hidden_act]
+        self.blocks = nn.ModuleList(VisionBlock(cfg, act) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg)
+        quarter = cfg.embed_dim // cfg.num_heads // 2
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2).float() / quarter),
+                             persistent=False)
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        if patches.shape[0] != sum(t * h * w for t, h, w in grids):
+            raise ValueError(f"{patches.shape[0]} patches for grids {grids}")
+        m2 = self.cfg.merge_size ** 2
+        order, windows = window_order(grids, self.cfg.merge_size,
+                                      self.cfg.window_size // self.cfg.merge_size // self.cfg.patch_size)
+        order = order.to(patches.device)
+        regroup = lambda x: x.view(-1, m2, x.shape[-1])[order].view(-1, x.shape[-1])   # noqa: E731
+        x = regroup(self.patch_embed(patches))
+        cos, sin = (regroup(t) for t in self.rope(grids))
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in self.cfg.full_blocks else windows)
+        return self.merger(x)[torch.argsort(order)]
+
+
+def build_qwen2_5_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                     max_images: int, max_pixels: int) -> tuple[DecoderLM, int, Qwen2VLVision]:
+    """Decoder (Qwen2 with M-RoPE), its max length, and the vision side of a Qwen2.5-VL checkpoint."""
+    text = hf_config.text_config
+    text.tie_word_embeddings = bool(hf_config.tie_word_embeddings)
+    model, max_len = build_decoder(model_dir, dtype, device, max_model_len, hf_config=text,
+                                   weights=lambda: _language_weights(model_dir))
+    for key in ("image_token_id", "video_token_id"):
+        tid = getattr(hf_config, key)
+        if not 0 <= tid < text.vocab_size:
+            raise ModelLoadError(f"{key} {tid} is outside the vocabulary [0, {text.vocab_size})")
+    vcfg = vision_config(hf_config)
+    with torch.device("meta"):
+        tower = Qwen25VisionTower(vcfg)
+    tower = tower.to_empty(device=device)
+    quarter = vcfg.embed_dim // vcfg.num_heads // 2
+    tower.inv_freq = 1.0 / vcfg.rope_theta ** (torch.arange(0, quarter, 2, device=device).float() / quarter)
+    load_vision_weights(tower, model_dir)
+    tower = tower.to(dtype).eval().requires_grad_(False)
+    tower.inv_freq = tower.inv_freq.float()
+    vision = Qwen2VLVision(tower, hf_config.image_token_id, hf_config.video_token_id,
+                           (hf_config.vision_start_token_id, hf_config.vision_end_token_id),
+                           image_processor(model_dir, vcfg), max_images, max_pixels,
+                           video_time_step=vcfg.tokens_per_second * vcfg.temporal_patch_size / VIDEO_FPS)
+    return model, max_len, vision

@@ -1,0 +1,2 @@
+"""Tensor parallelism inside one replica: ``partition`` (Megatron cuts of the decoder and its adapters) and
+``group`` (worker processes, the per-iteration message, failure handling)."""

@@ -1,0 +1,130 @@
+"""The Megatron partition of a decoder and of its adapters across ``world`` tensor-parallel ranks.
+
+Column-parallel (each rank computes some output columns, no collective): ``qkv``
+(its attention heads, and the KV heads their groups read) and ``gate_up`` (a
+slice of the MLP width). Row-parallel (each rank holds some input columns and
+produces a partial sum): ``o`` and ``down``, followed by one all-reduce each.
+Embedding, norms and the LM head are replicated.
+
+KV heads are split when their count divides by ``world``; when ``world`` is a
+multiple of it, each KV head is replicated on the ranks whose query heads read
+it (every rank keeps exactly one).
+
+LoRA adds no collective: for a column-parallel group A stays whole and B keeps
+the rank's output columns; for a row-parallel group A keeps the rank's input
+rows and B stays whole, and the delta lands on the partial output before the
+all-reduce (the sum over ranks of ``x_i A_i B`` is ``x A B``). Ranks stay
+unpadded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from vlora.lora.batch import GroupWeights, PackedAdapter, SliceB
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which heads and MLP columns rank ``rank`` of ``world`` holds."""
+
+    rank: int
+    world: int
+    heads: range            # query heads
+    kv_heads: range         # KV heads (one replicated head when world > KV heads)
+    mlp: range              # MLP intermediate columns
+
+    @staticmethod
+    def of(cfg, rank: int, world: int) -> "Shard":
+        h, hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+        if h % world or inter % world:
+            raise ValueError(f"tensor_parallel_size {world} must divide the attention heads ({h}) and the MLP "
+                             f"width ({inter})")
+        if hkv % world and world % hkv:
+            raise ValueError(f"tensor_parallel_size {world} must divide the KV heads ({hkv}) or be a multiple of "
+                             f"them")
+        per = h // world
+        if hkv % world == 0:
+            kv = range(rank * hkv // world, (rank + 1) * hkv // world)
+        else:
+            kv = range(rank * hkv // world, rank * hkv // world + 1)
+        step = inter // world
+        return Shard(rank, world, range(rank * per, (rank + 1) * per), kv, range(rank * step, (rank + 1) * step))
+
+    def local_config(self, cfg):
+        return replace(cfg, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
+                       intermediate_size=len(self.mlp))
+
+    def q_cols(self, cfg) -> torch.Tensor:
+        return _cols(self.heads, cfg.head_dim)
+
+    def kv_cols(self, cfg) -> torch.Tensor:
+        return _cols(self.kv_heads, cfg.head_dim)
+
+    def mlp_cols(self) -> torch.Tensor:
+        return torch.arange(self.mlp.start, self.mlp.stop)
+
+
+def _cols(heads: range, head_dim: int) -> torch.Tensor:
+    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
+
+
+def kv_heads_per_rank(cfg, world: int) -> int:
+    return len(Shard.of(cfg, 0, world).kv_heads)
+
+
+def shard_decoder(model, shard: Shard, reduce) -> None:
+    """Cut ``model`` (a :class:`~vlora.models.decoder.DecoderLM`) down to ``shard``'s part, in place; ``reduce``
+    (a callable summing a tensor over the ranks, in place) follows every row-parallel projection. ``model.cfg``
+    stays the whole model's; each layer's ``cfg`` becomes the local one."""
+    cfg = model.cfg
+    q, kv, mlp = shard.q_cols(cfg), shard.kv_cols(cfg), shard.mlp_cols()
+    qkv_rows = torch.cat([q, cfg.q_size + kv, cfg.q_size + cfg.kv_size + kv])
+    gate_up_rows = torch.cat([mlp, cfg.intermediate_size + mlp])
+    local = shard.local_config(cfg)
+    for layer in model.layers:
+        _keep(layer.qkv, rows=qkv_rows)
+        _keep(layer.gate_up, rows=gate_up_rows)
+        _keep(layer.o, cols=q, bias=shard.rank == 0)          # a row-parallel bias is added once
+        _keep(layer.down, cols=mlp, bias=shard.rank == 0)
+        layer.cfg = local
+        layer.reduce = reduce
+    if getattr(model, "stacked", None) is not None:           # the stacked views follow the new weights
+        model.stack_projections()
+
+
+def _keep(linear: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None,
+          bias: bool = True) -> None:
+    w = linear.weight.data
+    w = w[rows.to(w.device)] if rows is not None else w[:, cols.to(w.device)]
+    linear.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+    linear.out_features, linear.in_features = w.shape
+    if linear.bias is not None:
+        b = linear.bias.data
+        b = b[rows.to(b.device)] if rows is not None else (b if bias else torch.zeros_like(b))
+        linear.bias = nn.Parameter(b.contiguous(), requires_grad=False)
+
+
+def shard_adapter(adapter: PackedAdapter, cfg, shard: Shard, device: torch.device | None = None) -> PackedAdapter:
+    """``adapter``'s part on ``shard`` (same name, slot, rank and scaling), on ``device`` (default: where it is)."""
+    q, kv, mlp = shard.q_cols(cfg), shard.kv_cols(cfg), shard.mlp_cols()
+    nq, nkv, nm = len(q), len(kv), len(mlp)
+    column = {"qkv": ((q, 0), (kv, nq), (kv, nq + nkv)), "gate_up": ((mlp, 0), (mlp, nm))}
+    row = {"o": q, "down": mlp}
+    move = (lambda t: t.contiguous()) if device is None else (lambda t: t.contiguous().to(device))
+    layers = []
+    for groups in adapter.layers:
+        out = {}
+        for name, gw in groups.items():
+            if name in column:
+                slices = tuple(SliceB(s.index, column[name][s.index][1], s.rank_start,
+                                      move(s.b[:, column[name][s.index][0].to(s.b.device)])) for s in gw.slices)
+                out[name] = GroupWeights(move(gw.a), slices)
+            else:
+                out[name] = GroupWeights(move(gw.a[row[name].to(gw.a.device)]),
+                                         tuple(replace(s, b=move(s.b)) for s in gw.slices))
+        layers.append(out)
+    return PackedAdapter(adapter.slot, adapter.name, adapter.rank, adapter.scaling, tuple(layers))
