@@ -88,7 +88,7 @@ class Soak:
         self.args, self.url, self.models = args, url, models
         self.rng = random.Random(args.seed)
         self.stop_at = 0.0
-        self.ok = self.failed = self.disconnected = self.refused = 0
+        self.ok = self.failed = self.disconnected = self.refused = self.left_mid_body = 0
         self.failures: dict[str, int] = {}
         self.refusals: dict[str, int] = {}          # invalid requests answered as expected, by status
         self.latency: list[float] = []
@@ -196,7 +196,7 @@ class Soak:
         await asyncio.sleep(self.rng.uniform(0, 0.2))
         writer.close()
         await writer.wait_closed()
-        self.disconnected += 1
+        self.left_mid_body += 1
 
     async def adapter_cycler(self, http: httpx.AsyncClient) -> None:
         n = 0
@@ -288,7 +288,8 @@ def main() -> None:
     print(f"{'invalid, refused as expected':<28}{r['invalid_refused']:>10}")
     for key, n in sorted(r["invalid_by_kind"].items()):
         print(f"{'':<6}{n:>6}  {key}")
-    print(f"{'disconnected':<28}{r['disconnected']:>10}  (server counted {r['server_aborted']:.0f} aborts)")
+    print(f"{'disconnected mid-stream':<28}{r['disconnected']:>10}  (server counted {r['server_aborted']:.0f} aborts)")
+    print(f"{'left mid-body':<28}{r['left_mid_body']:>10}")
     print(f"{'latency p50/p90/p99 (s)':<28}{_fmt(r['latency_s'])}")
     print(f"{'stream TTFT p50/p90/p99 (s)':<28}{_fmt(r['ttft_s'])}")
     print(f"{'output tokens/s':<28}{r['output_tok_per_s']:>10.1f}")
@@ -376,10 +377,12 @@ async def _soak(args, server: subprocess.Popen, url: str) -> dict:
                    "models": models, "model": "SmolLM2-135M-Instruct (embedded), float32, CPU",
                    "clients": "in this process (httpx), server in a subprocess"},
         "results": {
-            "elapsed_s": elapsed, "requests": soak.ok + soak.failed + soak.refused + soak.disconnected,
+            "elapsed_s": elapsed,
+            "requests": soak.ok + soak.failed + soak.refused + soak.disconnected + soak.left_mid_body,
             "requests_ok": soak.ok, "requests_failed": soak.failed, "failures": soak.failures,
             "invalid_refused": soak.refused, "invalid_by_kind": soak.refusals,
-            "disconnected": soak.disconnected, "server_aborted": aborted, "healthy_end": healthy,
+            "disconnected": soak.disconnected, "left_mid_body": soak.left_mid_body, "server_aborted": aborted,
+            "healthy_end": healthy,
             "latency_s": {f"p{q}": pct(soak.latency, q) for q in (50, 90, 99)},
             "ttft_s": {f"p{q}": pct(soak.ttft, q) for q in (50, 90, 99)},
             "output_tokens": soak.tokens, "output_tok_per_s": soak.tokens / elapsed,
