@@ -296,7 +296,7 @@ def main() -> None:
     print(f"{'server RSS start/end (MiB)':<28}{r['rss_mib_start']:>10.0f} / {r['rss_mib_end']:.0f} "
           f"(max {r['rss_mib_max']:.0f})")
     print(f"{'KV pages used at the end':<28}{r['kv_blocks_used_end']:>10.0f} of {r['kv_blocks_total']:.0f}")
-    print(f"{'server healthy at the end':<28}{str(r['healthy_end']):>10}")
+    print(f"{'server healthy at the end':<28}{r['healthy_end']!s:>10}")
     log(f"wrote {args.output}")
 
 
