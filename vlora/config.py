@@ -167,6 +167,8 @@ class ServerConfig:
     """What /v1/unload_lora_adapter does with the adapter's running requests: wait (for them to finish) or abort."""
     drain_timeout: float = 60.0
     """On shutdown (SIGTERM), seconds to let running requests finish before they are aborted."""
+    enable_docs: bool = False
+    """Serve the interactive API docs (/docs, /redoc, /openapi.json); behind the API key when one is set."""
 
     def __post_init__(self) -> None:
         if isinstance(self.adapter_dirs, (str, os.PathLike)):

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: dividing logits by them overflows float32 (inf, then NaN
+probabilities), and at such a temperature sampling already picks the most likely token."""
+
+TOP_P_MIN = 1e-6
+"""top_p values below this act as it: in float32 they round to 0 and would keep no token at all; at 1e-6 the most
+likely token alone is kept (its probability is at least 1 / vocabulary size), as it would be for any tinier p."""
+
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range."""
@@ -14,11 +22,13 @@ class SamplingParams:
     max_tokens: int = 64
     """Most tokens to generate."""
     temperature: float = 0.0
-    """0 = greedy; otherwise logits are divided by it before sampling."""
+    """0 = greedy; otherwise logits are divided by it before sampling. Below GREEDY_BELOW (1e-5) it is greedy
+    (the value is stored as 0.0)."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = all)."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches p."""
+    """Keep the smallest set of tokens whose probability reaches p. Below TOP_P_MIN (1e-6) it is stored as
+    TOP_P_MIN."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens, whatever else is in the batch."""
     stop: tuple[str, ...] = ()
@@ -43,10 +53,14 @@ class SamplingParams:
             raise SamplingError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not _finite_number(self.temperature) or self.temperature < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         if not _finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p < TOP_P_MIN:
+            object.__setattr__(self, "top_p", TOP_P_MIN)
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")

@@ -22,8 +22,13 @@ def test_models_lists_the_base_model_and_every_adapter(live):
     models = live.openai().models.list().data
     base = live.engine.model_name
     assert [m.id for m in models] == [base, *sorted(ADAPTERS)]
-    assert models[0].parent is None and models[0].owned_by == "vlora"
+    assert models[0].owned_by == "vlora"
     assert all(m.parent == base and m.object == "model" for m in models[1:])
+    with live.http() as h:
+        cards = h.get("/v1/models").json()["data"]
+    assert "parent" not in cards[0]                 # vlora's extra fields appear only when they hold something
+    context = live.server_state.context_len
+    assert context > 0 and all(c["max_model_len"] == context for c in cards)
 
 
 def test_chat_answers_equal_the_offline_api_for_every_adapter(live, ref):

@@ -67,13 +67,14 @@ def test_invalid_chat_fields_are_400(live, body, param, contains):
 @pytest.mark.parametrize("content", [b"{", b"[1, 2]", b"", b"\xff\xfe"])
 def test_malformed_json_is_400(live, content):
     with live.http() as h:
-        err = check_error(h.post("/v1/chat/completions", content=content), 400)
+        err = check_error(h.post("/v1/chat/completions", content=content,
+                                       headers={"Content-Type": "application/json"}), 400)
     assert "json" in err["message"].lower()
 
 
 @pytest.mark.parametrize("body,param,contains", [
     ({"model": BASE, "prompt": list(range(1, 6000))}, "prompt", "at most"),          # longer than the context
-    ({"model": BASE, "prompt": [1, 2, 10**9]}, "prompt", "vocabulary"),
+    ({"model": BASE, "prompt": [1, 2, 10**9]}, "prompt[2]", "vocabulary"),
     ({"model": BASE, "prompt": []}, "prompt", "empty"),
     ({"model": BASE, "prompt": ["a", "b"]}, "prompt", "one prompt"),
     ({"model": BASE, "prompt": [1, True]}, None, ""),

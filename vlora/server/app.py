@@ -1,10 +1,17 @@
 """The OpenAI-compatible HTTP server: ``build_app(engine, ServerConfig)`` and ``serve``.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, GET /health, GET /metrics.
+POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter, GET /health, GET /metrics
+(and /docs, /redoc, /openapi.json with ``enable_docs``).
 The ``model`` field picks the adapter: an adapter's name, or the base model's.
 
 Policies (docs/server.md has the full list):
+- every field is checked at the edge, so what reaches the engine is valid: JSON bodies
+  (application/json, UTF-8, bounded size and depth, no lone surrogates), numbers in range
+  and finite, token ids inside the vocabulary, paths free of NUL; errors name the field
+  and quote at most 100 characters of what was sent, never a server path;
+- the event loop does no heavy work: parsing, tokenizing, chat templates and image
+  decoding run in a small thread pool, so /health answers while a large request is read;
 - unknown request fields are a 400 naming the field (typos never pass silently);
 - ``max_tokens`` larger than the context allows (prompt + max_tokens > context) is a
   400, as OpenAI and vLLM do; without max_tokens a chat answer may fill the context
@@ -15,9 +22,7 @@ Policies (docs/server.md has the full list):
 from __future__ import annotations
 
 import asyncio
-import copy
 import hmac
-import json
 import logging
 import os
 import time
@@ -25,6 +30,7 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from huggingface_hub import constants as hub_constants
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -37,21 +43,25 @@ from vlora.config import ServerConfig
 from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestFailed,
                                        RequestGroup, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
-from vlora.engine.llm import apply_chat_template
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
 from vlora.models.hub import HubError, is_hub_id, snapshot_dir
 from vlora.sampling_params import SamplingError, SamplingParams
 from vlora.server import protocol as P
+from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
 from vlora.server.metrics import ServerMetrics
+from vlora.server.workers import HeavyWork
 
 log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "server_error"}
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+MAX_JSON_DEPTH = 32         # deepest nesting a body may have (the request schemas need 5)
+MAX_MESSAGE_CHARS = 2000    # an error message longer than this is cut (user values in it are quoted shorter still)
 
 
 class APIError(Exception):
@@ -71,8 +81,12 @@ def _raise_if_rejected(outs) -> None:
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict | None = None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"),
-                                             param=param, code=code))
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "..."
+    if param is not None and len(param) > 2 * QUOTE_CHARS:
+        param = param[:2 * QUOTE_CHARS] + "..."
+    body = P.ErrorResponse(error=P.ErrorInfo(message=_printable(message), type=_ERROR_TYPES.get(status, "server_error"),
+                                             param=None if param is None else _printable(param), code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -85,10 +99,17 @@ class OpenAIServer:
         self.config = config
         e = self.engine.engine
         self.base_name = config.served_model_name or e.model_name
-        # the event loop tokenizes with its own copy; the engine thread detokenizes with the original
-        self.tokenizer = copy.deepcopy(e.tokenizer) if e.tokenizer is not None else None
+        # the workers tokenize with their own copies; the engine thread detokenizes with the original
+        self.work = HeavyWork(e.tokenizer)
+        self.has_tokenizer = e.tokenizer is not None
         # longest prompt + output: the model's limit, and what one sequence can hold in the KV cache
         self.context_len = min(e.max_model_len, e.pool.num_pages * e.block_size)
+        self.vocab_size = e.model.cfg.vocab_size
+        # a text longer than this cannot fit the context whatever it holds: refused before it is tokenized
+        chars = self.work.max_token_chars
+        self.max_text_chars = None if chars is None else self.context_len * chars
+        self.image_placeholder = (None if e.vision is None or e.tokenizer is None else
+                                  "".join(e.tokenizer.convert_ids_to_tokens(list(e.vision.image_prompt_ids))))
         self.metrics = ServerMetrics(self.engine, self.base_name)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         self.created = int(time.time())
@@ -104,7 +125,12 @@ class OpenAIServer:
                            code="invalid_api_key")
 
     async def read_request(self, request: Request, model: type[BaseModel]):
-        """Read, size-check, parse and validate a JSON body into ``model`` (errors: 400 / 413)."""
+        """Read, size-check, parse and validate a JSON body into ``model`` (errors: 400 / 413 / 415). Parsing and
+        validation run in a worker thread: a large body costs the event loop only the reading."""
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {quote(media) if media else 'none'}",
+                           code="unsupported_media_type")
         limit = self.config.max_request_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -114,44 +140,47 @@ class OpenAIServer:
             body += chunk
             if len(body) > limit:
                 raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-        try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON ({e})", code="invalid_json") from None
-        if not isinstance(obj, dict):
-            raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-        try:
-            req = model.model_validate(obj)
-        except ValidationError as e:
-            message, param = _validation_message(e)
-            raise APIError(400, message, param=param) from None
-        problem = getattr(req, "unsupported", lambda: None)()
-        if problem is not None:
-            raise APIError(400, problem[1], param=problem[0], code="unsupported")
-        return req
+        return await self.work.run(_parse, bytes(body), model)
 
     def adapter_for(self, model: str) -> str | None:
         if model == self.base_name:
             return None
         if model not in self.engine.adapter_names:
             known = ", ".join([self.base_name, *sorted(self.engine.adapter_names)])
-            raise APIError(404, f"model {model!r} does not exist (served: {known})", param="model",
+            raise APIError(404, f"model {quote(model)} does not exist (served: {known})", param="model",
                            code="model_not_found")
         return model
 
-    def max_tokens(self, prompt_len: int, requested: int | None, min_tokens: int, param: str) -> int:
+    def max_tokens(self, prompt_len: int, requested: tuple[int | None, str], min_tokens: int, param: str) -> int:
+        """The answer's token limit; ``requested``: (the value sent, the field it came in), named in errors."""
+        value, field = requested
         room = self.context_len - prompt_len
         if room < 1:
             raise APIError(400, f"prompt has {prompt_len} tokens; this model accepts at most "
                                 f"{self.context_len - 1}", param=param, code="context_length_exceeded")
-        if requested is not None and requested > room:
-            raise APIError(400, f"max_tokens={requested} is too large: prompt ({prompt_len} tokens) + max_tokens "
+        if value is not None and value > room:
+            raise APIError(400, f"{field}={quote(value)} is too large: prompt ({prompt_len} tokens) + {field} "
                                 f"must be at most the context length, {self.context_len}",
-                           param="max_tokens", code="context_length_exceeded")
-        n = room if requested is None else requested
+                           param=field, code="context_length_exceeded")
+        n = room if value is None else value
         if min_tokens > n:
-            raise APIError(400, f"min_tokens={min_tokens} is larger than max_tokens={n}", param="min_tokens")
+            raise APIError(400, f"min_tokens={quote(min_tokens)} is larger than {field}={n}", param="min_tokens")
         return n
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Every id inside the vocabulary (the schema has already refused negative ones)."""
+        for i, t in enumerate(ids):
+            if t >= self.vocab_size:
+                raise APIError(400, f"{param}[{i}] = {quote(t)} is outside the vocabulary [0, {self.vocab_size})",
+                               param=f"{param}[{i}]", code="invalid_token_id")
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        """413 for text too long for the context whatever it tokenizes to (a token holds at most
+        max_token_chars characters), before any tokenizing."""
+        if self.max_text_chars is not None and chars > self.max_text_chars:
+            raise APIError(413, f"{param} holds {chars} characters of text; this model's context of "
+                                f"{self.context_len} tokens holds at most {self.max_text_chars}",
+                           param=param, code="request_too_large")
 
     def image_tokens(self, images: list) -> int:
         """Prompt tokens the images add once their placeholders are expanded (one placeholder per image)."""
@@ -162,6 +191,7 @@ class OpenAIServer:
 
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
              request_id: str, images: list | None = None) -> list[Job]:
+        self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         jobs = []
         for i in range(req.n):
             try:
@@ -172,7 +202,8 @@ class OpenAIServer:
                     stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                     min_tokens=req.min_tokens, task_head=req.task_head)
             except SamplingError as e:
-                raise APIError(400, str(e)) from None
+                field = str(e).partition(" ")[0]
+                raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
             jobs.append(Job(prompt, adapter, params, f"{request_id}-{i}", tuple(images) if images else None))
         return jobs
 
@@ -198,6 +229,9 @@ class OpenAIServer:
         self.check_accepting()
         req: P.ChatCompletionRequest = await self.read_request(request, P.ChatCompletionRequest)
         adapter = self.adapter_for(req.model)
+        self.check_text_size(sum(len(m.content) if isinstance(m.content, str) else
+                                 sum(len(p.text) for p in m.content if isinstance(p, P.TextPart))
+                                 for m in req.messages), "messages")
         prompt, images = await self.chat_prompt(req.messages)
         prompt_len = len(prompt) + self.image_tokens(images)
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
@@ -219,13 +253,17 @@ class OpenAIServer:
         req: P.CompletionRequest = await self.read_request(request, P.CompletionRequest)
         adapter = self.adapter_for(req.model)
         prompt = req.single_prompt()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
+        given_ids = not isinstance(prompt, str)
+        if not given_ids:
+            if not self.has_tokenizer:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            prompt = self.tokenizer.encode(prompt, add_special_tokens=False)
+            self.check_text_size(len(prompt), "prompt")
+            prompt = await self.work.run(self.work.encode, prompt)
         if not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        max_tokens = self.max_tokens(len(prompt), req.max_tokens, req.min_tokens, "prompt")
+        max_tokens = self.max_tokens(len(prompt), (req.max_tokens, "max_tokens"), req.min_tokens, "prompt")
+        if given_ids:
+            self.check_token_ids(prompt, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         group = await self.submit(self.jobs(req, list(prompt), adapter, max_tokens, rid))
         if req.stream:
@@ -247,25 +285,24 @@ class OpenAIServer:
         images = []
         for i, url in enumerate(urls):
             try:
-                images.append(await asyncio.to_thread(load_image, url, self.image_limits))
+                images.append(await self.work.run(load_image, url, self.image_limits))
             except ImageError as e:
                 raise APIError(e.status, f"image {i}: {e}", param="messages", code="invalid_image") from None
         vision = self.engine.engine.vision
         if images and vision is None:
             raise APIError(400, f"model {self.base_name!r} does not accept images (it is a text-only model)",
                            param="messages", code="images_not_supported")
-        placeholder = (None if vision is None or self.tokenizer is None
-                       else "".join(self.tokenizer.convert_ids_to_tokens(list(vision.image_prompt_ids))))
         conv = [{"role": "system" if m.role == "developer" else m.role,
                  "content": m.content if isinstance(m.content, str) else
-                 "\n".join(p.text if isinstance(p, P.TextPart) else placeholder for p in m.content)}
+                 "\n".join(p.text if isinstance(p, P.TextPart) else self.image_placeholder for p in m.content)}
                 for m in messages]
         try:
-            return apply_chat_template(self.tokenizer, conv), images
+            return await self.work.run(self.work.chat_template, conv), images
         except RequestError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:       # a template may reject a conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template refused these messages ({e})", param="messages") from None
+            raise APIError(400, f"the chat template refused these messages ({quote(str(e), 300)[1:-1]})",
+                           param="messages") from None
 
     async def chat_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int, include_usage: bool):
         created = int(time.time())
@@ -306,7 +343,7 @@ class OpenAIServer:
     # -- other routes ----------------------------------------------------------------------
     async def models(self, request: Request):
         cards = [P.ModelCard(id=self.base_name, created=self.created, max_model_len=self.context_len)]
-        cards += [P.ModelCard(id=name, created=self.created, parent=self.base_name)
+        cards += [P.ModelCard(id=name, created=self.created, parent=self.base_name, max_model_len=self.context_len)
                   for name in sorted(self.engine.adapter_names)]
         return P.ModelList(data=cards)
 
@@ -321,13 +358,25 @@ class OpenAIServer:
         try:
             await self.engine.call(lambda e: e.adapters.register(req.lora_name, path))
         except AdapterError as e:
-            raise APIError(400, str(e), param="lora_path", code="invalid_adapter") from None
+            raise APIError(400, self.hide_paths(str(e), path, req.lora_path), param="lora_path",
+                           code="invalid_adapter") from None
         log.info("loaded adapter %r from %s", req.lora_name, path)
         return {"status": "ok", "lora_name": req.lora_name}
+
+    def hide_paths(self, message: str, path: str, raw: str) -> str:
+        """``message`` with the server's own paths replaced: the adapter's by what the client sent, the adapter
+        roots by a placeholder."""
+        message = message.replace(path, raw if len(raw) <= QUOTE_CHARS else "<lora_path>")
+        for root in self.config.adapter_dirs:
+            for form in {os.path.realpath(root), os.path.abspath(root)}:
+                message = message.replace(form, "<adapter dir>")
+        return message
 
     async def adapter_source(self, raw: str) -> str:
         """An adapter directory for ``raw``: inside the adapter roots first, else (when allowed) the snapshot of
         the Hub id ``raw``, downloaded off the event loop."""
+        if "\x00" in raw:
+            raise APIError(400, "lora_path must not contain a NUL character", param="lora_path")
         hub = self.config.allow_hub_adapters and is_hub_id(raw)
         if self.config.adapter_dirs:
             try:
@@ -336,11 +385,12 @@ class OpenAIServer:
                 if not hub:
                     raise
         if not hub:
-            raise APIError(400, f"lora_path {raw!r} is not a Hub id (org/name[@revision])", param="lora_path")
+            raise APIError(400, f"lora_path {quote(raw)} is not a Hub id (org/name[@revision])", param="lora_path")
         try:
             return str(await asyncio.to_thread(snapshot_dir, raw, "adapter"))
         except HubError as e:
-            raise APIError(404, str(e), param="lora_path", code="adapter_not_found") from None
+            message = str(e).replace(hub_constants.HF_HUB_CACHE, "<Hugging Face cache>")
+            raise APIError(404, message, param="lora_path", code="adapter_not_found") from None
 
     def adapter_path(self, raw: str) -> str:
         """``raw`` resolved (symlinks too) inside one of the adapter roots, or 403/404."""
@@ -356,7 +406,7 @@ class OpenAIServer:
         for full in inside:
             if os.path.isdir(full):
                 return full
-        raise APIError(404, f"no adapter directory {raw!r} in the server's adapter directories", param="lora_path",
+        raise APIError(404, f"no adapter directory {quote(raw)} in the server's adapter directories", param="lora_path",
                        code="adapter_not_found")
 
     async def unload_adapter(self, request: Request):
@@ -442,17 +492,42 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _parse(body: bytes, model: type[BaseModel]):
+    """The body validated into ``model`` (in a worker thread), or APIError 400 naming the field."""
+    try:
+        obj = parse_json(body, MAX_JSON_DEPTH)
+    except BodyError as e:
+        raise APIError(400, e.message, param=e.param, code=e.code) from None
+    try:
+        req = model.model_validate(obj)
+    except ValidationError as e:
+        message, param = _validation_message(e)
+        raise APIError(400, message, param=param) from None
+    problem = getattr(req, "unsupported", lambda: None)()
+    if problem is not None:
+        raise APIError(400, problem[1], param=problem[0], code="unsupported")
+    return req
+
+
+def _printable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (a lone surrogate) written as an escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     errors = e.errors(include_url=False)
     err = max(errors, key=lambda x: len(x["loc"]))
     parts = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS
                                                                     or p.startswith("function-")))]
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or None
-    if err["type"] == "extra_forbidden":
-        return f"unknown field {param!r} (vlora refuses fields it does not know)", param
+    if err["type"] == "extra_forbidden":      # the field's own name, whatever characters it holds
+        key = str(err["loc"][-1])
+        param = f"{param.rpartition('.')[0]}.{key}".lstrip(".") if len(parts) > 1 else key
+        return f"unknown field {quote(key)} (vlora refuses fields it does not know)", param
     if err["type"] == "missing":
-        return f"missing required field {param!r}", param
-    return (f"{param}: {err['msg']}" if param else err["msg"]), param
+        return f"missing required field {quote(param)}", param
+    msg = err["msg"] if len(err["msg"]) <= 2 * QUOTE_CHARS else err["msg"][:2 * QUOTE_CHARS] + "..."
+    return (f"{param}: {msg}" if param else msg), param
 
 
 def build_app(engine: Engine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
@@ -468,10 +543,15 @@ def build_app(engine: Engine | AsyncEngine, config: ServerConfig | None = None) 
         yield
         if server.owns_engine:
             await server.engine.shutdown(config.drain_timeout)
+        server.work.shutdown()
 
-    app = FastAPI(title="vlora", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan)
+    # FastAPI's own docs routes take no dependencies, so they are off here and added below, behind the key
+    app = FastAPI(title="vlora", summary="OpenAI-compatible multi-LoRA server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     auth = [Depends(server.check_auth)]
+    if config.enable_docs:
+        _add_docs_routes(app, auth)
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"], dependencies=auth,
                       response_model=None)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"], dependencies=auth,
@@ -505,7 +585,7 @@ def build_app(engine: Engine | AsyncEngine, config: ServerConfig | None = None) 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         count(400)
-        return error_response(400, str(exc))
+        return error_response(400, quote(str(exc), 2 * QUOTE_CHARS)[1:-1])
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
@@ -514,6 +594,29 @@ def build_app(engine: Engine | AsyncEngine, config: ServerConfig | None = None) 
         return error_response(500, f"internal server error ({type(exc).__name__})")
 
     return app
+
+
+def _add_docs_routes(app: FastAPI, auth: list) -> None:
+    """/openapi.json, /docs (Swagger UI, with its OAuth2 redirect page) and /redoc, each behind ``auth``."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+
+    async def openapi(request: Request):
+        return JSONResponse(app.openapi())
+
+    async def swagger(request: Request):
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="vlora",
+                                   oauth2_redirect_url="/docs/oauth2-redirect")
+
+    async def oauth2_redirect(request: Request):
+        return get_swagger_ui_oauth2_redirect_html()
+
+    async def redoc(request: Request):
+        return get_redoc_html(openapi_url="/openapi.json", title="vlora")
+
+    for path, route in [("/openapi.json", openapi), ("/docs", swagger), ("/docs/oauth2-redirect", oauth2_redirect),
+                        ("/redoc", redoc)]:
+        app.add_api_route(path, route, methods=["GET"], dependencies=auth, include_in_schema=False,
+                          response_model=None)
 
 
 def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:

@@ -71,6 +71,8 @@ def _read(url: str, limits: ImageLimits) -> bytes:
 
 
 def _read_file(path: str, limits: ImageLimits) -> bytes:
+    if "\x00" in path:
+        raise ImageError("image path must not contain a NUL character")
     if limits.image_dir is None:
         raise ImageError("local image files are disabled on this server (no --image-dir); send a data: URI", 403)
     root = os.path.realpath(limits.image_dir)

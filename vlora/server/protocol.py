@@ -6,6 +6,10 @@ Requests are validated strictly: a field of the wrong JSON type is an error
 OpenAI fields whose feature vlora does not implement (penalties, logprobs,
 tools, ...) are accepted only at their neutral value; anything else is a 400
 that says the feature is unsupported (see :meth:`SamplingRequest.unsupported`).
+Numbers must be finite (``NaN``, ``Infinity`` and ``1e999`` are refused naming the field).
+
+Responses carry vlora's extra fields (``task``, ``parent``) only when they hold something,
+so a client that checks OpenAI's schema strictly sees nothing unknown.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
+MAX_STOP_TOKEN_IDS = 256    # most stop_token_ids per request (each is checked at every generated token)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -61,7 +66,7 @@ class SamplingRequest(_Request):
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None     # extension
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     max_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -110,8 +115,11 @@ class ChatCompletionRequest(SamplingRequest):
     store: bool | None = None
     metadata: dict[str, str] | None = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the answer's token limit, the field that gave it): max_completion_tokens wins over max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs or self.top_logprobs:
@@ -169,6 +177,11 @@ class _Response(BaseModel):
     pass
 
 
+def _extension():
+    """A field OpenAI's schema does not have: left out of the JSON while it is None."""
+    return Field(None, exclude_if=lambda v: v is None)
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
@@ -192,7 +205,7 @@ class ChatChoice(_Response):
     message: ChatMessageOut
     finish_reason: str | None
     logprobs: None = None
-    task: TaskAnswer | None = None                      # extension: task_head requests
+    task: TaskAnswer | None = _extension()              # task_head requests
 
 
 class ChatCompletionResponse(_Response):
@@ -230,7 +243,7 @@ class CompletionChoice(_Response):
     text: str
     finish_reason: str | None
     logprobs: None = None
-    task: TaskAnswer | None = None                      # extension: task_head requests
+    task: TaskAnswer | None = _extension()              # task_head requests
 
 
 class CompletionResponse(_Response):
@@ -249,7 +262,7 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "vlora"
-    parent: str | None = None               # the base model, for adapters
+    parent: str | None = _extension()       # the base model, for adapters
     max_model_len: int | None = None
 
 
