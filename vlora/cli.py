@@ -43,8 +43,9 @@ def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) ->
                                    default=[], metavar=name.removesuffix("s").upper(), help=help_text)
             else:
                 conv = {int: int, float: float}.get(kind, str)
-                if name in ("num_blocks", "max_model_len"):
-                    conv = int
+                if default is None:          # an optional number: its annotation says which ("int | None")
+                    annotation = str(cls.__dataclass_fields__[name].type)
+                    conv = int if annotation.startswith("int") else float if annotation.startswith("float") else str
                 group.add_argument(f"--{name.replace('_', '-')}", type=conv, default=default, help=help_text)
 
 

@@ -160,11 +160,12 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
         max_len = min(max_len, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
-    model = model.to_empty(device=device)
-    model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device)
-    load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
-    model = model.to(dtype).eval().requires_grad_(False)
+    # made in its dtype and stacked before the weights arrive: each weight is read once into its final place,
+    # with no full-size fp32 or per-layer copy left behind in the allocator
+    model = model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+    model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device=device, dtype=dtype)
     model.stack_projections()
+    load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     return model, max_len
 
 
