@@ -95,11 +95,17 @@ class LoRAConfig:
     lora_kernel: str = "auto"
     """LoRA op backend: auto (Triton ATMM on CUDA, torch on CPU), triton, or torch."""
     max_loras: int = 4
-    """With num_blocks: adapters of max_lora_rank the unified pool is sized to hold on top of the KV blocks (more are registered in host memory and brought in on demand)."""
+    """Kernel path: adapters of max_lora_rank the unified pool holds at least, beside one max_model_len sequence (with num_blocks: on top of the KV blocks asked for); more are registered in host memory and brought in on demand."""
+    lora_overlap: str = "full"
+    """CUDA: where the LoRA kernels run beside the base projection: full (shrink and expand on a side stream while the projection runs, one add after), shrink (the shrink on the side stream, the expand after the projection), or off (both after it, on the main stream)."""
+    lora_pdl: bool = True
+    """Hopper and later: launch each LoRA expand as a programmatic dependent of its shrink (it starts while the shrink finishes)."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.lora_overlap not in ("off", "shrink", "full"):
+            raise ConfigError(f"lora_overlap must be off, shrink or full, got {self.lora_overlap!r}")
         if self.lora_kernel not in ("auto", "triton", "torch"):
             raise ConfigError(f"lora_kernel must be auto, triton or torch, got {self.lora_kernel!r}")
         if self.max_lora_rank < 1:

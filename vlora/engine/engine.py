@@ -23,6 +23,7 @@ from vlora.engine.runner import ModelRunner
 from vlora.engine.scheduler import Scheduler, SchedulerOutput
 from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
+from vlora.lora.batch import LoRALaunch
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.sizing import Sizing, plan
@@ -127,7 +128,8 @@ class Engine:
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
-                                  self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
+                                  self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision,
+                                  LoRALaunch(lc.lora_overlap, lc.lora_pdl))
         self.kernel_build = {}                        # what start-up built (vlora.engine.warmup)
         if use_kernels and cuda and mc.build_kernels:
             from vlora.engine.warmup import build_kernels

@@ -197,7 +197,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
