@@ -79,3 +79,18 @@ def test_engine_uses_the_cpu_sizing_and_leaves_the_pool_untouched():
     assert e.pool.buf.abs().max().item() == 0              # the pool reads as zeros before use
     out = llm.generate([[5, 6, 7]], None, __import__("vlora").SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_cli_options_of_the_sizing_knobs_are_typed_and_default_to_none():
+    import argparse
+
+    from vlora import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_config_args(parser)
+    config = cli._engine_config(parser.parse_args(["--kv-cache-memory-gb", "0.5", "--max-num-seqs", "8",
+                                                   "--gpu-memory-utilization", "0.8", "--no-lora-pdl"]))
+    assert config.cache.kv_cache_memory_gb == 0.5 and config.scheduler.max_num_seqs == 8
+    assert config.cache.gpu_memory_utilization == 0.8 and config.lora.lora_pdl is False
+    defaults = cli._engine_config(parser.parse_args([]))
+    assert defaults.cache.kv_cache_memory_gb is None and defaults.scheduler.max_num_batched_tokens is None
