@@ -14,6 +14,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -73,6 +75,18 @@ def _convert_gguf(path: Path) -> Path:
     out = cache_root() / "gguf" / key / gguf_model_name(path)
     if (out / "model.safetensors").is_file():
         return out
+    # in a child process: the dequantised tensors and the conversion's imports (transformers' model classes,
+    # torch._dynamo) would otherwise stay in the memory of the process that goes on to serve the model
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-m", "vlora.models.loader", str(path), str(out)], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0 or not (out / "model.safetensors").is_file():
+        raise ModelLoadError(f"converting {path} failed: {done.stderr.strip()[-2000:]}")
+    return out
+
+
+def _write_converted(path: Path, out: Path) -> None:
+    """The GGUF file's config, tokenizer and dequantised weights as an HF directory at ``out``."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -89,7 +103,6 @@ def _convert_gguf(path: Path) -> Path:
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
 
 
 def decoder_config(hf_config, name: str) -> DecoderConfig:
@@ -297,3 +310,7 @@ def _target(name: str, sizes: dict[str, list[int]]) -> tuple[str | None, tuple[i
         return f"{prefix}{param}.{kind}", None
     start = sum(sizes[param][:idx])
     return f"{prefix}{param}.{kind}", (start, start + sizes[param][idx])
+
+
+if __name__ == "__main__":           # python -m vlora.models.loader GGUF_FILE OUT_DIR (see _convert_gguf)
+    _write_converted(Path(sys.argv[1]), Path(sys.argv[2]))
