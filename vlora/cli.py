@@ -119,7 +119,8 @@ def cmd_serve(args) -> int:
     for name, path in adapters.items():
         engine.adapters.register(name, path)
     print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
-          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1", file=sys.stderr)
+          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1; {engine.sizing.describe()}",
+          file=sys.stderr)
     serve(engine, server_config, log_level=args.log_level)
     return 0
 
