@@ -7,9 +7,11 @@ of ranks ``--ranks`` round-robin, every adapter used by the same number of
 requests. Measured, in this order:
 
 1. copy bandwidth (large device-to-device copy, bytes read + written);
-2. vlora, all requests at once (continuous batching): with the adapters
-   (unmerged, the batched LoRA op), then base model only; output tokens/s,
-   median decode-step time inside the engine loop, and the decode forward alone
+2. vlora, all requests at once (continuous batching), with the engine's defaults
+   (pool and batch limits sized for the device) unless options set them: with
+   the adapters (unmerged, the batched LoRA op), then base model only; output
+   tokens/s, time to first token (mean, p50, p90, from the moment all requests
+   were added), median decode-step time inside the engine loop, and the decode forward alone
    (CUDA-graph replay, CUDA events) with and without the adapters on the same
    batch state;
 3. vlora, one request: batch-1 decode step;
