@@ -199,8 +199,8 @@ async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
                 log(f"HTTP {label}: {r['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(r['ttft_s'])}; server CPU per "
                     f"output token: event loop {c['event_loop_us_per_token']:.0f} us, other threads "
                     f"{c['other_threads_us_per_token']:.0f} us")
-    finally:      # SIGINT: uvicorn re-raises the signal after its shutdown, and cProfile writes its stats on
-        proc.send_signal(signal.SIGINT)           # KeyboardInterrupt, not when SIGTERM ends the process
+    finally:      # profiled, SIGINT: uvicorn re-raises the signal after its shutdown, and cProfile writes its
+        proc.send_signal(signal.SIGINT if args.profile else signal.SIGTERM)   # stats on KeyboardInterrupt only
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
