@@ -64,6 +64,19 @@ def offline(args, prompts, names, adapter_dirs) -> dict:
     log(f"offline engine: {engine.sizing.describe()}")
     for name, path in adapter_dirs.items():
         engine.adapters.register(name, path)
+    # stepped on a thread of its own, as the server's engine: on a 2-core CPU, stepping on the thread that built
+    # the engine measured many times slower (torch's intra-op threads), which would flatter the server
+    with ThreadPoolExecutor(1) as pool:
+        out = pool.submit(_offline_runs, args, engine, prompts, names).result()
+    dev = engine.device
+    del engine
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _offline_runs(args, engine, prompts, names) -> dict:
     dev = engine.device
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     run_offline(engine, prompts, names, warm, dev)
@@ -79,10 +92,6 @@ def offline(args, prompts, names, adapter_dirs) -> dict:
         out[label] = {"tok_s": sum(run["tokens"]) / run["wall_s"], "wall_s": run["wall_s"],
                       "ttft_s": ttft_stats(run["ttft_s"])}
         log(f"offline {label}: {out[label]['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(out[label]['ttft_s'])}")
-    del engine, graphs
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
@@ -238,9 +247,8 @@ def main() -> None:
     base_name = "random-" + args.model.removeprefix("random:")
     with tempfile.TemporaryDirectory() as tmp:
         adapter_dirs, names = write_adapters(args, Path(tmp))
-        if not args.skip_offline:         # on a thread of its own, as the server's engine (on a CPU, torch's
-            with ThreadPoolExecutor(1) as pool:       # intra-op threads run differently from the main thread)
-                res["offline"] = pool.submit(offline, args, prompts, names, adapter_dirs).result()
+        if not args.skip_offline:
+            res["offline"] = offline(args, prompts, names, adapter_dirs)
         res["http"] = asyncio.run(over_http(args, prompts, names, adapter_dirs, base_name))
     if "offline" in res:
         for label in LABELS:
