@@ -7,9 +7,11 @@ of ranks ``--ranks`` round-robin, every adapter used by the same number of
 requests. Measured, in this order:
 
 1. copy bandwidth (large device-to-device copy, bytes read + written);
-2. vlora, all requests at once (continuous batching): with the adapters
-   (unmerged, the batched LoRA op), then base model only; output tokens/s,
-   median decode-step time inside the engine loop, and the decode forward alone
+2. vlora, all requests at once (continuous batching), with the engine's defaults
+   (pool and batch limits sized for the device) unless options set them: with
+   the adapters (unmerged, the batched LoRA op), then base model only; output
+   tokens/s, time to first token (mean, p50, p90, from the moment all requests
+   were added), median decode-step time inside the engine loop, and the decode forward alone
    (CUDA-graph replay, CUDA events) with and without the adapters on the same
    batch state;
 3. vlora, one request: batch-1 decode step;
@@ -118,6 +120,62 @@ class StepTimer:
         self.engine.step = self._step
 
 
+def run_offline(engine, prompts, adapters, sp, dev: torch.device) -> dict:
+    """All requests at once through ``engine.step`` (continuous batching, as ``LLM.generate``): wall seconds,
+    each request's time to first token (from the moment all were added) and output tokens."""
+    names = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
+    sync(dev)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, a, sp) for p, a in zip(prompts, names)]
+    first: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    while len(tokens) < len(ids):
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.delta_token_ids and out.request_id not in first:
+                first[out.request_id] = now - t0
+            if out.finished:
+                tokens[out.request_id] = len(out.token_ids)
+    sync(dev)
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": [first[r] for r in ids], "tokens": [tokens[r] for r in ids]}
+
+
+def ttft_stats(xs: list[float]) -> dict:
+    """Mean, p50 and p90 of times to first token (seconds)."""
+    s = sorted(xs)
+    return {"mean": statistics.fmean(s), "p50": s[len(s) // 2], "p90": s[min(len(s) - 1, int(0.9 * len(s)))]}
+
+
+def fmt_ttft(t: dict) -> str:
+    return f"mean {1e3 * t['mean']:.0f} / p50 {1e3 * t['p50']:.0f} / p90 {1e3 * t['p90']:.0f} ms"
+
+
+def make_prompts(args) -> list[list[int]]:
+    """``--requests`` prompts of ``--input-len`` seeded random token ids."""
+    preset = RANDOM_PRESETS[args.model.removeprefix("random:")]
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, preset["vocab_size"], (args.requests, args.input_len), generator=g).tolist()
+
+
+def write_adapters(args, root: Path) -> tuple[dict[str, str], list[str]]:
+    """``--adapters`` random PEFT adapters on every projection, ranks ``--ranks`` round-robin, under ``root``;
+    returns (name -> directory, the adapter of each request: every adapter used by as many requests)."""
+    preset = RANDOM_PRESETS[args.model.removeprefix("random:")]
+    h, i = preset["hidden_size"], preset["intermediate_size"]
+    q, kv = h, preset["num_key_value_heads"] * h // preset["num_attention_heads"]
+    shape = ModelShape(args.model, preset["num_hidden_layers"],
+                       {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h,
+                        "down_proj": i},
+                       {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
+                        "down_proj": h})
+    log(f"writing {args.adapters} adapters (ranks {args.ranks}, all projections)")
+    dirs = {f"a{j}": str(write_random_adapter(root / f"a{j}", shape, args.ranks[j % len(args.ranks)], seed=j,
+                                              std=0.01))
+            for j in range(args.adapters)}
+    return dirs, [f"a{j % args.adapters}" for j in range(args.requests)]
+
+
 def weight_bytes(model) -> int:
     """Bytes of every weight a decode step reads in full (the embedding table: only B rows, left out)."""
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed."))
@@ -133,12 +191,14 @@ def adapter_bytes(engine, names: list[str]) -> int:
 
 
 def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
-    llm = LLM(args.model, device=str(dev), dtype=args.dtype, max_num_seqs=args.requests,
+    llm = LLM(args.model, device=str(dev), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory_gb=args.kv_gb,
-              max_model_len=args.input_len + args.output_len + 16, max_lora_rank=max(args.ranks),
-              check_base_model=False)
+              max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank or 128, check_base_model=False,
+              lora_overlap=args.lora_overlap,
+              lora_pdl=args.lora_pdl)
     eng = llm.engine
-    log(f"vlora: {eng.model_name}, {eng.allocator.num_blocks} KV blocks of {eng.block_size}")
+    res["engine"] = engine_settings(eng)
+    log(f"vlora: {eng.model_name}, {eng.sizing.describe()}")
     t0 = time.perf_counter()
     for n, p in adapter_dirs.items():
         llm.register_adapter(n, p)
@@ -159,19 +219,18 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
     out_tokens = len(prompts) * args.output_len
     for label, adapters in (("adapters", names), ("base", None)):
         timer = StepTimer(eng, dev)
-        sync(dev)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, adapters, sp)
-        sync(dev)
-        wall = time.perf_counter() - t0
+        run = run_offline(eng, prompts, adapters, sp, dev)
         timer.close()
-        assert all(len(o.token_ids) == args.output_len for o in outs)
+        assert all(n == args.output_len for n in run["tokens"])
+        wall = run["wall_s"]
         b = len(prompts)
         step = timer.decode_median_ms(b)
         res[f"vlora_{label}_tok_s"] = out_tokens / wall
         res[f"vlora_{label}_wall_s"] = wall
         res[f"vlora_{label}_decode_step_ms"] = step
-        log(f"vlora {label}: {out_tokens / wall:.0f} output tok/s ({wall:.2f} s), decode step (B={b}) "
+        res[f"vlora_{label}_ttft_s"] = ttft_stats(run["ttft_s"])
+        log(f"vlora {label}: {out_tokens / wall:.0f} output tok/s ({wall:.2f} s), TTFT "
+            f"{fmt_ttft(res[f'vlora_{label}_ttft_s'])}, decode step (B={b}) "
             f"{step if step is None else round(step, 2)} ms, {len(timer.steps)} steps")
         if graphs is not None and label == "adapters":
             bb = graphs.bucket(b)             # the static buffers hold the batch's last decode step
@@ -191,6 +250,15 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         res["graph_replays"] = graphs.num_replays
     log(f"vlora batch 1: decode step {res['vlora_b1_decode_step_ms']:.2f} ms (engine loop), "
         f"forward {res.get('vlora_b1_graph_ms', float('nan')):.2f} ms (graph replay)")
+
+
+def engine_settings(eng) -> dict:
+    """The engine settings that decide speed, as served (defaults resolved)."""
+    c = eng.config
+    return dict(max_num_seqs=c.scheduler.max_num_seqs, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                max_model_len=eng.max_model_len, pool_gib=round(eng.sizing.pool_bytes / 2**30, 2),
+                pool_source=eng.sizing.source, lora_overlap=c.lora.lora_overlap, lora_pdl=c.lora.lora_pdl,
+                max_lora_rank=c.lora.max_lora_rank)
 
 
 def hf_model(args, dev: torch.device, dtype: torch.dtype):
@@ -309,8 +377,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
-    ap.add_argument("--kv-gb", type=float, default=32.0, help="unified pool (KV + adapters), GiB")
-    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="unified pool (KV + adapters), GiB (default: the engine's, sized for the device)")
+    ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: the engine's for the device")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's for the device")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    ap.add_argument("--max-lora-rank", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--lora-overlap", choices=["off", "shrink", "full"], default="full",
+                    help="LoRA kernels beside the base projection (the engine's lora_overlap)")
+    ap.add_argument("--lora-pdl", action=argparse.BooleanOptionalAction, default=True,
+                    help="LoRA expand as a programmatic dependent of its shrink (the engine's lora_pdl)")
     ap.add_argument("--skip-peft", action="store_true", help="leave out the transformers+PEFT mixed run")
     ap.add_argument("--skip-hf", action="store_true", help="leave out both transformers runs")
     ap.add_argument("--out", type=Path, required=True)
@@ -325,22 +401,9 @@ def main() -> None:
     res["copy_bw"] = copy_bandwidth(dev)
     log(f"{gpu}: copy bandwidth {res['copy_bw'] / 1e9:.0f} GB/s")
 
-    preset = RANDOM_PRESETS[args.model.removeprefix("random:")]
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, preset["vocab_size"], (args.requests, args.input_len), generator=g).tolist()
+    prompts = make_prompts(args)
     with tempfile.TemporaryDirectory() as tmp:
-        h, i = preset["hidden_size"], preset["intermediate_size"]
-        q, kv = h, preset["num_key_value_heads"] * h // preset["num_attention_heads"]
-        shape = ModelShape(args.model, preset["num_hidden_layers"],
-                           {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": q, "gate_proj": h, "up_proj": h,
-                            "down_proj": i},
-                           {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
-                            "down_proj": h})
-        log(f"writing {args.adapters} adapters (ranks {args.ranks}, all projections)")
-        adapter_dirs = {f"a{j}": str(write_random_adapter(Path(tmp) / f"a{j}", shape, args.ranks[j % len(args.ranks)],
-                                                         seed=j, std=0.01))
-                        for j in range(args.adapters)}
-        names = [f"a{j % args.adapters}" for j in range(args.requests)]
+        adapter_dirs, names = write_adapters(args, Path(tmp))
         run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res)
         gc.collect()                          # the engine is unreachable now: give its memory back
         if dev.type == "cuda":

@@ -15,7 +15,7 @@ One slice (in = K, out = N), bf16. For every case, in one run:
    (a 1 GiB device-to-device copy timed in the same run, bytes read + written).
 
 On Hopper the expand is launched as a programmatic dependent of the shrink (``vlora.kernels.atmm.pdl``); the
-tuned pair is then also timed with ``VLORA_PDL=off`` (``atmm_no_pdl``), one kernel after the other.
+tuned pair is then also timed with PDL off (``atmm_no_pdl``), one kernel after the other.
 
 Timing: each op is captured into a CUDA graph with static inputs (metadata built outside), 8 times
 on 8 copies of its data (x, y, weights), as a decode step's graph runs its launches back to back;
@@ -343,13 +343,13 @@ def copy_bandwidth(dev: torch.device, bench: dict) -> tuple[float, int]:
 # ----------------------------------------------------------------------------- the systems
 
 
-def atmm_fn(c: Case, cs: TileConfig, ce: TileConfig):
+def atmm_fn(c: Case, cs: TileConfig, ce: TileConfig, pdl: bool = True):
     spec = c.spec
 
     def fn():
-        v = lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, spec.r_max, cs, aligned=True)
+        v = lora_shrink(c.x, c.w, c.a_off_t, c.rtot_t, c.meta, spec.r_max, cs, aligned=True, pdl=pdl)
         return lora_expand(c.y, v, c.w, c.b_off_t, c.vcol_t, (spec.n,), c.meta, ce, aligned=True,
-                           max_rank=spec.r_max)
+                           max_rank=spec.r_max, pdl=pdl)
     return fn
 
 
@@ -614,12 +614,8 @@ def main() -> None:
         rec["us"]["atmm"], _ = run_y_op(c, replicas(c, lambda r: atmm_fn(r, cs, ce)), dev, bench, chk,
                                         "atmm tuned (pass 2)")
         if pdl_on:                              # the same pair launched one kernel after the other
-            atmm.PDL = "off"
-            try:
-                rec["us"]["atmm_no_pdl"], _ = run_y_op(c, replicas(c, lambda r: atmm_fn(r, cs, ce)), dev, bench,
-                                                       chk, "atmm tuned, no PDL")
-            finally:
-                atmm.PDL = "on"
+            rec["us"]["atmm_no_pdl"], _ = run_y_op(c, replicas(c, lambda r: atmm_fn(r, cs, ce, pdl=False)), dev,
+                                                   bench, chk, "atmm tuned, no PDL")
         us = rec["us"]
         rec["ratio"] = {"atmm_floor": us["atmm"] / rec["floor_us"],
                         "static_floor": us["static"] / rec["floor_us"],

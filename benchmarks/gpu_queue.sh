@@ -25,7 +25,7 @@ run_part() {   # one part, its results in $q/$1
         decode)  timeout 900 bash benchmarks/gpu_decode.sh "$dir" --no-tests ;;
         e2e)     timeout 600 python3 benchmarks/bench_e2e.py --skip-peft --out "$dir" ;;
         e2e-overlap) for m in off shrink full; do mkdir -p "$dir/$m"
-                     VLORA_LORA_OVERLAP=$m timeout 300 python3 benchmarks/bench_e2e.py --skip-hf --out "$dir/$m"
+                     timeout 300 python3 benchmarks/bench_e2e.py --skip-hf --lora-overlap $m --out "$dir/$m"
                      done ;;
         lora-kernels) tuned=$(ls $q/tune-grid/*.json 2>/dev/null | head -1)    # this queue's tune-grid, if any
                       timeout 500 python3 benchmarks/bench_lora_kernels.py ${tuned:+--table "$tuned"} --out "$dir" ;;

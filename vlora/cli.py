@@ -44,8 +44,9 @@ def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) ->
                                    default=[], metavar=name.removesuffix("s").upper(), help=help_text)
             else:
                 conv = {int: int, float: float}.get(kind, str)
-                if name in ("num_blocks", "max_model_len"):
-                    conv = int
+                if default is None:          # an optional number: its annotation says which ("int | None")
+                    annotation = str(cls.__dataclass_fields__[name].type)
+                    conv = int if annotation.startswith("int") else float if annotation.startswith("float") else str
                 group.add_argument(f"--{name.replace('_', '-')}", type=conv, default=default, help=help_text)
 
 
@@ -142,7 +143,8 @@ def cmd_serve(args) -> int:
     for name, path in adapters.items():
         engine.adapters.register(name, path)
     print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
-          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1", file=sys.stderr)
+          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1; {engine.sizing.describe()}",
+          file=sys.stderr)
     serve(engine, server_config, log_level=args.log_level)
     return 0
 

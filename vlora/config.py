@@ -64,21 +64,23 @@ class CacheConfig:
     """KV blocks to allocate; the unified pool then also gets room for max_loras adapters of the largest rank (any page holds KV or adapter weights). Default: sized from kv_cache_memory_gb."""
     prefix_caching: bool = False
     """Keep finished requests' KV in a tree under their adapter and reuse the longest cached prefix (multi-turn chats, shared system prompts); cached blocks give way when the pool needs pages."""
-    kv_cache_memory_gb: float = 1.0
-    """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB)."""
+    kv_cache_memory_gb: float | None = None
+    """Memory of the unified pool (KV blocks and, on the kernel path, adapter weights) when num_blocks is not given (GiB). Default: on CUDA, the share gpu_memory_utilization of the GPU's memory less what the weights, the activations of a full batch and the CUDA graphs need; on the CPU, room for max_num_seqs sequences of max_model_len tokens, capped at 512 MiB (at least one full sequence)."""
     memory_policy: str = "unified"
     """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra: unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (for chats whose histories overflow the pool; docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
     host_kv_gb: float = 4.0
     """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA."""
     adapter_pool_fraction: float = 0.1
     """lru-fixed: share of the pool's pages reserved for adapters."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: share of the GPU's memory vlora may use in all (weights, activations, CUDA graphs and the pool); the pool gets what is left. Ignored when kv_cache_memory_gb or num_blocks is given."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.memory_policy not in ("unified", "fastlibra", "lru-fixed"):
             raise ConfigError(f"memory_policy must be unified, fastlibra or lru-fixed, got {self.memory_policy!r}")
@@ -86,6 +88,8 @@ class CacheConfig:
             raise ConfigError(f"host_kv_gb must be >= 0, got {self.host_kv_gb}")
         if not 0 < self.adapter_pool_fraction < 1:
             raise ConfigError(f"adapter_pool_fraction must be in (0, 1), got {self.adapter_pool_fraction}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,17 @@ class LoRAConfig:
     lora_kernel: str = "auto"
     """LoRA op backend: auto (Triton ATMM on CUDA, torch on CPU), triton, or torch."""
     max_loras: int = 4
-    """With num_blocks: adapters of max_lora_rank the unified pool is sized to hold on top of the KV blocks (more are registered in host memory and brought in on demand)."""
+    """Kernel path: adapters of max_lora_rank the unified pool holds at least, beside one max_model_len sequence (with num_blocks: on top of the KV blocks asked for); more are registered in host memory and brought in on demand."""
+    lora_overlap: str = "full"
+    """CUDA: where the LoRA kernels run beside the base projection: full (shrink and expand on a side stream while the projection runs, one add after), shrink (the shrink on the side stream, the expand after the projection), or off (both after it, on the main stream)."""
+    lora_pdl: bool = True
+    """Hopper and later: launch each LoRA expand as a programmatic dependent of its shrink (it starts while the shrink finishes)."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
             raise ConfigError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.lora_overlap not in ("off", "shrink", "full"):
+            raise ConfigError(f"lora_overlap must be off, shrink or full, got {self.lora_overlap!r}")
         if self.lora_kernel not in ("auto", "triton", "torch"):
             raise ConfigError(f"lora_kernel must be auto, triton or torch, got {self.lora_kernel!r}")
         if self.max_lora_rank < 1:
@@ -110,10 +120,10 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    """Most sequences in one iteration's batch."""
-    max_num_batched_tokens: int = 2048
-    """Most tokens (prefill + decode) in one iteration; longer prompts are prefilled in chunks."""
+    max_num_seqs: int | None = None
+    """Most sequences in one iteration's batch. Default: 64 on the CPU; on CUDA max_num_batched_tokens / 64 (256 with a 16,384-token budget)."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens (prefill + decode) in one iteration; longer prompts are prefilled in chunks. Default: 2,048 on the CPU; on CUDA the largest of 16,384, 8,192, 4,096 and 2,048 whose activations take at most a tenth of the memory left after the weights."""
     policy: str = "unmerged"
     """Inference-mode policy: unmerged (every adapter through the LoRA op, S-LoRA/Punica style), vlora (V-LoRA Alg. 1: merged/mixed/unmerged), merged-only, or dlora (merge/unmerge switching, no mixed mode)."""
     starvation_s: float = 0.5
@@ -124,9 +134,12 @@ class SchedulerConfig:
             raise ConfigError(f"policy must be unmerged, vlora, merged-only or dlora, got {self.policy!r}")
         if not self.starvation_s > 0:
             raise ConfigError(f"starvation_s must be > 0, got {self.starvation_s}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
             raise ConfigError("max_num_batched_tokens must be >= max_num_seqs "
                               f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
 

@@ -81,8 +81,8 @@ def test_gpu_engine_profiles_its_modes_and_keeps_its_weights():
     from vlora.bench.workloads import RequestSpec
     from vlora.lora.random_adapter import write_random_adapter
 
-    llm = LLM("random:tiny-llama", device="cuda", max_num_seqs=8, max_lora_rank=16, max_num_batched_tokens=512,
-              policy="vlora")
+    llm = LLM("random:tiny-llama", device="cuda", kv_cache_memory_gb=1, max_num_seqs=8, max_lora_rank=16,
+              max_num_batched_tokens=512, policy="vlora")
     eng = llm.engine
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate((8, 16, 8)):

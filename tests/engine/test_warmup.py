@@ -55,7 +55,7 @@ def test_worker_builds_its_share(tmp_path):
     path = tmp_path / "variants.json"
     path.write_text(json.dumps(rows))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "vlora.engine.warmup", str(path), "0", "4", "float32", "cpu"],
+    done = subprocess.run([sys.executable, "-m", "vlora.engine.warmup", str(path), "0", "4", "float32", "cpu", "pdl"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -115,7 +115,8 @@ def test_gpu_merge_after_start_up_builds_nothing():
     from vlora.kernels import compiles
     from vlora.lora.random_adapter import write_random_adapter
 
-    llm = LLM("random:tiny-llama", device="cuda", max_num_seqs=8, max_lora_rank=64, policy="vlora")
+    llm = LLM("random:tiny-llama", device="cuda", kv_cache_memory_gb=1, max_num_seqs=8, max_lora_rank=64,
+              policy="vlora")
     with tempfile.TemporaryDirectory() as tmp:
         for i, r in enumerate((8, 64)):
             llm.register_adapter(f"a{i}", write_random_adapter(Path(tmp) / f"a{i}", llm.engine.adapters.shape, r,
@@ -136,7 +137,8 @@ def test_gpu_engine_builds_kernels_and_serves_without_new_builds():
     from vlora.kernels import compiles
     from vlora.lora.random_adapter import write_random_adapter
 
-    llm = LLM("random:tiny-llama", device="cuda", max_num_seqs=8, max_lora_rank=16, max_num_batched_tokens=512)
+    llm = LLM("random:tiny-llama", device="cuda", kv_cache_memory_gb=1, max_num_seqs=8, max_lora_rank=16,
+              max_num_batched_tokens=512)
     assert llm.engine.kernel_build["launches"] > 0
     import tempfile
     from pathlib import Path

@@ -238,13 +238,13 @@ def test_gpu_bf16_within_benchmark_tolerance(dist, dtype):
                                           (TileConfig(32, 32, 32, split_k=2), TileConfig(32, 64, 16, m_loop=2)),
                                           (TileConfig(16, 32, 64), TileConfig(16, 32, 64, hoist=1))],
                          ids=["reduce-hoisted", "planes-mloop", "plain-hoisted"])
-def test_gpu_pdl_pairs_in_a_graph_match_sequential_launches(monkeypatch, cfg_s, cfg_e):
+def test_gpu_pdl_pairs_in_a_graph_match_sequential_launches(cfg_s, cfg_e):
     """The expand launched as a programmatic dependent of the shrink (Hopper) reads v only once the shrink is
     done: several pairs back to back in one CUDA graph, each expand's y feeding the next pair's x, give the bits
     of the same pairs launched one after the other, and the float64 reference (a race would show as bits that
     differ, not reliably: this checks the ordering the kernels promise, it cannot prove it)."""
     if not atmm.pdl(torch.device("cuda")):
-        pytest.skip("programmatic dependent launch needs compute capability 9 (and VLORA_PDL not off)")
+        pytest.skip("programmatic dependent launch needs compute capability 9")
     w, x, segs = make_case("zipf", 9, [1, 7, 64, 130, 3], ranks=[16, 64, 8, 32], dtype=torch.bfloat16,
                            device="cuda", seed=5, gaps=False)
     assert x.shape[0] == sum(n for _, n, _ in segs) and sum(WIDTHS) > K
@@ -258,28 +258,28 @@ def test_gpu_pdl_pairs_in_a_graph_match_sequential_launches(monkeypatch, cfg_s, 
 
     no_slice = torch.full_like(b_off, -1)        # an adapter that targets none of the group: no program has work
 
-    def chain(ys):
+    def chain(ys, pdl):
         """Pair i reads x from y[i] (the previous expand's output) and adds into y[i+1]; pair 1's expand has no
         work; the last pair runs as mixed mode does: two shrinks, then two expands into the same y."""
         for i in range(len(ys) - 1):
             xi = ys[i][:, :K].contiguous() if i else x
-            v = lora_shrink(xi, w, a_off, rtot, meta, r_max, cfg_s)
+            v = lora_shrink(xi, w, a_off, rtot, meta, r_max, cfg_s, pdl=pdl)
             if i == len(ys) - 2:
-                v2 = lora_shrink(xi, w, a_off, rtot, meta, r_max, cfg_s)
-                lora_expand(ys[i + 1], v, w, b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64)
-                lora_expand(ys[i + 1], v2, w, b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64)
+                v2 = lora_shrink(xi, w, a_off, rtot, meta, r_max, cfg_s, pdl=pdl)
+                lora_expand(ys[i + 1], v, w, b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64, pdl=pdl)
+                lora_expand(ys[i + 1], v2, w, b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64, pdl=pdl)
             else:
-                lora_expand(ys[i + 1], v, w, no_slice if i == 1 else b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64)
+                lora_expand(ys[i + 1], v, w, no_slice if i == 1 else b_off, vcol, WIDTHS, meta, cfg_e, max_rank=64,
+                            pdl=pdl)
 
-    def run(mode):
-        monkeypatch.setattr(atmm, "PDL", mode)
+    def run(pdl):
         ys = [y0.clone() for _ in range(5)]
-        chain(ys)                                   # eager (compiles), then captured and replayed
+        chain(ys, pdl)                              # eager (compiles), then captured and replayed
         for y in ys:
             y.copy_(y0)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            chain(ys)
+            chain(ys, pdl)
         for _ in range(3):
             for y in ys:
                 y.copy_(y0)
@@ -287,7 +287,7 @@ def test_gpu_pdl_pairs_in_a_graph_match_sequential_launches(monkeypatch, cfg_s, 
         torch.cuda.synchronize()
         return ys
 
-    with_pdl, without = run("on"), run("off")
+    with_pdl, without = run(True), run(False)
     for a, b in zip(with_pdl, without):
         assert torch.equal(a, b)
     assert torch.equal(with_pdl[2], y0)                     # pair 1 added nothing

@@ -83,6 +83,21 @@ def test_completions_string_and_token_prompts(live, ref):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == want
 
 
+def test_token_id_prompt_streams_chunks_with_their_token_ids(live, ref):
+    prompt = "The three primary colours are"
+    [want] = ref._run([(prompt, "demo-r4")], N, {"temperature": 0.0, "ignore_eos": True}, chat=False)
+    ids = ref.llm.tokenizer.encode(prompt, add_special_tokens=False)
+    body = {"model": "demo-r4", "prompt": ids, "max_tokens": N, "temperature": 0, "ignore_eos": True, "stream": True}
+    with live.http() as h, h.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks]
+    assert all(c["token_ids"] for c in choices)          # a chunk whenever tokens arrive, text or not yet
+    assert [t for c in choices for t in c["token_ids"]] == want.token_ids
+    assert "".join(c["text"] for c in choices) == want.text
+    streamed = live.openai().completions.create(model="demo-r4", prompt=prompt, max_tokens=N, stream=True)
+    assert all("token_ids" not in (ch.model_extra or {}) for c in streamed for ch in c.choices)   # text prompts
+
+
 def test_completions_default_to_16_tokens(live):
     r = live.openai().completions.create(model=live.engine.model_name, prompt="Once upon a time",
                                          temperature=0, extra_body={"ignore_eos": True})

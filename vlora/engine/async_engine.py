@@ -18,7 +18,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
@@ -141,6 +141,32 @@ class RequestGroup:
         if item.finished:
             self._open -= 1
         return item
+
+    async def batches(self):
+        """The outputs in lists: each list is everything delivered by the time the consumer asks, with the
+        outputs of one request folded into one (text and tokens joined, the latest state). A stream that falls
+        behind the engine thus catches up in one write instead of one per token."""
+        while self._open:
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            folded: dict[str, RequestOutput] = {}
+            failure = None
+            for item in items:
+                if isinstance(item, BaseException):
+                    failure = item
+                    break
+                if item.finished:
+                    self._open -= 1
+                prev = folded.get(item.request_id)
+                folded[item.request_id] = item if prev is None else replace(
+                    item, delta_text=prev.delta_text + item.delta_text,
+                    delta_token_ids=prev.delta_token_ids + item.delta_token_ids)
+            if folded:
+                yield list(folded.values())
+            if failure is not None:
+                self._open = 0
+                raise failure
 
     async def results(self) -> list[RequestOutput]:
         """The final output of every request, in job order."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from vlora.lora.batch import GROUPS, KernelGroupMeta, LoRABatch, LoRASegment, PackedAdapter, SegmentMeta
+from vlora.lora.batch import GROUPS, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter, SegmentMeta
 from vlora.models.forward_batch import ForwardBatch
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL = range(8)
@@ -42,8 +42,9 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
-                 lora_setup=None, columns: int = 512):
+                 lora_setup=None, columns: int = 512, launch: LoRALaunch = LoRALaunch()):
         """``lora_setup``: (adapter buffer, group widths, group in-features, tiling table, max rank) or None;
+        ``launch``: how the captured LoRA kernels are launched;
         ``columns``: adapter columns of the offset tables to start with (about 5 KB each on a 32-layer model;
         outgrowing them recaptures every LoRA graph, so the default is sized past the adapters a pool holds at
         once)."""
@@ -62,6 +63,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.lora_setup = lora_setup
+        self.launch = launch
         self._columns: dict[str, tuple[PackedAdapter, int, int]] = {}     # name -> (adapter, column, epoch)
         if lora_setup is not None:
             self._alloc_columns(columns)
@@ -144,7 +146,7 @@ class DecodeGraphs:
                     kernel[g] = KernelGroupMeta(a_off, rtot, b_off, vcol, r_max, widths[g], shrink, expand)
                 seg = seg_rows.to(torch.int32)
                 return LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], scales, max_len=cap, num_rows=b),
-                                 kernel, buffer.buf, extra=extra)
+                                 kernel, buffer.buf, extra=extra, launch=self.launch)
 
             minus = lora_pass(self.meta2[:3, :b], self.meta2[3, :b], self.scales2[:b]) if kind == MIXED else None
             lora = lora_pass(meta[_SEG_START:_SEG_COL], meta[_SEG_COL], self.scales[:b], minus)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -27,12 +28,13 @@ from vlora.engine.plan import StepPlan
 from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
+from vlora.lora.batch import LoRALaunch
 from vlora.lora.registry import AdapterRegistry
-from vlora.memory.kv_cache import blocks_for_memory
 from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
-from vlora.models.lmm import ImageInputError
+from vlora.memory.sizing import Sizing, plan
 from vlora.models.build import load_model
+from vlora.models.lmm import ImageInputError
 from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
 
@@ -79,14 +81,17 @@ class Engine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
         cc = config.cache
-        num_blocks = cc.num_blocks or blocks_for_memory(cc.kv_cache_memory_gb, cfg.num_layers, cc.block_size,
-                                                        kv_heads, cfg.head_dim, self.dtype)
         self.block_size = cc.block_size
         lc = config.lora
         kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
-        pages = num_blocks
-        if cc.num_blocks and kernel_lora:            # room for max_loras adapters beside the KV blocks asked for
-            pages += lc.max_loras * _adapter_pages(cfg, lc.max_lora_rank, cc.block_size)
+        self.sizing = _size(config, cfg, self.device, self.dtype, self.max_model_len,
+                            lc.max_loras if kernel_lora else 0)
+        sc = config.scheduler
+        if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:    # the limits chosen for this device
+            sc = replace(sc, max_num_seqs=self.sizing.max_num_seqs,
+                         max_num_batched_tokens=self.sizing.max_num_batched_tokens)
+            self.config = config = replace(config, scheduler=sc)
+        pages = self.sizing.num_pages
         fixed = cc.memory_policy == "lru-fixed"
         self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, kv_heads, cfg.head_dim,
                                 self.dtype, self.device,
@@ -106,7 +111,8 @@ class Engine:
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda and tp == 1)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
-                                  self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision)
+                                  self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision,
+                                  LoRALaunch(lc.lora_overlap, lc.lora_pdl))
         if tp > 1:                                    # merges fold each rank's slices into its shard
             from vlora.parallel.group import ShardModes
 
@@ -425,12 +431,21 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
     return tensor_parallel(model, tp, spec)
 
 
-def _adapter_pages(cfg, rank: int, block_size: int) -> int:
-    """Pool pages an adapter of ``rank`` on every projection takes (with alignment slack)."""
-    ins, outs = cfg.lora_in_out()
-    elems = cfg.num_layers * (rank * sum(ins[m] + outs[m] for m in ins) + 16 * 11)
-    page = cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim
-    return -(-elems // page)
+def _size(config: EngineConfig, cfg, device: torch.device, dtype: torch.dtype, max_model_len: int,
+          adapters_in_pool: int) -> Sizing:
+    """The pool's pages and the batch limits for this device (:mod:`vlora.memory.sizing`)."""
+    cc, sc, mc = config.cache, config.scheduler, config.model
+    total = used = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()                  # loading's freed blocks are the pool's to take
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+    return plan(cfg, device_type=device.type, dtype_bytes=torch.finfo(dtype).bits // 8, block_size=cc.block_size,
+                max_model_len=max_model_len, num_blocks=cc.num_blocks, kv_cache_memory_gb=cc.kv_cache_memory_gb,
+                gpu_memory_utilization=cc.gpu_memory_utilization, max_num_seqs=sc.max_num_seqs,
+                max_num_batched_tokens=sc.max_num_batched_tokens, adapters_in_pool=adapters_in_pool,
+                max_lora_rank=config.lora.max_lora_rank, cuda_graphs=mc.cuda_graphs, total_bytes=total,
+                used_bytes=used)
 
 
 def _both(a, b):

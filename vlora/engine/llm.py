@@ -26,13 +26,14 @@ class AdapterRequest:
 class LLM:
     def __init__(self, model: str | None = None, *, adapters: Sequence[AdapterRequest] | dict | None = None,
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float = 1.0,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, max_lora_rank: int = 128,
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, max_lora_rank: int = 128,
                  check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
-                 adapter_pool_fraction: float = 0.1, tensor_parallel_size: int = 1,
+                 adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9,
+                 lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
                  config: EngineConfig | None = None):
         self.engine = Engine(config or EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
@@ -40,8 +41,8 @@ class LLM:
                               max_pixels_per_image=max_pixels_per_image,
                               tensor_parallel_size=tensor_parallel_size),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
-                              adapter_pool_fraction),
-            lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras),
+                              adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization),
+            lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras, lora_overlap, lora_pdl),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s)))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
         for name, path in items:

@@ -15,7 +15,7 @@ from vlora.engine.faults import RequestFailed, describe, is_fatal
 from vlora.engine.modes import ModeSwitcher
 from vlora.engine.sampler import sample
 from vlora.engine.scheduler import ScheduledSeq
-from vlora.lora.batch import LoRABatch
+from vlora.lora.batch import LoRABatch, LoRALaunch
 from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
 from vlora.models.decoder import DecoderLM
@@ -26,9 +26,11 @@ from vlora.models.task_head import TaskResult, apply_heads
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, use_kernels: bool = False,
-                 graph_batch: int = 0, max_model_len: int = 0, vision=None):
+                 graph_batch: int = 0, max_model_len: int = 0, vision=None,
+                 lora_launch: LoRALaunch = LoRALaunch()):
         """``kv_cache``: the pool's pages [P + 1, L, 2, block_size, Hkv, D], the last one a scratch block
         (CUDA-graph padding writes to it); ``vision``: an LMM's :class:`~vlora.models.lmm.VisionModel`;
+        ``lora_launch``: how the LoRA kernels are launched (the engine's LoRAConfig);
         ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs."""
         self.model = model
         self.kv_cache = kv_cache
@@ -38,6 +40,7 @@ class ModelRunner:
         self.window = model.cfg.sliding_window
         self.eos_token_ids = eos_token_ids
         self.adapters = adapters
+        self.lora_launch = lora_launch
         self.modes = ModeSwitcher(model, None if adapters.store is None else adapters.store.pool)
         self.vision = vision
         self.num_images_encoded = 0                    # frames through the vision tower (prefix-cache hits skip it)
@@ -64,7 +67,7 @@ class ModelRunner:
         lora = None if self.tiling is None else (self.adapters.store, self.group_widths, self.group_in, self.tiling,
                                                  self.adapters.max_rank)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
-                                   scratch, lora, columns)
+                                   scratch, lora, columns, self.lora_launch)
 
     def capture_graphs(self, mixed: bool = False) -> None:
         """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands
@@ -164,7 +167,7 @@ class ModelRunner:
         from vlora.lora.device_store import build_kernel_batch
 
         return build_kernel_batch(segs, self.adapters.store, self.group_widths, self.group_in, self.tiling,
-                                  self.device)
+                                  self.device, self.lora_launch)
 
     def _prefill_mask(self, start: int, n: int) -> torch.Tensor | None:
         if start == 0 and (self.window is None or n <= self.window):

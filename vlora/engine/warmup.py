@@ -54,7 +54,8 @@ def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, 
     return variants
 
 
-def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...], dtype, device) -> None:
+def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...], dtype, device,
+                 pdl: bool = True) -> None:
     from vlora.kernels.atmm import lora_expand, lora_shrink
 
     ns = len(GROUPS[g])
@@ -66,10 +67,11 @@ def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...]
     x = torch.zeros(1, k, dtype=dtype, device=device)
     y = torch.zeros(1, sum(widths), dtype=dtype, device=device)
     v = lora_shrink(x, w, torch.zeros(1, dtype=torch.int64, device=device),
-                    torch.full((1,), ns * r, dtype=torch.int32, device=device), meta, ns * r, shrink, aligned=True)
+                    torch.full((1,), ns * r, dtype=torch.int32, device=device), meta, ns * r, shrink, aligned=True,
+                    pdl=pdl)
     lora_expand(y, v, w, torch.zeros(1, ns, dtype=torch.int64, device=device),
                 torch.tensor([[j * r for j in range(ns)]], dtype=torch.int32, device=device), widths, meta, expand,
-                aligned=True, max_rank=r)
+                aligned=True, max_rank=r, pdl=pdl)
 
 
 def _launch_attention(runner) -> int:
@@ -93,14 +95,15 @@ def _launch_attention(runner) -> int:
         parts *= 2
 
 
-def _launch_items(items: list[tuple], dtype: torch.dtype, device: torch.device) -> None:
+def _launch_items(items: list[tuple], dtype: torch.dtype, device: torch.device, pdl: bool = True) -> None:
     for g, r, shrink, expand, k, widths in items:
-        _launch_lora(g, r, shrink, expand, k, widths, dtype, device)
+        _launch_lora(g, r, shrink, expand, k, widths, dtype, device, pdl)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, workers: int) -> None:
+def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, workers: int,
+                  pdl: bool = True) -> None:
     """Compile LoRA variants in ``workers`` fresh interpreters (a compile is mostly single-threaded), so that the
     engine's own launches load them from Triton's disk cache. Each worker holds a CUDA context; any failure
     leaves the work to the engine's own launches."""
@@ -110,7 +113,7 @@ def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, 
         path = Path(tmp) / "variants.json"
         path.write_text(json.dumps([[g, r, sh.as_list(), ex.as_list(), k, list(w)] for g, r, sh, ex, k, w in items]))
         procs = [subprocess.Popen([sys.executable, "-m", "vlora.engine.warmup", str(path), str(i), str(workers),
-                                   str(dtype).removeprefix("torch."), str(device)],
+                                   str(dtype).removeprefix("torch."), str(device), "pdl" if pdl else "no-pdl"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
         for p in procs:
             try:
@@ -120,14 +123,15 @@ def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, 
 
 
 def _main(argv: list[str]) -> None:
-    """Worker: ``python -m vlora.engine.warmup VARIANTS.json INDEX WORKERS DTYPE DEVICE`` builds its share."""
+    """Worker: ``python -m vlora.engine.warmup VARIANTS.json INDEX WORKERS DTYPE DEVICE pdl|no-pdl`` builds its
+    share."""
     from vlora.kernels.atmm import TileConfig
 
-    path, index, workers, dtype, device = argv
+    path, index, workers, dtype, device, pdl = argv
     rows = json.loads(Path(path).read_text())[int(index)::int(workers)]
     items = [(g, r, TileConfig(*sh), TileConfig(*ex), k, tuple(w)) for g, r, sh, ex, k, w in rows]
     with torch.inference_mode():
-        _launch_items(items, getattr(torch, dtype), torch.device(device))
+        _launch_items(items, getattr(torch, dtype), torch.device(device), pdl == "pdl")
 
 
 def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...]], max_rank: int,
@@ -177,8 +181,9 @@ def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, 
         dtype = runner.adapters.store.buf.dtype
         items = lora_items(runner.tiling, runner.group_in, runner.group_widths, runner.adapters.max_rank,
                            max_tokens, max_segments, dtype.itemsize)
-        prebuild_lora(items, dtype, runner.device, workers)
-        _launch_items(items, dtype, runner.device)
+        pdl = runner.lora_launch.pdl              # the variants the engine launches: GDC is a compile-time flag
+        prebuild_lora(items, dtype, runner.device, workers, pdl)
+        _launch_items(items, dtype, runner.device, pdl)
         launches += len(items)
     if merges:                          # the merge kernels read the stacked weights, not the tiling table
         weights = next(iter(runner.modes.weights.values()))

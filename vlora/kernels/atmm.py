@@ -22,7 +22,7 @@ On Hopper and later the expand is launched as a programmatic dependent of the sh
 it launch as soon as all its programs have started, and the expand's programs read their metadata and set up
 while the shrink finishes, then wait for it (``griddepcontrol.wait``: the shrink complete, its writes visible)
 before they read v. A pair's launch latency and ramp-up then overlap the shrink instead of following it.
-``VLORA_PDL=off`` launches them one after the other as before.
+``LoRAConfig.lora_pdl=False`` launches them one after the other.
 """
 
 from __future__ import annotations
@@ -230,27 +230,20 @@ def _column_tiles(widths: tuple[int, ...], block_n: int, device: str) -> tuple[t
             torch.tensor(cols, dtype=torch.int32, device=dev))
 
 
-def _pdl_mode() -> str:
-    mode = os.environ.get("VLORA_PDL", "on")
-    if mode not in ("on", "off"):
-        raise ValueError(f"VLORA_PDL must be 'on' or 'off', got {mode!r}")
-    return mode
-
-
-PDL = _pdl_mode()            # read once (benchmarks set it to time both)
-
-
 @lru_cache(maxsize=16)
 def _pdl_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def pdl(device: torch.device) -> bool:
-    """Whether the expand is launched as a programmatic dependent of the shrink on ``device``: Hopper or later
-    (compute capability 9), and ``VLORA_PDL`` not ``off``."""
-    if PDL != "on" or device.type != "cuda":
+def pdl(device: torch.device, wanted: bool = True) -> bool:
+    """Whether the expand is launched as a programmatic dependent of the shrink on ``device``: ``wanted``
+    (``LoRAConfig.lora_pdl``) and Hopper or later (compute capability 9)."""
+    if not wanted or device.type != "cuda":
         return False
     return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_pdl = pdl                   # for the launchers, whose flag argument shadows the name
 
 
 def shared_need(cfg: TileConfig, a_bytes: int, b_bytes: int) -> int:
@@ -336,7 +329,7 @@ def tile_counts(device: torch.device, tiles: int, lane: int = 0) -> torch.Tensor
 
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False,
-                lane: int = 0) -> torch.Tensor:
+                lane: int = 0, pdl: bool = True) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
 
     Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s); ``out`` (or a fresh
@@ -347,7 +340,8 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     for every column tile it computes; an expand with v hoisted reads them once per strip, and for a few decode
     rows the sum costs more than it saves. The tuner picks (``benchmarks/results/h100-2026-11-22-atmm``).
     ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads). ``lane``: the
-    split-K counters to use (:func:`tile_counts`), distinct for shrinks that may run concurrently.
+    split-K counters to use (:func:`tile_counts`), distinct for shrinks that may run concurrently. ``pdl``: let a
+    programmatic dependent expand start early, where the GPU can (:func:`pdl`); its expand must say the same.
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
@@ -372,7 +366,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
                              v.stride(0), v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                              BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,
                              EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
-                             ALIGNED=aligned and x.shape[1] % 16 == 0, GDC=pdl(x.device),
+                             ALIGNED=aligned and x.shape[1] % 16 == 0, GDC=_pdl(x.device, pdl),
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     _launch_fitting("shrink", cfg, (x.element_size(),) * 2, x.device, launch)
@@ -381,13 +375,14 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.Tensor, vcol: torch.Tensor,
                 widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig, aligned: bool = False,
-                max_rank: int | None = None) -> torch.Tensor:
+                max_rank: int | None = None, pdl: bool = True) -> torch.Tensor:
     """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
 
     Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P planes from :func:`lora_shrink`, summed here);
     b_off [S, NS] int64 (-1 = slice absent); vcol [S, NS] int32. Returns y.
     ``aligned``: the caller guarantees b_off multiples of 16 and vcol multiples of 8. ``max_rank``: an upper
     bound of the segments' ranks; a ``hoist`` config runs hoisted only when it is known and fits ``block_k``.
+    ``pdl``: launched as a programmatic dependent of its shrink, where the GPU can (:func:`pdl`).
     """
     assert v.dim() == 3 and v.stride(2) == 1, "v must be [planes, T, R] as lora_shrink returns it"
     assert y.dim() == 2 and y.stride(1) == 1 and y.shape[1] == sum(widths), "y must be [T, sum(widths)]"
@@ -405,7 +400,7 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
         tiles, widths_t, cols_t = _column_tiles(tuple(widths), cfg.block_n * cfg.n_loop, str(y.device))
         m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
         grid = (num_segs * m_progs, tiles.shape[0] // 2)
-        gdc = pdl(y.device)
+        gdc = _pdl(y.device, pdl)
         _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
                              meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,

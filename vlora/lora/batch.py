@@ -116,6 +116,15 @@ class KernelGroupMeta:
 
 
 @dataclass(frozen=True)
+class LoRALaunch:
+    """How the LoRA kernels are launched (``LoRAConfig.lora_overlap`` and ``lora_pdl``; see ``lora/layers.py``
+    and ``kernels/atmm.py``): carried by every batch, so the engine's configuration is what runs."""
+
+    overlap: str = "full"             # off, shrink or full
+    pdl: bool = True                  # expand as a programmatic dependent of its shrink (where the GPU can)
+
+
+@dataclass(frozen=True)
 class LoRABatch:
     """Which token rows use which adapter in this iteration.
 
@@ -130,6 +139,7 @@ class LoRABatch:
     kernel: dict[str, KernelGroupMeta] | None = None
     buffer: torch.Tensor | None = None   # the flat adapter weight buffer the offsets point into
     extra: "LoRABatch | None" = None     # a second pass over the same rows (mixed mode: - merged adapter)
+    launch: LoRALaunch = LoRALaunch()
 
     @staticmethod
     def segments_of(runs: list[tuple[int, int, PackedAdapter | None]],

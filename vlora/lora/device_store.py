@@ -18,8 +18,8 @@ from contextlib import nullcontext
 
 import torch
 
-from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRASegment, PackedAdapter,
-                              SegmentMeta)
+from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment,
+                              PackedAdapter, SegmentMeta)
 from vlora.memory.kv_cache import OutOfBlocks
 from vlora.memory.pinned import pinned_empty
 
@@ -231,7 +231,8 @@ class AdapterStore:
 
 
 def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterStore, widths: dict[str, tuple[int, ...]],
-                       in_features: dict[str, int], table, device: torch.device) -> LoRABatch:
+                       in_features: dict[str, int], table, device: torch.device,
+                       launch: LoRALaunch = LoRALaunch()) -> LoRABatch:
     """Segment metadata + per-group offset tables, once per iteration, for every layer's kernels."""
     lens = [s.end - s.start for s in segs]
     meta = SegmentMeta(
@@ -251,4 +252,4 @@ def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterStore, widths: di
             r_max=r_max, widths=widths[g],
             shrink_cfg=table.get("shrink", meta.num_rows, len(segs), in_features[g], r_max),
             expand_cfg=table.get("expand", meta.num_rows, len(segs), sum(widths[g]), r_max_rank))
-    return LoRABatch(tuple(segs), meta, kernel, buffer.buf)
+    return LoRABatch(tuple(segs), meta, kernel, buffer.buf, launch=launch)

@@ -9,7 +9,7 @@ wait for the base projection: they run on a side stream while it runs, and
 the main stream waits for them only where their result is added. Both are
 bound by memory bandwidth, and a decode step's small LoRA launches otherwise
 pay their launch, ramp-up and tail latency one after another, 8 per layer.
-Three modes (``VLORA_LORA_OVERLAP``):
+Three modes (``LoRAConfig.lora_overlap``, carried by the batch as ``launch.overlap``):
 
 * ``shrink``: ``v = x·A`` on the side stream, the expand ``y += s·v·B`` after
   the projection on the main stream;
@@ -33,7 +33,6 @@ capture) never sees a cross-stream free.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -45,16 +44,6 @@ from vlora.lora.batch import LoRABatch
 
 OVERLAP_MODES = ("off", "shrink", "full")
 _side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def _overlap_mode() -> str:
-    mode = os.environ.get("VLORA_LORA_OVERLAP", "full")
-    if mode not in OVERLAP_MODES:
-        raise ValueError(f"VLORA_LORA_OVERLAP must be one of {OVERLAP_MODES}, got {mode!r}")
-    return mode
-
-
-OVERLAP = _overlap_mode()          # read once: every projection of every forward pass asks
 
 
 def _side_stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
@@ -71,7 +60,7 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
 
     Shape: x [T, in]; the projection's output [T, out_packed] (a fresh tensor: the delta is added in place).
     """
-    if lora is None or lora.kernel is None or not x.is_cuda or OVERLAP == "off":
+    if lora is None or lora.kernel is None or not x.is_cuda or lora.launch.overlap == "off":
         return add_lora(linear(x, proj.weight, proj.bias), x, lora, layer, group)
     from vlora.kernels.atmm import shrink_output
 
@@ -87,7 +76,7 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
     # allocated on the main stream (see the module doc)
     vs = [shrink_output(x, p.kernel[group].r_max, p.kernel[group].shrink_cfg) for p in passes]
     delta = None
-    if OVERLAP == "full":
+    if lora.launch.overlap == "full":
         k0 = passes[0].kernel[group]
         delta = torch.zeros(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
     side.wait_stream(main)
@@ -121,7 +110,7 @@ def _shrink(x: torch.Tensor, lora: LoRABatch, layer: int, group: str, out: torch
     k = lora.kernel[group]
     # the adapter buffer aligns every A and B to 16 elements, and ranks are >= 8
     return lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg,
-                       out=out, aligned=True, lane=lane)
+                       out=out, aligned=True, lane=lane, pdl=lora.launch.pdl)
 
 
 def _expand(y: torch.Tensor, v: torch.Tensor, lora: LoRABatch, layer: int, group: str) -> None:
@@ -129,7 +118,7 @@ def _expand(y: torch.Tensor, v: torch.Tensor, lora: LoRABatch, layer: int, group
 
     k = lora.kernel[group]
     lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg,
-                aligned=True, max_rank=k.r_max // len(k.widths))
+                aligned=True, max_rank=k.r_max // len(k.widths), pdl=lora.launch.pdl)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: int, group: str) -> torch.Tensor:

@@ -19,9 +19,20 @@ allocator interface the scheduler uses (``allocate``, ``free``, ``num_free``,
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from vlora.memory.kv_cache import OutOfBlocks
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed flat buffer. In host memory it is an anonymous mapping: the kernel hands out zero pages as they
+    are first touched, so the pool takes resident memory only for the pages KV and adapters have used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
 
 
 class UnifiedPool:
@@ -30,7 +41,7 @@ class UnifiedPool:
         self.page_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.page_elems = num_layers * 2 * block_size * num_kv_heads * head_dim
         self.num_pages = num_pages                       # usable pages; one scratch page follows them
-        self.buf = torch.zeros((num_pages + 1) * self.page_elems, dtype=dtype, device=device)
+        self.buf = _zeros((num_pages + 1) * self.page_elems, dtype, device)
         self.kv = self.buf.view(num_pages + 1, *self.page_shape)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.kv_pages = 0

@@ -107,11 +107,15 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int,
                  mrope_section: tuple[int, ...] | None = None):
         super().__init__()
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        if inv_freq.is_meta:        # a model built on the meta device gets its tables later; computing them there
+            cos = sin = torch.empty(max_len, 2 * inv_freq.shape[0], device="meta")   # would import torch._dynamo
+        else:
+            t = torch.arange(max_len, dtype=torch.float32, device=inv_freq.device)
+            freqs = torch.outer(t, inv_freq.float())
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.mrope_section = mrope_section
         if mrope_section is not None:
             if sum(mrope_section) != inv_freq.shape[0]:
@@ -261,7 +265,9 @@ class DecoderLM(nn.Module):
         from transformers.activations import ACT2FN
 
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # made without nn.Embedding's random init: the weights are loaded, and that init on the meta device
+        # imports torch._dynamo (and Triton), about 175 MB of resident memory a CPU server never uses
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         act = ACT2FN[cfg.hidden_act]
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_layers))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))

@@ -14,6 +14,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -81,6 +83,18 @@ def _convert_gguf(path: Path) -> Path:
     out = cache_root() / "gguf" / key / gguf_model_name(path)
     if (out / "model.safetensors").is_file():
         return out
+    # in a child process: the dequantised tensors and the conversion's imports (transformers' model classes,
+    # torch._dynamo) would otherwise stay in the memory of the process that goes on to serve the model
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    done = subprocess.run([sys.executable, "-m", "vlora.models.loader", str(path), str(out)], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0 or not (out / "model.safetensors").is_file():
+        raise ModelLoadError(f"converting {path} failed: {done.stderr.strip()[-2000:]}")
+    return out
+
+
+def _write_converted(path: Path, out: Path) -> None:
+    """The GGUF file's config, tokenizer and dequantised weights as an HF directory at ``out``."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -97,7 +111,6 @@ def _convert_gguf(path: Path) -> Path:
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    return out
 
 
 def decoder_config(hf_config, name: str) -> DecoderConfig:
@@ -213,14 +226,15 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
         max_len = min(max_len, _original_max_len(hf_config))
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
-    model = model.to_empty(device=device)
-    model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device)
+    # made in its dtype and stacked before the weights arrive: each weight is read once into its final place,
+    # with no full-size fp32 or per-layer copy left behind in the allocator
+    model = model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+    model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device=device, dtype=dtype)
     if per_type:
         local_freq, local_scaling, _ = rope_parameters(hf_config, cfg.head_dim, "sliding_attention")
-        model.rope_local = type(model.rope)(local_freq, local_scaling, max_len).to(device)
-    load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
-    model = model.to(dtype).eval().requires_grad_(False)
+        model.rope_local = type(model.rope)(local_freq, local_scaling, max_len).to(device=device, dtype=dtype)
     model.stack_projections()
+    load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     return model, max_len
 
 
@@ -252,7 +266,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
@@ -366,3 +380,7 @@ def _target(name: str, sizes: dict[str, list[int]],
         return f"{prefix}{param}.{kind}", (0, sum(sizes[param]))
     start = sum(sizes[param][:idx])
     return f"{prefix}{param}.{kind}", (start, start + sizes[param][idx])
+
+
+if __name__ == "__main__":           # python -m vlora.models.loader GGUF_FILE OUT_DIR (see _convert_gguf)
+    _write_converted(Path(sys.argv[1]), Path(sys.argv[2]))

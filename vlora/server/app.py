@@ -115,7 +115,7 @@ class OpenAIServer:
         self.created = int(time.time())
 
     # -- plumbing --------------------------------------------------------------------------
-    def check_auth(self, request: Request) -> None:
+    async def check_auth(self, request: Request) -> None:      # async: a sync dependency hops to a thread
         key = self.config.api_key
         if key is None:
             return
@@ -268,7 +268,8 @@ class OpenAIServer:
         group = await self.submit(self.jobs(req, list(prompt), adapter, max_tokens, rid))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self.completion_chunks(group, rid, req.model, len(prompt), include_usage), group)
+            with_ids = not isinstance(req.single_prompt(), str)
+            return _sse(self.completion_chunks(group, rid, req.model, len(prompt), include_usage, with_ids), group)
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
@@ -314,28 +315,42 @@ class OpenAIServer:
         yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                      for i in range(len(index))])
         finals = []
-        async for out in group:
-            if out.delta_text or out.finished:
-                delta = P.DeltaMessage(content=out.delta_text) if out.delta_text else P.DeltaMessage()
-                yield chunk([P.ChatChunkChoice(index=index[out.request_id], delta=delta,
-                                               finish_reason=out.finish_reason if out.finished else None)])
-            if out.finished:
-                finals.append(out)
+        async for outs in group.batches():
+            events = []
+            for out in outs:
+                if out.delta_text or out.finished:
+                    delta = P.DeltaMessage(content=out.delta_text) if out.delta_text else P.DeltaMessage()
+                    events.append(chunk([P.ChatChunkChoice(index=index[out.request_id], delta=delta,
+                                                           finish_reason=out.finish_reason if out.finished else None)]))
+                if out.finished:
+                    finals.append(out)
+            if events:
+                yield "".join(events)
         if include_usage:
             yield chunk([], _usage(prompt_len, finals))
 
     async def completion_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int,
-                                include_usage: bool):
+                                include_usage: bool, with_ids: bool = False):
+        """Chunks of new text; ``with_ids`` (a token-id prompt): a chunk whenever tokens arrive, with their ids
+        (one token each while the stream keeps up with the engine)."""
         created = int(time.time())
         index = {r: i for i, r in enumerate(group.request_ids)}
         finals = []
-        async for out in group:
-            if out.delta_text or out.finished:
-                choice = P.CompletionChoice(index=index[out.request_id], text=out.delta_text,
-                                            finish_reason=out.finish_reason if out.finished else None)
-                yield _event(P.CompletionResponse(id=rid, created=created, model=model, choices=[choice]))
-            if out.finished:
-                finals.append(out)
+        async for outs in group.batches():
+            events = []
+            for out in outs:
+                if out.delta_text or out.finished or (with_ids and out.delta_token_ids):
+                    finish = out.finish_reason if out.finished else None
+                    choice = (P.CompletionStreamChoice(index=index[out.request_id], text=out.delta_text,
+                                                       finish_reason=finish, token_ids=out.delta_token_ids)
+                              if with_ids else P.CompletionChoice(index=index[out.request_id], text=out.delta_text,
+                                                                  finish_reason=finish))
+                    events.append(_event(P.CompletionResponse(id=rid, created=created, model=model,
+                                                              choices=[choice])))
+                if out.finished:
+                    finals.append(out)
+            if events:
+                yield "".join(events)
         if include_usage:
             yield _event(P.CompletionResponse(id=rid, created=created, model=model, choices=[],
                                               usage=_usage(prompt_len, finals)))
@@ -459,9 +474,12 @@ def _sse(chunks, group: RequestGroup) -> StreamingResponse:
             group.abort()
         yield "data: [DONE]\n\n"
 
+    async def abort() -> None:      # async: a sync background task hops to a thread
+        group.abort()
+
     # the background task also runs when the client disconnects before the first chunk
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                             background=BackgroundTask(group.abort))
+                             background=BackgroundTask(abort))
 
 
 async def _finals_or_abort(group: RequestGroup, request: Request) -> list[RequestOutput] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
@@ -246,6 +246,13 @@ class CompletionChoice(_Response):
     task: TaskAnswer | None = _extension()              # task_head requests
 
 
+class CompletionStreamChoice(CompletionChoice):
+    """A streamed choice of a request whose prompt was token ids: its new token ids too (extension, as vLLM's
+    ``token_ids``), and one per new token even when the token adds no text yet."""
+
+    token_ids: list[int]
+
+
 class CompletionResponse(_Response):
     """A whole completion, and (with usage None until the last) a streamed chunk."""
 
@@ -253,7 +260,7 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[SerializeAsAny[CompletionChoice]]      # a stream's choices may carry token_ids
     usage: Usage | None = None
 
 
