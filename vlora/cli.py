@@ -129,9 +129,21 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from vlora.server.app import serve
+
+    engine, server_config, adapters = serving_engine(args)
+    print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
+          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1; {engine.sizing.describe()}",
+          file=sys.stderr)
+    serve(engine, server_config, log_level=args.log_level)
+    return 0
+
+
+def serving_engine(args):
+    """What ``vlora serve`` serves for ``args``: (engine with its adapters registered, server config, adapter
+    name -> path). The arguments are checked before the model loads."""
     from vlora.engine.engine import Engine
     from vlora.models.loader import cache_root
-    from vlora.server.app import serve
 
     if args.api_key is None:
         args.api_key = os.environ.get("VLORA_API_KEY") or None
@@ -142,11 +154,7 @@ def cmd_serve(args) -> int:
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
     for name, path in adapters.items():
         engine.adapters.register(name, path)
-    print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
-          f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1; {engine.sizing.describe()}",
-          file=sys.stderr)
-    serve(engine, server_config, log_level=args.log_level)
-    return 0
+    return engine, server_config, adapters
 
 
 def _demo_adapters(engine, root) -> tuple[dict[str, str], bool]:
