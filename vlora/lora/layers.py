@@ -19,12 +19,11 @@ Three modes (``LoRAConfig.lora_overlap``, carried by the batch as ``launch.overl
 
 The mixed mode's second pass (the merged adapter subtracted) shrinks on a
 second side stream, beside the first pass's shrink, with its own split-K
-counters; its expand follows the first's on the side stream. Run one after the
-other, the two passes' four launches made a decode step in mixed mode 1.1 ms
-slower than an unmerged one at batch 1 on an H100 (7B, 2026-11-25, the mode
-profile of ``benchmarks/results/h100-2026-11-25-policies``), where the LoRA
-launches of the small projections, not the base GEMMs, are the critical path;
-beside each other, 0.73 ms (same day, same results folder).
+counters; its expand follows the first's on the side stream. At small batch
+the LoRA launches of the small projections, not the base GEMMs, are a decode
+step's critical path, so running the two passes' four launches one after the
+other would add most of a pass to every mixed step (docs/decisions.md, 'Mixed
+mode is a second LoRA pass').
 
 Every tensor the side stream touches is allocated on the main stream before the
 fork and kept alive past the join, so the caching allocator (and CUDA-graph
@@ -64,6 +63,7 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
         return add_lora(linear(x, proj.weight, proj.bias), x, lora, layer, group)
     from vlora.kernels.atmm import shrink_output
 
+    overlap = lora.launch.overlap
     passes = []
     while lora is not None:                                 # the batch, then its second pass (mixed mode)
         passes.append(lora)
@@ -76,7 +76,7 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
     # allocated on the main stream (see the module doc)
     vs = [shrink_output(x, p.kernel[group].r_max, p.kernel[group].shrink_cfg) for p in passes]
     delta = None
-    if lora.launch.overlap == "full":
+    if overlap == "full":
         k0 = passes[0].kernel[group]
         delta = torch.zeros(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
     side.wait_stream(main)
