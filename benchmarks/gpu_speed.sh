@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${1:?output dir}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
     git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
