@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import make_peft_adapter, make_tiny_model

@@ -311,7 +311,6 @@ def test_even_k_path_matches_reference(monkeypatch):
 
 def test_adapter_buffer_aligns_every_matrix(tmp_path):
     """The engine promises the kernels 16-element alignment of every A and B (aligned=True)."""
-    from tests.helpers import make_tiny_model
     from vlora.lora.adapter import ModelShape
     from vlora.lora.random_adapter import write_random_adapter
     from vlora.lora.registry import AdapterRegistry

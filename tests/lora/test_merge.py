@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 
-from tests.helpers import make_tiny_model
 from tests.models.test_parity import NAMES, PROMPTS, build, vlora_logits
 from vlora import LLM
 from vlora.lora.adapter import ModelShape

@@ -174,7 +174,6 @@ def test_a_merge_reusing_its_record_writes_the_same_weights_and_stays_exact(tmp_
     adapter reuses it (writing the weights alone) and merges to the same bits as the kernel's merge, except
     where an exception was finished after the kernel; every unmerge restores the weights bit for bit. Any other adapter or
     scale, or a torch write to the weights in between, makes a new record."""
-    from vlora.kernels import merge as kernels
     from vlora.lora.merge import can_reuse
 
     a0, a1 = adapters_for(tmp_path, torch.bfloat16, n=2)

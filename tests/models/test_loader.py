@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers import make_tiny_model
 from vlora import LLM, SamplingParams
