@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from vlora.models.decoder import DecoderLM, RMSNorm
-from vlora.models.loader import ModelLoadError, build_decoder
+from vlora.models.loader import ModelLoadError
 from vlora.models.qwen2_vl import (PatchEmbed, Qwen2VisionConfig, Qwen2VisionTower, Qwen2VLVision, VisionAttention,
-                                   _language_weights, image_processor, load_vision_weights)
+                                   build_with_tower)
 
 # frames of a video given as a list are taken as sampled at this rate (the Qwen2.5-VL processor's default)
 VIDEO_FPS = 2.0
@@ -142,25 +142,7 @@ class Qwen25VisionTower(Qwen2VisionTower):
 def build_qwen2_5_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                      max_images: int, max_pixels: int) -> tuple[DecoderLM, int, Qwen2VLVision]:
     """Decoder (Qwen2 with M-RoPE), its max length, and the vision side of a Qwen2.5-VL checkpoint."""
-    text = hf_config.text_config
-    text.tie_word_embeddings = bool(hf_config.tie_word_embeddings)
-    model, max_len = build_decoder(model_dir, dtype, device, max_model_len, hf_config=text,
-                                   weights=lambda: _language_weights(model_dir))
-    for key in ("image_token_id", "video_token_id"):
-        tid = getattr(hf_config, key)
-        if not 0 <= tid < text.vocab_size:
-            raise ModelLoadError(f"{key} {tid} is outside the vocabulary [0, {text.vocab_size})")
     vcfg = vision_config(hf_config)
-    with torch.device("meta"):
-        tower = Qwen25VisionTower(vcfg)
-    tower = tower.to_empty(device=device)
-    quarter = vcfg.embed_dim // vcfg.num_heads // 2
-    tower.inv_freq = 1.0 / vcfg.rope_theta ** (torch.arange(0, quarter, 2, device=device).float() / quarter)
-    load_vision_weights(tower, model_dir)
-    tower = tower.to(dtype).eval().requires_grad_(False)
-    tower.inv_freq = tower.inv_freq.float()
-    vision = Qwen2VLVision(tower, hf_config.image_token_id, hf_config.video_token_id,
-                           (hf_config.vision_start_token_id, hf_config.vision_end_token_id),
-                           image_processor(model_dir, vcfg), max_images, max_pixels,
-                           video_time_step=vcfg.tokens_per_second * vcfg.temporal_patch_size / VIDEO_FPS)
-    return model, max_len, vision
+    return build_with_tower(model_dir, hf_config, dtype, device, max_model_len, max_images, max_pixels, vcfg,
+                            Qwen25VisionTower,
+                            video_time_step=vcfg.tokens_per_second * vcfg.temporal_patch_size / VIDEO_FPS)

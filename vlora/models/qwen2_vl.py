@@ -347,17 +347,24 @@ def load_vision_weights(tower: Qwen2VisionTower, model_dir: Path) -> None:
 def build_qwen2_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
                    max_images: int, max_pixels: int) -> tuple[DecoderLM, int, Qwen2VLVision]:
     """Decoder (Qwen2 with M-RoPE), its max length, and the vision side of a Qwen2-VL checkpoint."""
+    return build_with_tower(model_dir, hf_config, dtype, device, max_model_len, max_images, max_pixels,
+                            vision_config(hf_config), Qwen2VisionTower)
+
+
+def build_with_tower(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
+                     max_images: int, max_pixels: int, vcfg, tower_cls, video_time_step: float = 1.0
+                     ) -> tuple[DecoderLM, int, Qwen2VLVision]:
+    """A Qwen2-VL-family checkpoint with the vision tower ``tower_cls`` of config ``vcfg``."""
     text = hf_config.text_config
-    text.tie_word_embeddings = bool(hf_config.tie_word_embeddings)    # Qwen2-VL keeps it on the outer config
+    text.tie_word_embeddings = bool(hf_config.tie_word_embeddings)    # the family keeps it on the outer config
     model, max_len = build_decoder(model_dir, dtype, device, max_model_len, hf_config=text,
                                    weights=lambda: _language_weights(model_dir))
     for key in ("image_token_id", "video_token_id"):
         tid = getattr(hf_config, key)
         if not 0 <= tid < text.vocab_size:
             raise ModelLoadError(f"{key} {tid} is outside the vocabulary [0, {text.vocab_size})")
-    vcfg = vision_config(hf_config)
     with torch.device("meta"):
-        tower = Qwen2VisionTower(vcfg)
+        tower = tower_cls(vcfg)
     tower = tower.to_empty(device=device)
     quarter = vcfg.embed_dim // vcfg.num_heads // 2
     tower.inv_freq = 1.0 / vcfg.rope_theta ** (torch.arange(0, quarter, 2, device=device).float() / quarter)
@@ -365,5 +372,6 @@ def build_qwen2_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch
     tower = tower.to(dtype).eval().requires_grad_(False)
     tower.inv_freq = tower.inv_freq.float()
     vision = Qwen2VLVision(tower, hf_config.image_token_id, hf_config.video_token_id,
-                           (hf_config.vision_start_token_id, hf_config.vision_end_token_id), image_processor(model_dir, vcfg), max_images, max_pixels)
+                           (hf_config.vision_start_token_id, hf_config.vision_end_token_id),
+                           image_processor(model_dir, vcfg), max_images, max_pixels, video_time_step=video_time_step)
     return model, max_len, vision
