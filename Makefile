@@ -1,4 +1,4 @@
-.PHONY: run test bench setup
+.PHONY: run test bench setup demo-adapters
 
 setup:
 	bash scripts/setup.sh
@@ -11,3 +11,7 @@ test: setup
 
 bench: setup
 	.venv/bin/python benchmarks/bench_cpu_generate.py
+
+# rebuild the trained demo adapters shipped in vlora/adapters/demo_weights/ (a few minutes of CPU)
+demo-adapters: setup
+	nice -n 10 .venv/bin/vlora adapters demo --part text --out build/demo-adapters --ship

@@ -124,19 +124,21 @@ def cmd_serve(args) -> int:
 
 
 def _demo_adapters(engine, root) -> tuple[dict[str, str], bool]:
-    """The trained demo adapters (``vlora adapters demo``) when built for this model, else two random ones;
-    and whether they are the trained ones."""
-    from vlora.adapters.demo import TRAINED, trained_adapters
+    """The trained demo adapters for this model: built by ``vlora adapters demo`` (in ``root``), else shipped
+    with vlora (the embedded model's text tasks); else two random ones. And whether they are trained ones."""
+    from vlora.adapters.demo import SHIPPED, TRAINED, trained_adapters
     from vlora.lora.random_adapter import write_random_adapter
 
     shape = engine.adapters.shape
-    trained = trained_adapters(root / shape.name / TRAINED)
-    if trained:
-        ask = ("send an image with 'Is there a 3 in the picture?' and \"task_head\": true (LLM.classify)"
-               if getattr(engine, "vision", None) is not None else "ask them e.g. 'Classify: The concert was wonderful.'")
-        print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
-              f"{root / shape.name / TRAINED}; {ask})", file=sys.stderr)
-        return trained, True
+    for folder in (root / shape.name / TRAINED, SHIPPED / shape.name):
+        trained = trained_adapters(folder)
+        if trained:
+            ask = ("send an image with 'Is there a 3 in the picture?' and \"task_head\": true (LLM.classify)"
+                   if getattr(engine, "vision", None) is not None
+                   else "ask them e.g. 'Classify: The concert was wonderful.'")
+            print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
+                  f"{folder}; {ask})", file=sys.stderr)
+            return trained, True
     print("note: no --adapter given; serving two random-weight demo adapters (they nudge the base model's answers "
           "at random; they are not trained skills); `vlora adapters demo` builds trained ones", file=sys.stderr)
     out = {}
@@ -173,6 +175,10 @@ def cmd_adapters_demo(args) -> int:
         last = DEMO_LAST_LAYERS[part] if args.last_layers is None else args.last_layers
         print(f"demo {part} tasks on {model or 'the embedded model'}:", file=sys.stderr)
         code = max(code, _fuse(sources, args, out, model=model, last_layers=last, checkpoint_dir=ckpt))
+        if args.ship and part == "text":
+            from vlora.adapters.demo import ship
+
+            print(f"shipped: {ship(out, resolve_model_dir(model).name)}", file=sys.stderr)
     if args.out is None:
         print("`vlora serve` / `vlora generate` (make run) serve these adapters when no --adapter is given "
               f"(with --model {DEMO_LMM} for the image tasks' adapters)", file=sys.stderr)
@@ -348,6 +354,9 @@ def _add_adapters_parser(sub) -> None:
     dm.add_argument("--out", default=None, help="output folder, OUT/text and OUT/vision (default: "
                                                 "$VLORA_CACHE/demo-adapters/<model>/trained, where vlora serve looks)")
     dm.add_argument("--part", choices=DEMO_PARTS, default="all", help="which demo tasks to fuse")
+    dm.add_argument("--ship", action="store_true",
+                    help="also copy the text adapters (float16) and their report into the package's "
+                         "vlora/adapters/demo_weights/<model>/, which vlora serve falls back to (make demo-adapters)")
     for p in (fz, dm):
         _add_config_args(p, (TrainConfig, FusionConfig))
         p.add_argument("--checkpoint-dir", default=None,
