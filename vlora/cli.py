@@ -19,10 +19,9 @@ DEMO_PROMPTS = [
 ]
 
 
-# demo training settings (see docs/adapters.md for the times on a 2-core CPU, baselines included); LoRA on the
-# last 8 layers for the text tasks and the last 4 for the image tasks (their prompts are twice as long) unless
-# --last-layers is given
-DEMO_TRAINING = dict(last_layers=None, epochs=6, lr=3e-3, batch_size=16, threads=1)
+# the demo trains with fuse's defaults but one: LoRA on the last 8 layers for the text tasks and the last 4 for
+# the image tasks (their prompts are twice as long and 8 layers are no more accurate) unless --last-layers is given
+DEMO_TRAINING = dict(last_layers=None)
 DEMO_LAST_LAYERS = {"text": 8, "vision": 4}
 DEMO_PARTS = ("all", "text", "vision")
 
@@ -186,7 +185,7 @@ def cmd_adapters_demo(args) -> int:
 
 
 def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
-    from vlora.adapters.fusion import FusionConfig, fuse
+    from vlora.adapters.fusion import METHOD_NAMES, FusionConfig, fuse
     from vlora.adapters.report import REPORT_MD
     from vlora.adapters.trainer import LoraTrainer, TrainConfig
 
@@ -196,8 +195,8 @@ def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
     trainer = LoraTrainer(train_config, progress=not args.quiet)
     trainer.check(sources)                            # a source the model cannot take fails before training
     r = fuse(sources, trainer, out, fusion_config, checkpoint_dir or args.checkpoint_dir, log=log)
-    print(f"{len(sources)} sources -> {len(r.adapters)} adapters in {out} "
-          f"({', '.join('+'.join(a.tasks) for a in r.adapters)}); every requirement met: "
+    print(f"{len(sources)} sources -> {len(r.output)} adapters ({METHOD_NAMES[r.chosen]}) in {out} "
+          f"({', '.join('+'.join(a.tasks) for a in r.output)}); every requirement met: "
           f"{'yes' if r.all_met else 'NO'}; {r.wall_s:.0f} s; report: {out}/{REPORT_MD}", file=sys.stderr)
     return 0 if r.all_met else 1
 
@@ -338,7 +337,8 @@ def _add_adapters_parser(sub) -> None:
 
     ada = sub.add_parser("adapters", help="generate LoRA adapters from knowledge sources (accuracy-aware fusion)")
     asub = ada.add_subparsers(dest="adapters_command", required=True)
-    fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement")
+    fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fz.add_argument("spec", help="JSON file listing the knowledge sources (format: docs/adapters.md)")
     fz.add_argument("--out", required=True, help="folder for adapter-N/ and fusion-report.{md,json}")
     dm = asub.add_parser("demo", help="build demo adapters from built-in text tasks (default model) and image "
@@ -346,11 +346,9 @@ def _add_adapters_parser(sub) -> None:
                          description="Fuse three built-in text tasks (sentiment, topic, language) into adapters for "
                                      "the default model (or --model), and built-in image tasks (digit detectors, "
                                      "digit colour; answered by task heads) into adapters for the demo LMM "
-                                     "demo:smollm2-llava. Demo defaults differ from fuse's: "
-                                     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_TRAINING.items()
-                                                 if v is not None)
-                                     + f"; --last-layers {DEMO_LAST_LAYERS['text']} (text), "
-                                       f"{DEMO_LAST_LAYERS['vision']} (images)")
+                                     "demo:smollm2-llava. Training defaults are fuse's, but for --last-layers: "
+                                     f"{DEMO_LAST_LAYERS['text']} (text), {DEMO_LAST_LAYERS['vision']} (images)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     dm.add_argument("--out", default=None, help="output folder, OUT/text and OUT/vision (default: "
                                                 "$VLORA_CACHE/demo-adapters/<model>/trained, where vlora serve looks)")
     dm.add_argument("--part", choices=DEMO_PARTS, default="all", help="which demo tasks to fuse")
