@@ -331,6 +331,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower() or action.default is argparse.SUPPRESS
+                or action.default in (None, [], False)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _add_adapters_parser(sub) -> None:
     from vlora.adapters.fusion import FusionConfig
     from vlora.adapters.trainer import TrainConfig
@@ -338,7 +349,7 @@ def _add_adapters_parser(sub) -> None:
     ada = sub.add_parser("adapters", help="generate LoRA adapters from knowledge sources (accuracy-aware fusion)")
     asub = ada.add_subparsers(dest="adapters_command", required=True)
     fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelp)
     fz.add_argument("spec", help="JSON file listing the knowledge sources (format: docs/adapters.md)")
     fz.add_argument("--out", required=True, help="folder for adapter-N/ and fusion-report.{md,json}")
     dm = asub.add_parser("demo", help="build demo adapters from built-in text tasks (default model) and image "
@@ -348,7 +359,7 @@ def _add_adapters_parser(sub) -> None:
                                      "digit colour; answered by task heads) into adapters for the demo LMM "
                                      "demo:smollm2-llava. Training defaults are fuse's, but for --last-layers: "
                                      f"{DEMO_LAST_LAYERS['text']} (text), {DEMO_LAST_LAYERS['vision']} (images)",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=_DefaultsHelp)
     dm.add_argument("--out", default=None, help="output folder, OUT/text and OUT/vision (default: "
                                                 "$VLORA_CACHE/demo-adapters/<model>/trained, where vlora serve looks)")
     dm.add_argument("--part", choices=DEMO_PARTS, default="all", help="which demo tasks to fuse")
