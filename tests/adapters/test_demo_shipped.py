@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from vlora import LLM, SamplingParams
-from vlora.adapters.demo import SHIPPED, demo_sources, trained_adapters
+from vlora.adapters.demo import SHIPPED, demo_sources, ship, trained_adapters
 from vlora.adapters.report import REPORT_JSON
 from vlora.adapters.trainer import prompt_ids
 from vlora.cli import _demo_adapters
@@ -24,6 +24,31 @@ def test_serve_falls_back_to_the_shipped_adapters(tmp_path, capsys):
     assert set(adapters) == {"demo-sentiment", "demo-topic-language"}
     assert f"serving the trained demo adapters demo-sentiment, demo-topic-language (from {SHIPPED / MODEL}" \
         in capsys.readouterr().err
+
+
+def test_ship_writes_float16_weights_and_drops_the_build_paths(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    build, local = tmp_path / "build", "/home/me/.cache/vlora/gguf/abc/tiny"
+    (build / "adapter-1").mkdir(parents=True)
+    (build / "checkpoint").mkdir()
+    save_file({"a": torch.ones(2, 3)}, str(build / "adapter-1" / "adapter_model.safetensors"))
+    (build / "adapter-1" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": local}))
+    (build / "adapter-1" / "README.md").write_text("model card")
+    report = {"adapters": [{"name": "adapter-1", "tasks": ["sentiment"]}], "settings": {"trainer": {"model_path": local}}}
+    (build / REPORT_JSON).write_text(json.dumps(report))
+    (build / "fusion-report.md").write_text(f"trainer: {local}")
+    folder = ship(build, "tiny", tmp_path / "shipped")
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == [
+        "adapter-1/adapter_config.json", "adapter-1/adapter_model.safetensors", "fusion-report.json",
+        "fusion-report.md"]
+    assert load_file(str(folder / "adapter-1" / "adapter_model.safetensors"))["a"].dtype == torch.float16
+    assert json.loads((folder / "adapter-1" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+    assert (folder / "fusion-report.md").read_text() == "trainer: tiny"
+    assert trained_adapters(folder) == {"demo-sentiment": str(folder / "adapter-1")}
+    with pytest.raises(ValueError, match="holds no finished demo build"):
+        ship(tmp_path / "empty", "tiny", tmp_path / "shipped")
 
 
 @pytest.mark.slow
