@@ -25,7 +25,8 @@ def test_fuse_command_trains_from_a_spec_file(tmp_path, capsys, one_thread):
     (tmp_path / "spec.json").write_text(json.dumps({"sources": entries}))
     out = tmp_path / "out"
     code = main(["adapters", "fuse", str(tmp_path / "spec.json"), "--out", str(out), "--model", str(model),
-                 "--epochs", "20", "--lr", "3e-3", "--batch-size", "8", "--threads", "1", "--last-layers", "1",
+                 "--epochs", "20", "--patience", "0", "--lr", "3e-3", "--batch-size", "8", "--threads", "1",
+                 "--last-layers", "1",
                  "--no-baselines", "--quiet"])
     err = capsys.readouterr().err
     report = json.loads((out / "fusion-report.json").read_text())

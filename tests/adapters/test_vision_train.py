@@ -14,7 +14,7 @@ from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, make_ti
 from vlora import LLM
 from vlora.adapters.trainer import Head, LoraTrainer, TrainConfig, _TrainableHead
 
-CONFIG = dict(epochs=12, lr=3e-3, batch_size=8, rank=8, threads=1, last_layers=1)
+CONFIG = dict(epochs=12, lr=3e-3, batch_size=8, rank=8, threads=1, last_layers=1, patience=0)
 
 
 @pytest.fixture(scope="module")

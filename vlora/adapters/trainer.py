@@ -52,6 +52,7 @@ from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 
 WEIGHTS = "adapter_model.safetensors"
 MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
+MIN_LOSS_GAIN, MIN_LOSS_DROP = 0.01, 1e-3   # a validation loss lower by less (relative, absolute) is no progress
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,15 @@ class TrainConfig:
     """Most passes over the training examples in one training run (its step budget, scaled to the data the run
     trains on; at least --min-steps); early stopping usually ends the run sooner."""
     min_steps: int = 30
-    """Fewest optimizer steps a run may take before its budget is spent, so a small source trained alone gets
-    as many steps as it needs (early stopping may still end it sooner)."""
+    """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
+    trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
     patience: int = 3
     """Early stopping: end a run after this many validation checks (one per pass) with neither a better validation
     accuracy nor a lower validation loss, keeping the last weights with the best accuracy. 0: train the whole
     budget and keep the final weights."""
     val_fraction: float = 0.2
     """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
-    the held-out split), which decides when to stop. 0: no validation split (train the whole budget)."""
+    the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
     lr: float = 3e-3
     """AdamW learning rate (constant; a fresh optimizer for each training run)."""
     head_lr: float = 0.0
@@ -379,7 +380,7 @@ class LoraTrainer:
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
             torch.manual_seed(seed)
-            while step < budget and (not checks or waited < self.config.patience):
+            while step < budget and (not checks or waited < self.config.patience or step < self.config.min_steps):
                 self.model.train()
                 items = fresh + rng.sample(old, min(len(old), len(fresh)))
                 rng.shuffle(items)
@@ -400,13 +401,16 @@ class LoraTrainer:
                     with torch.no_grad():
                         loss = sum(self._loss(c[i:i + 2 * bs], head).item() for c in checks
                                    for i in range(0, len(c), 2 * bs)) / sum(math.ceil(len(c) / (2 * bs)) for c in checks)
-                    # progress is a better accuracy or a lower loss: the accuracy of a hard task stays flat for
-                    # a while before it moves, the loss does not
-                    waited = 0 if accuracy > best_score or loss < best_loss else waited + 1
+                    # progress is a better accuracy or a clearly lower loss: the accuracy of a hard task stays
+                    # flat for a while before it moves, the loss does not; once the answers are learnt the loss
+                    # keeps shrinking towards zero by amounts that change no answer
+                    lower = loss < best_loss - max(MIN_LOSS_GAIN * best_loss, MIN_LOSS_DROP)
+                    waited = 0 if accuracy > best_score or lower else waited + 1
                     best_loss = min(best_loss, loss)
                     if accuracy >= best_score:      # ties keep the later, longer-trained weights
                         best, best_score = now, accuracy
         self.model.eval()
+        self.last_steps = step              # optimizer steps the run took (for tests and logs)
         if best is not None:
             return best
         return AdapterState(self._get(), None if head is None else head.export())
@@ -417,7 +421,7 @@ class LoraTrainer:
         if source.task not in self._val:
             from vlora.adapters.sources import split
 
-            f = self.config.val_fraction
+            f = self.config.val_fraction if self.config.patience else 0     # no early stopping: train on all
             if f and len(source.train) >= MIN_TRAIN_FOR_VALIDATION:
                 self._val[source.task] = split(source.train, f, f"validation:{source.task}")
             else:
