@@ -1,4 +1,4 @@
-.PHONY: run test test-latest lock bench setup
+.PHONY: run test test-latest lock bench setup demo-adapters
 
 # the virtualenv every target uses; CI points it at a fresh folder
 VENV ?= .venv
@@ -25,3 +25,7 @@ lock:
 
 bench: setup
 	$(VENV)/bin/python benchmarks/bench_cpu_generate.py
+
+# rebuild the trained demo adapters shipped in vlora/adapters/demo_weights/ (a few minutes of CPU)
+demo-adapters: setup
+	nice -n 10 $(VENV)/bin/vlora adapters demo --part text --out build/demo-adapters --ship

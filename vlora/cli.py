@@ -19,10 +19,9 @@ DEMO_PROMPTS = [
 ]
 
 
-# demo training settings (see docs/adapters.md for the times on a 2-core CPU, baselines included); LoRA on the
-# last 8 layers for the text tasks and the last 4 for the image tasks (their prompts are twice as long) unless
-# --last-layers is given
-DEMO_TRAINING = dict(last_layers=None, epochs=6, lr=3e-3, batch_size=16, threads=1)
+# the demo trains with fuse's defaults but one: LoRA on the last 8 layers for the text tasks and the last 4 for
+# the image tasks (their prompts are twice as long and 8 layers are no more accurate) unless --last-layers is given
+DEMO_TRAINING = dict(last_layers=None)
 DEMO_LAST_LAYERS = {"text": 8, "vision": 4}
 DEMO_PARTS = ("all", "text", "vision")
 
@@ -158,19 +157,21 @@ def serving_engine(args):
 
 
 def _demo_adapters(engine, root) -> tuple[dict[str, str], bool]:
-    """The trained demo adapters (``vlora adapters demo``) when built for this model, else two random ones;
-    and whether they are the trained ones."""
-    from vlora.adapters.demo import TRAINED, trained_adapters
+    """The trained demo adapters for this model: built by ``vlora adapters demo`` (in ``root``), else shipped
+    with vlora (the embedded model's text tasks); else two random ones. And whether they are trained ones."""
+    from vlora.adapters.demo import SHIPPED, TRAINED, trained_adapters
     from vlora.lora.random_adapter import write_random_adapter
 
     shape = engine.adapters.shape
-    trained = trained_adapters(root / shape.name / TRAINED)
-    if trained:
-        ask = ("send an image with 'Is there a 3 in the picture?' and \"task_head\": true (LLM.classify)"
-               if getattr(engine, "vision", None) is not None else "ask them e.g. 'Classify: The concert was wonderful.'")
-        print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
-              f"{root / shape.name / TRAINED}; {ask})", file=sys.stderr)
-        return trained, True
+    for folder in (root / shape.name / TRAINED, SHIPPED / shape.name):
+        trained = trained_adapters(folder)
+        if trained:
+            ask = ("send an image with 'Is there a 3 in the picture?' and \"task_head\": true (LLM.classify)"
+                   if getattr(engine, "vision", None) is not None
+                   else "ask them e.g. 'Classify: The concert was wonderful.'")
+            print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
+                  f"{folder}; {ask})", file=sys.stderr)
+            return trained, True
     print("note: no --adapter given; serving two random-weight demo adapters (they nudge the base model's answers "
           "at random; they are not trained skills); `vlora adapters demo` builds trained ones", file=sys.stderr)
     out = {}
@@ -207,6 +208,10 @@ def cmd_adapters_demo(args) -> int:
         last = DEMO_LAST_LAYERS[part] if args.last_layers is None else args.last_layers
         print(f"demo {part} tasks on {model or 'the embedded model'}:", file=sys.stderr)
         code = max(code, _fuse(sources, args, out, model=model, last_layers=last, checkpoint_dir=ckpt))
+        if args.ship and part == "text":
+            from vlora.adapters.demo import ship
+
+            print(f"shipped: {ship(out, resolve_model_dir(model).name)}", file=sys.stderr)
     if args.out is None:
         print("`vlora serve` / `vlora generate` (make run) serve these adapters when no --adapter is given "
               f"(with --model {DEMO_LMM} for the image tasks' adapters)", file=sys.stderr)
@@ -214,7 +219,7 @@ def cmd_adapters_demo(args) -> int:
 
 
 def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
-    from vlora.adapters.fusion import FusionConfig, fuse
+    from vlora.adapters.fusion import METHOD_NAMES, FusionConfig, fuse
     from vlora.adapters.report import REPORT_MD
     from vlora.adapters.trainer import LoraTrainer, TrainConfig
 
@@ -224,8 +229,8 @@ def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
     trainer = LoraTrainer(train_config, progress=not args.quiet)
     trainer.check(sources)                            # a source the model cannot take fails before training
     r = fuse(sources, trainer, out, fusion_config, checkpoint_dir or args.checkpoint_dir, log=log)
-    print(f"{len(sources)} sources -> {len(r.adapters)} adapters in {out} "
-          f"({', '.join('+'.join(a.tasks) for a in r.adapters)}); every requirement met: "
+    print(f"{len(sources)} sources -> {len(r.output)} adapters ({METHOD_NAMES[r.chosen]}) in {out} "
+          f"({', '.join('+'.join(a.tasks) for a in r.output)}); every requirement met: "
           f"{'yes' if r.all_met else 'NO'}; {r.wall_s:.0f} s; report: {out}/{REPORT_MD}", file=sys.stderr)
     return 0 if r.all_met else 1
 
@@ -369,13 +374,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower() or action.default is argparse.SUPPRESS
+                or action.default in (None, [], False)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def _add_adapters_parser(sub) -> None:
     from vlora.adapters.fusion import FusionConfig
     from vlora.adapters.trainer import TrainConfig
 
     ada = sub.add_parser("adapters", help="generate LoRA adapters from knowledge sources (accuracy-aware fusion)")
     asub = ada.add_subparsers(dest="adapters_command", required=True)
-    fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement")
+    fz = asub.add_parser("fuse", help="train the fewest adapters that meet every task's accuracy requirement",
+                         formatter_class=_DefaultsHelp)
     fz.add_argument("spec", help="JSON file listing the knowledge sources (format: docs/adapters.md)")
     fz.add_argument("--out", required=True, help="folder for adapter-N/ and fusion-report.{md,json}")
     dm = asub.add_parser("demo", help="build demo adapters from built-in text tasks (default model) and image "
@@ -383,14 +400,15 @@ def _add_adapters_parser(sub) -> None:
                          description="Fuse three built-in text tasks (sentiment, topic, language) into adapters for "
                                      "the default model (or --model), and built-in image tasks (digit detectors, "
                                      "digit colour; answered by task heads) into adapters for the demo LMM "
-                                     "demo:smollm2-llava. Demo defaults differ from fuse's: "
-                                     + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in DEMO_TRAINING.items()
-                                                 if v is not None)
-                                     + f"; --last-layers {DEMO_LAST_LAYERS['text']} (text), "
-                                       f"{DEMO_LAST_LAYERS['vision']} (images)")
+                                     "demo:smollm2-llava. Training defaults are fuse's, but for --last-layers: "
+                                     f"{DEMO_LAST_LAYERS['text']} (text), {DEMO_LAST_LAYERS['vision']} (images)",
+                         formatter_class=_DefaultsHelp)
     dm.add_argument("--out", default=None, help="output folder, OUT/text and OUT/vision (default: "
                                                 "$VLORA_CACHE/demo-adapters/<model>/trained, where vlora serve looks)")
     dm.add_argument("--part", choices=DEMO_PARTS, default="all", help="which demo tasks to fuse")
+    dm.add_argument("--ship", action="store_true",
+                    help="also copy the text adapters (float16) and their report into the package's "
+                         "vlora/adapters/demo_weights/<model>/, which vlora serve falls back to (make demo-adapters)")
     for p in (fz, dm):
         _add_config_args(p, (TrainConfig, FusionConfig))
         p.add_argument("--checkpoint-dir", default=None,

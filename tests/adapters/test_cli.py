@@ -25,19 +25,22 @@ def test_fuse_command_trains_from_a_spec_file(tmp_path, capsys, one_thread):
     (tmp_path / "spec.json").write_text(json.dumps({"sources": entries}))
     out = tmp_path / "out"
     code = main(["adapters", "fuse", str(tmp_path / "spec.json"), "--out", str(out), "--model", str(model),
-                 "--epochs", "20", "--lr", "3e-3", "--batch-size", "8", "--threads", "1", "--last-layers", "1",
+                 "--epochs", "20", "--patience", "0", "--lr", "3e-3", "--batch-size", "8", "--threads", "1",
+                 "--last-layers", "1",
                  "--no-baselines", "--quiet"])
     err = capsys.readouterr().err
     report = json.loads((out / "fusion-report.json").read_text())
-    assert code == 0 and "2 sources -> 1 adapters" in err and "every requirement met: yes" in err
-    assert report["adapters"][0]["tasks"] == ["farm", "hue"] and list(report["methods"]) == ["fusion"]
+    assert code == 0 and "2 sources -> 1 adapters (accuracy-aware fusion)" in err and "every requirement met: yes" in err
+    assert sorted(report["adapters"][0]["tasks"]) == ["farm", "hue"] and list(report["methods"]) == ["fusion", "per-source"]
     assert report["settings"]["trainer"]["layers"] == [1] and report["settings"]["trainer"]["epochs"] == 20
     assert (out / "adapter-1" / "adapter_model.safetensors").is_file() and (out / "fusion-report.md").is_file()
 
 
 @pytest.mark.parametrize("args,match", [
     (["--epochs", "0"], "epochs must be an integer >= 1"),
-    (["--order", "best"], "order must be one of given, random"),
+    (["--order", "best"], "order must be one of easiest, given, random"),
+    (["--patience", "-1"], "patience must be an integer >= 0"),
+    (["--val-fraction", "1"], r"val_fraction must be in \[0, 1\)"),
     (["--target", "lm_head"], r"targets \['lm_head'\] cannot be served"),
 ])
 def test_fuse_command_refuses_bad_settings(tmp_path, capsys, args, match):
@@ -108,3 +111,13 @@ def test_fuse_command_refuses_image_tasks_on_a_text_model_before_training(tmp_pa
                  "--quiet"])
     assert code == 2 and "has image inputs but model" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", ["fuse", "demo"])
+def test_help_shows_the_training_defaults_shared_by_fuse_and_demo(capsys, command):
+    with pytest.raises(SystemExit):
+        main(["adapters", command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("--epochs EPOCHS", "(default: 12)", "--patience PATIENCE", "(default: 3)",
+                    "(default: 0.2)", "(default: 0.003)", "(default: easiest)", "(default: best)"):
+        assert default in text, default

@@ -4,6 +4,7 @@ registered in the engine, and the engine's greedy answers equal to the training-
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, make_ti
 from vlora import LLM
 from vlora.adapters.trainer import LoraTrainer, TrainConfig, engine_answers, prompt_ids
 
-CONFIG = dict(epochs=20, lr=3e-3, batch_size=8, rank=8, threads=1)
+CONFIG = dict(epochs=20, lr=3e-3, batch_size=8, rank=8, threads=1, patience=0)     # the whole budget: known steps
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def test_fusion_packs_the_tasks_and_meets_every_requirement(fused):
     _, _, _, r, out = fused
     # farm and clash answer the same prompt oppositely: fusing clash into farm's adapter violates and rolls back
     assert [(a.adapter, a.source, a.kind) for a in r.attempts] == [
+        (0, "farm", "alone"), (0, "clash", "alone"), (0, "hue", "alone"),
         (1, "farm", "open"), (1, "clash", "rollback"), (2, "clash", "open"), (2, "hue", "fuse")]
     assert [a.tasks for a in r.adapters] == [["farm"], ["clash", "hue"]]
     assert r.all_met and min(r.fused_accuracy().values()) >= 0.75
@@ -41,7 +43,7 @@ def test_fusion_packs_the_tasks_and_meets_every_requirement(fused):
 def test_engine_answers_equal_the_training_time_evaluation(fused):
     model, sources, trainer, r, out = fused
     by_task = {s.task: s for s in sources}
-    llm = LLM(str(model), adapters={a.name: out / a.name for a in r.adapters}, num_blocks=256, block_size=8,
+    llm = LLM(str(model), adapters={a.name: out / a.name for a in r.output}, num_blocks=256, block_size=8,
               max_model_len=128, dtype="float32")            # evaluation is float32 (a GPU engine defaults to bf16)
     assert_engine_answers_equal_evaluation(llm, trainer, r, by_task, out)
     # the base model does not answer the tasks; the adapters do
@@ -65,3 +67,19 @@ def test_cached_prefix_changes_nothing(fused):
     b = full.fit(full.init(5), [src], [], 5, "uncached")
     assert all(torch.allclose(a.lora[k], b.lora[k], atol=1e-5) for k in a.lora)
     assert trainer.evaluate(a, src) == full.evaluate(a, src)
+
+
+def test_early_stopping_ends_a_run_on_its_validation_split(fused):
+    model, sources, _, _, _ = fused
+    trainer = LoraTrainer(TrainConfig(model=str(model), last_layers=1, **{**CONFIG, "epochs": 60, "patience": 2,
+                                                                             "min_steps": 100}),
+                          progress=False)
+    src = sources[2]
+    train, val = trainer._splits(src)
+    # the validation split comes out of the training split, per label, and never from the held-out split
+    assert sorted(train + val, key=str) == sorted(src.train, key=str) and not set(val) & set(src.heldout)
+    assert {e.label for e in val} == set(src.labels) and len(val) == round(0.2 * len(src.train))
+    state = trainer.fit(trainer.init(5), [src], [], 5, "early")
+    budget = 60 * math.ceil(len(train) / CONFIG["batch_size"])
+    assert 0 < trainer.last_steps < budget
+    assert sum(trainer.evaluate(state, src)) / len(src.heldout) >= src.requirement

@@ -14,7 +14,7 @@ from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, make_ti
 from vlora import LLM
 from vlora.adapters.trainer import Head, LoraTrainer, TrainConfig, _TrainableHead
 
-CONFIG = dict(epochs=12, lr=3e-3, batch_size=8, rank=8, threads=1, last_layers=1)
+CONFIG = dict(epochs=12, lr=3e-3, batch_size=8, rank=8, threads=1, last_layers=1, patience=0)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_image_tasks_fuse_with_a_joint_head(fused):
     _, sources, _, r, out = fused
     assert r.all_met, r.fused_accuracy()
     by_task = {s.task: s for s in sources}
-    for a in r.adapters:
+    for a in r.output:
         head_tasks = [t for t in a.tasks if by_task[t].head]
         files = {p.name for p in (out / a.name).iterdir()}
         if not head_tasks:
@@ -40,7 +40,7 @@ def test_image_tasks_fuse_with_a_joint_head(fused):
         assert cfg == {"labels": sorted({lab for t in head_tasks for lab in by_task[t].labels}), "token": "last"}
         manifest = json.loads((out / a.name / "vlora_tasks.json").read_text())
         assert {t["task"]: t["head"] for t in manifest["tasks"]} == {t: by_task[t].head for t in a.tasks}
-    adapter_cfg = json.loads((out / r.adapters[0].name / "adapter_config.json").read_text())
+    adapter_cfg = json.loads((out / r.output[0].name / "adapter_config.json").read_text())
     assert "language_model" in adapter_cfg["target_modules"]          # the vision tower gets no LoRA
     assert "head" in json.loads((out / "fusion-report.json").read_text())["sources"][0]
 
@@ -48,9 +48,9 @@ def test_image_tasks_fuse_with_a_joint_head(fused):
 def test_engine_answers_equal_the_training_time_evaluation(fused):
     model, sources, trainer, r, out = fused
     by_task = {s.task: s for s in sources}
-    llm = LLM(str(model), adapters={a.name: out / a.name for a in r.adapters}, num_blocks=256, block_size=8,
+    llm = LLM(str(model), adapters={a.name: out / a.name for a in r.output}, num_blocks=256, block_size=8,
               max_model_len=128, dtype="float32")
-    assert set(llm.engine.adapters.heads) == {a.name for a in r.adapters if any(by_task[t].head for t in a.tasks)}
+    assert set(llm.engine.adapters.heads) == {a.name for a in r.output if any(by_task[t].head for t in a.tasks)}
     assert_engine_answers_equal_evaluation(llm, trainer, r, by_task, out)
 
 

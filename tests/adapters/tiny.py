@@ -104,20 +104,20 @@ def tiny_image_sources(folder: Path, n: int = 32, requirement: float = 0.75):
 
 def train_and_fuse(root: Path, model: Path, sources, **config):
     """A LoraTrainer on ``model`` (``config``: TrainConfig fields) and the fusion of ``sources`` into root/out
-    (baselines included): (trainer, result, out folder)."""
+    (baselines included; the given order, so that the steps are known): (trainer, result, out folder)."""
     from vlora.adapters.fusion import FusionConfig, fuse
     from vlora.adapters.trainer import LoraTrainer, TrainConfig
 
     trainer = LoraTrainer(TrainConfig(model=str(model), **config), progress=False)
-    return trainer, fuse(sources, trainer, root / "out", FusionConfig()), root / "out"
+    return trainer, fuse(sources, trainer, root / "out", FusionConfig(order="given")), root / "out"
 
 
 def assert_engine_answers_equal_evaluation(llm, trainer, result, by_task, out: Path) -> None:
-    """Every fused adapter, served by ``llm``: the engine's answer to each held-out example is right exactly
-    when the training-time evaluation says so, and the accuracies are the fusion's."""
+    """Every adapter written, served by ``llm``: the engine's answer to each held-out example is right exactly
+    when the training-time evaluation says so, and the accuracies are the report's."""
     from vlora.adapters.trainer import engine_answers
 
-    for a in result.adapters:
+    for a in result.output:
         state = trainer.load(out / a.name)
         for task in a.tasks:
             src = by_task[task]

@@ -13,7 +13,10 @@ back and open a second adapter (V-LoRA Fig. 10 in miniature), while
 ``language`` fuses into one of them. The effect shows at once: asked
 "Classify: The concert was wonderful.", one adapter answers "positive", the
 other "music", and the base model chats. ``vlora serve`` / ``vlora generate``
-(``make run``) register the demo adapters when they have been built.
+(``make run``) register the demo adapters with no ``--adapter`` given: the ones
+``vlora adapters demo`` built in the cache if any, else the text adapters shipped
+in ``demo_weights/<model>/`` (float16, built by ``vlora adapters demo --part text
+--ship``), so the embedded default answers with trained skills at once.
 
 Image tasks (answered by the adapters' task heads, V-LoRA §4.2.2), on digits
 drawn with the font Pillow ships (no dataset download): per-digit detectors
@@ -64,6 +67,7 @@ COLOURS = {"red": (205, 30, 30), "green": (25, 140, 40), "blue": (30, 50, 210)}
 DIGIT_SIZES, JITTER = (145, 150), 3       # digit height range and placement jitter (px) in a 224 px image
 IMAGES = "images"            # subfolder of $VLORA_CACHE/demo-adapters/<model>/ holding the rendered images
 TRAINED = "trained"          # subfolder of $VLORA_CACHE/demo-adapters/<model>/ holding the fused adapters
+SHIPPED = Path(__file__).parent / "demo_weights"    # package data: <model>/ holds the shipped text demo adapters
 
 
 def demo_sources(per_task: int = 80, requirement: float = 0.9, seed: int = 0) -> list[KnowledgeSource]:
@@ -98,6 +102,39 @@ def trained_adapters(folder: str | Path) -> dict[str, str]:
         if (path / "adapter_model.safetensors").is_file():
             out["demo-" + "-".join(a["tasks"])] = str(path)
     return out
+
+
+def ship(build: str | Path, model_name: str, dest: str | Path = SHIPPED) -> Path:
+    """Copy a finished demo build (``build``: the fusion's output folder) into ``dest/model_name``: each
+    adapter with its weights in float16 (half the bytes; the engine converts them to its dtype on loading),
+    its task manifest, and the fusion report; the checkpoint stays behind. Returns the folder written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vlora.adapters.report import REPORT_JSON, REPORT_MD
+
+    build, folder = Path(build), Path(dest) / model_name
+    names = [Path(p).name for p in trained_adapters(build).values()]
+    if not names:
+        raise ValueError(f"{build}: holds no finished demo build (no {REPORT_JSON} naming saved adapters)")
+    # the build machine's model path means nothing elsewhere: the model's name stands for it
+    local = json.loads((build / REPORT_JSON).read_text(encoding="utf-8"))["settings"]["trainer"].get("model_path")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    files = [(build / name / f.name, folder / name / f.name) for name in names for f in (build / name).iterdir()
+             if f.is_file() and f.suffix in (".json", ".safetensors")]
+    for src, dst in files + [(build / f, folder / f) for f in (REPORT_JSON, REPORT_MD)]:
+        dst.parent.mkdir(exist_ok=True)
+        if src.name == "adapter_model.safetensors":
+            save_file({k: v.half().contiguous() for k, v in load_file(str(src)).items()}, str(dst))
+        elif src.suffix == ".safetensors":
+            shutil.copyfile(src, dst)
+        else:
+            text = src.read_text(encoding="utf-8")
+            dst.write_text(text.replace(local, model_name) if local else text, encoding="utf-8")
+        dst.chmod(0o644)
+    return folder
 
 
 def vision_sources(folder: str | Path, per_task: int = 80, requirement: float = 0.85,

@@ -51,6 +51,8 @@ from vlora.lora.adapter import LORA_TARGETS
 from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 
 WEIGHTS = "adapter_model.safetensors"
+MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
+MIN_LOSS_GAIN, MIN_LOSS_DROP = 0.01, 1e-3   # a validation loss lower by less (relative, absolute) is no progress
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,23 @@ class TrainConfig:
     """LoRA alpha (scaling = alpha / rank)."""
     targets: tuple[str, ...] = ()
     """Projections that get LoRA (repeatable). Default: all seven (q, k, v, o, gate, up, down)."""
-    last_layers: int = 0
-    """Put LoRA on the last N decoder layers only (backward stops there: faster). 0: every layer."""
-    epochs: int = 3
-    """Passes over a source's training split each time it is trained into an adapter."""
-    lr: float = 2e-3
+    last_layers: int = 8
+    """Put LoRA on the last N decoder layers only: the layers below run once per example and are cached, so a
+    step costs only the top N layers. 0: every layer."""
+    epochs: int = 12
+    """Most passes over the training examples in one training run (its step budget, scaled to the data the run
+    trains on; at least --min-steps); early stopping usually ends the run sooner."""
+    min_steps: int = 30
+    """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
+    trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
+    patience: int = 3
+    """Early stopping: end a run after this many validation checks (one per pass) with neither a better validation
+    accuracy nor a lower validation loss, keeping the last weights with the best accuracy. 0: train the whole
+    budget and keep the final weights."""
+    val_fraction: float = 0.2
+    """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
+    the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
+    lr: float = 3e-3
     """AdamW learning rate (constant; a fresh optimizer for each training run)."""
     head_lr: float = 0.0
     """AdamW learning rate of the task heads (in standardised coordinates). 0: the same as --lr."""
@@ -80,7 +94,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
-        for name in ("rank", "epochs", "batch_size"):
+        for name in ("rank", "epochs", "batch_size", "min_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -88,6 +102,10 @@ class TrainConfig:
             raise ValueError(f"threads must be an integer >= 0, got {self.threads!r}")
         if not isinstance(self.last_layers, int) or self.last_layers < 0:
             raise ValueError(f"last_layers must be an integer >= 0, got {self.last_layers!r}")
+        if not isinstance(self.patience, int) or isinstance(self.patience, bool) or self.patience < 0:
+            raise ValueError(f"patience must be an integer >= 0, got {self.patience!r}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if not (self.head_lr >= 0 and math.isfinite(self.head_lr)):
             raise ValueError(f"head_lr must be finite and >= 0, got {self.head_lr!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)) or not (self.alpha > 0 and math.isfinite(self.alpha)):
@@ -219,9 +237,8 @@ class LoraTrainer:
             self.text_config, decoder = base.config, base.get_decoder()
             self.vision = None
         n = self.text_config.num_hidden_layers
-        if config.last_layers > n:
-            raise ValueError(f"last_layers={config.last_layers} but the model has {n} layers")
-        self.layers = list(range(n - config.last_layers, n)) if config.last_layers else None
+        last = config.last_layers if config.last_layers < n else 0       # a smaller model: every layer
+        self.layers = list(range(n - last, n)) if last else None
         self.targets = list(config.targets or LORA_TARGETS)
         if self.lmm:        # the language model only: the vision tower has q/k/v_proj too
             layers = "|".join(map(str, self.layers or range(n)))
@@ -244,7 +261,8 @@ class LoraTrainer:
             raise ValueError(f"model {self.model_dir} defines no end-of-text token to end answers with")
         self.eos, self.stop_ids = eos[0], set(eos)       # the engine stops on any of them
         self._encoded: dict[tuple, _Item] = {}
-        self.first = n - config.last_layers if config.last_layers else 0     # first layer with LoRA
+        self.first = n - last if last else 0                # first layer with LoRA
+        self._val: dict[str, tuple[tuple[Example, ...], tuple[Example, ...]]] = {}   # task -> (train, validation)
         self._prefix: dict[tuple, torch.Tensor] = {}      # (tokens, image) -> [len, hidden] entering layer first
         self._image_rows: dict[str, torch.Tensor] = {}    # image path -> [tokens_per_image, hidden]
 
@@ -317,7 +335,8 @@ class LoraTrainer:
     def settings(self) -> dict:
         c = self.config
         return {"model": self.model_dir.name, "model_path": str(self.model_dir), "rank": c.rank, "alpha": c.alpha, "targets": self.targets,
-                "layers": self.layers or "all", "epochs": c.epochs, "lr": c.lr, "head_lr": c.head_lr or c.lr,
+                "layers": self.layers or "all", "epochs": c.epochs, "min_steps": c.min_steps, "patience": c.patience,
+                "val_fraction": c.val_fraction, "lr": c.lr, "head_lr": c.head_lr or c.lr,
                 "batch_size": c.batch_size,
                 "device": str(self.device),
                 "answer": "greedy label text (language-model head), or the argmax of the adapter's task head over "
@@ -333,39 +352,81 @@ class LoraTrainer:
 
     def fit(self, state: AdapterState, new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource], seed: int,
             desc: str) -> AdapterState:
-        """``epochs`` passes over the new sources' training examples; each pass also replays as many examples
-        (at most) drawn from the replay sources' training splits, so the adapter keeps those tasks. The head
-        (if any source is a head task) covers the union of the head tasks' labels and trains jointly."""
+        """Train on the new sources' training examples; each pass also replays as many examples (at most) drawn
+        from the replay sources' training examples, so the adapter keeps those tasks. The step budget is
+        ``epochs`` passes, at least ``min_steps``; after each pass the validation split of every task (new and
+        replayed) is checked, and the run stops after ``patience`` checks with neither a better mean validation
+        accuracy nor a lower validation loss, returning the last weights with the best accuracy. The head (if any source is a head task) covers
+        the union of the head tasks' labels and trains jointly."""
         from tqdm.auto import tqdm
 
         self._set(state.lora)
         head = self._grow_head(state.head, [s for s in (*replay, *new) if s.head])
         rng = random.Random(seed)
-        fresh = [self._encode(s, e) for s in new for e in s.train]
-        old = [self._encode(s, e) for s in replay for e in s.train]
+        fresh = [self._encode(s, e) for s in new for e in self._splits(s)[0]]
+        old = [self._encode(s, e) for s in replay for e in self._splits(s)[0]]
+        checks = [[self._encode(s, e) for e in self._splits(s)[1]] for s in (*new, *replay)]
+        checks = [c for c in checks if c] if self.config.patience else []
         per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
+        steps_per_epoch = math.ceil(per_epoch / bs)
+        budget = max(self.config.min_steps, self.config.epochs * steps_per_epoch)
         groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if head is not None:
             head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
             groups.append({"params": [head.w, head.b], "lr": self.config.head_lr or self.config.lr})
         opt = torch.optim.AdamW(groups, lr=self.config.lr, weight_decay=0.0)
-        self.model.train()
-        with torch.random.fork_rng(devices=[]), tqdm(total=self.config.epochs * math.ceil(per_epoch / bs), desc=desc,
-                                                     unit="step", disable=not self.progress, leave=False) as bar:
+        best, best_score, best_loss, waited, step = None, -1.0, math.inf, 0, 0
+        with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
+                                                     leave=False) as bar:
             torch.manual_seed(seed)
-            for _ in range(self.config.epochs):
+            while step < budget and (not checks or waited < self.config.patience or step < self.config.min_steps):
+                self.model.train()
                 items = fresh + rng.sample(old, min(len(old), len(fresh)))
                 rng.shuffle(items)
                 for i in range(0, len(items), bs):
+                    if step == budget:
+                        break
                     loss = self._loss(items[i:i + bs], head)
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+                    step += 1
                     bar.update()
-                    bar.set_postfix(loss=f"{loss.item():.3f}")
+                    bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(best_score, 0):.2f}")
+                self.model.eval()
+                if checks:
+                    now = AdapterState(self._get(), None if head is None else head.export())
+                    accuracy = sum(sum(self._hits(c, now.head)) / len(c) for c in checks) / len(checks)
+                    with torch.no_grad():
+                        loss = sum(self._loss(c[i:i + 2 * bs], head).item() for c in checks
+                                   for i in range(0, len(c), 2 * bs)) / sum(math.ceil(len(c) / (2 * bs)) for c in checks)
+                    # progress is a better accuracy or a clearly lower loss: the accuracy of a hard task stays
+                    # flat for a while before it moves, the loss does not; once the answers are learnt the loss
+                    # keeps shrinking towards zero by amounts that change no answer
+                    lower = loss < best_loss - max(MIN_LOSS_GAIN * best_loss, MIN_LOSS_DROP)
+                    waited = 0 if accuracy > best_score or lower else waited + 1
+                    best_loss = min(best_loss, loss)
+                    if accuracy >= best_score:      # ties keep the later, longer-trained weights
+                        best, best_score = now, accuracy
         self.model.eval()
+        self.last_steps = step              # optimizer steps the run took (for tests and logs)
+        if best is not None:
+            return best
         return AdapterState(self._get(), None if head is None else head.export())
+
+    def _splits(self, source: KnowledgeSource) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+        """(examples to train on, validation examples) of the source's training split: ``val_fraction`` of
+        each label set apart (seeded by the task), none when the split is too small to spare them."""
+        if source.task not in self._val:
+            from vlora.adapters.sources import split
+
+            f = self.config.val_fraction if self.config.patience else 0     # no early stopping: train on all
+            if f and len(source.train) >= MIN_TRAIN_FOR_VALIDATION:
+                self._val[source.task] = split(source.train, f, f"validation:{source.task}")
+            else:
+                self._val[source.task] = (source.train, ())
+        return self._val[source.task]
 
     def evaluate(self, state: AdapterState, source: KnowledgeSource) -> list[bool]:
         """Per held-out example: would the engine answer exactly the label? (greedy text then a stop token;
@@ -373,7 +434,10 @@ class LoraTrainer:
         self._set(state.lora)
         if source.head and (state.head is None or not set(source.labels) <= set(state.head.labels)):
             return [False] * len(source.heldout)            # never trained into this adapter: no head for it
-        items = [self._encode(source, e) for e in source.heldout]
+        return self._hits([self._encode(source, e) for e in source.heldout], state.head)
+
+    def _hits(self, items: list[_Item], head: Head | None) -> list[bool]:
+        """Per item, under the LoRA weights set in the model: is the engine's answer exactly the label?"""
         order = sorted(range(len(items)), key=lambda i: len(items[i].tokens))
         hits = [False] * len(items)
         bs = 2 * self.config.batch_size
@@ -382,20 +446,22 @@ class LoraTrainer:
                 idx = order[i:i + bs]
                 batch = [items[k] for k in idx]
                 hidden = self._hidden(batch)
-                if source.head:
-                    w, b = state.head.weight.to(self.device), state.head.bias.to(self.device)
-                    pred = torch.addmm(b.float(), self._last(batch, hidden), w.float().T).argmax(-1).tolist()
-                    for k, p, it in zip(idx, pred, batch):
-                        hits[k] = state.head.labels[p] == it.label
-                    continue
-                rows, cols, targets = _answer_positions(batch)
-                pred = self.lm_head(hidden[rows, cols]).argmax(-1).tolist()
+                rows, cols, targets = _answer_positions(batch, skip_heads=True)
+                pred = self.lm_head(hidden[rows, cols]).argmax(-1).tolist() if targets else []
                 at = 0
                 for k, it in zip(idx, batch):
+                    if it.head:
+                        continue
                     n = len(it.answer)
                     p, t = pred[at:at + n], targets[at:at + n]
                     hits[k] = p[:-1] == t[:-1] and p[-1] in self.stop_ids
                     at += n
+                heads = [j for j, it in enumerate(batch) if it.head]
+                if heads and head is not None:
+                    w, b = head.weight.to(self.device), head.bias.to(self.device)
+                    last = self._last([batch[j] for j in heads], hidden[heads])
+                    for j, p in zip(heads, torch.addmm(b.float(), last, w.float().T).argmax(-1).tolist()):
+                        hits[idx[j]] = head.labels[p] == batch[j].label
         return hits
 
     def _grow_head(self, head: Head | None, sources: Sequence[KnowledgeSource]) -> Head | None:
