@@ -115,10 +115,10 @@ class Scheduler:
     def _admissible(self, seq: Sequence, budget: int) -> bool:
         """Whether a fresh sequence could get the pages of its first chunk and of the blocks of its cached prefix
         that are in host memory, checked before :meth:`_match` pins (and copies back) that prefix. A sequence that
-        cannot grow after its match gives its blocks straight back: with host blocks, a swapper then moved them
-        out again for the running sequences, so every iteration it waited its prefix crossed the host link twice
-        (the swap thrash of the H100 multi-turn run); without, every iteration it waited counted its prompt as
-        looked up again and its path as visited again (the frequencies the swapper ranks by)."""
+        cannot grow after its match gives its blocks straight back: with host blocks, a swapper would move them
+        out again for the running sequences, so every iteration it waits its prefix crosses the host link twice;
+        without, every iteration it waits counts its prompt as looked up again and its path as visited again (the
+        frequencies the swapper ranks by)."""
         if seq.blocks or seq.num_computed:
             return True
         unpinned = pinned = host = 0

@@ -338,7 +338,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     which the last part of each tile to finish adds the others up (other entries are left as allocated:
     uninitialised, or ``out``'s contents). Summed here, the expand reads one plane instead of split_k of them
     for every column tile it computes; an expand with v hoisted reads them once per strip, and for a few decode
-    rows the sum costs more than it saves. The tuner picks (``benchmarks/results/h100-2026-11-22-atmm``).
+    rows the sum costs more than it saves. The tuner picks per shape (docs/decisions.md, 'Split-K planes, shrink and expand tuned as a pair, hoisted expands for prefill').
     ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads). ``lane``: the
     split-K counters to use (:func:`tile_counts`), distinct for shrinks that may run concurrently. ``pdl``: let a
     programmatic dependent expand start early, where the GPU can (:func:`pdl`); its expand must say the same.

@@ -102,7 +102,7 @@ def heuristic_config(op: str, tokens: int, segments: int, dim: int, rank: int, n
     """A reasonable config when the table has no entry (memory-bound skinny GEMMs): split-K until the grid
     has two programs per SM of the device."""
     per_seg = max(1, tokens // max(1, segments))
-    if op == "shrink":      # what the H200 table picks most: thin M tiles, N fit to R, long K tiles, split-K
+    if op == "shrink":      # what the tuned tables in kernels/configs/ pick most: thin M tiles, N fit to R, long K tiles, split-K
         bm = 16 if per_seg <= 256 else 32
         bn = min(128, max(16, pow2_bucket(rank)))
         programs = max(1, segments) * max(1, -(-per_seg // bm)) * max(1, -(-rank // bn))
@@ -132,9 +132,9 @@ def search_space(op: str, tokens: int, segments: int, rank: int) -> list[TileCon
     space = [TileConfig(bm, bn, bk, 1, 4, 2, loop, strip)
              for bm, bn, bk, loop, strip in itertools.product(bms, (64, 128, 256), (16, 32), loops, strips)
              if bk <= max(16, pow2_bucket(rank))]
-    # v hoisted, the strip pipelined (K tile = the rank): decode, and prefill too (on an H100 on 2026-11-22 a
-    # hoisted 16x64 expand walking 8 tiles was the best static one for 1,024-token prefills, which the tuner
-    # had not tried: benchmarks/results/h100-2026-11-22-atmm/)
+    # v hoisted, the strip pipelined (K tile = the rank): decode, and prefill too, where a hoisted expand
+    # walking a long strip can beat every other config (docs/decisions.md, 'Split-K planes, shrink and expand
+    # tuned as a pair, hoisted expands for prefill')
     hoisted = ((2, 4, 8), (2, 3)) if per_seg <= 16 else ((4, 8), (3,))
     space += [TileConfig(bm, bn, max(16, pow2_bucket(rank)), 1, 4, stages, 1, strip, hoist=1)
               for bm, bn, strip, stages in itertools.product(bms, (64, 128), *hoisted)]
@@ -156,8 +156,8 @@ def cold_l2_us(fn: Callable[[], object], warmup_ms: float = 2.0, rep_ms: float =
 
     Before each timed call a 256 MiB buffer is *read* (a sum), which evicts the op's data from L2 the way a
     decode step's weight reads do and leaves clean lines. ``triton.testing.do_bench`` flushes by *writing*
-    256 MiB, which leaves dirty lines for the timed op to write back; how much that cost was not measured
-    apart (the torch-loop baseline's batch-1 cases read 13.2 µs under both on an H100).
+    256 MiB, which leaves dirty lines for the timed op to write back, a cost that a decode step, whose weight
+    reads leave clean lines, does not pay.
     """
     buf = _FLUSH.get("buf")
     if buf is None:
