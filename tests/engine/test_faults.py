@@ -54,12 +54,20 @@ def reference(tiny):
     return [o.token_ids for o in ref.generate(PROMPTS[:2], [None, "a"], greedy())]
 
 
+def unsampleable() -> SamplingParams:
+    """A temperature that makes the probabilities non-finite. SamplingParams makes such tiny temperatures
+    greedy, so the value is forced past it: the engine must still fail only this request if one slips through."""
+    sp = SamplingParams(max_tokens=6, temperature=1.0)
+    object.__setattr__(sp, "temperature", 1e-300)
+    return sp
+
+
 def idle(engine) -> bool:
     return not engine.has_unfinished() and engine.allocator.num_free == PAGES
 
 
 @pytest.mark.parametrize("bad", [
-    SamplingParams(max_tokens=6, temperature=1e-300),                                # probabilities not finite
+    unsampleable(),                                                                  # probabilities not finite
     SamplingParams(max_tokens=6, min_tokens=2, stop_token_ids=[1_000_000_000]),      # stop id outside the vocab
     SamplingParams(max_tokens=6, min_tokens=1, stop_token_ids=[2**70]),
 ])
@@ -155,7 +163,7 @@ def test_a_failed_request_fails_its_api_call_only(llm, reference):
     async def main():
         ae = AsyncEngine(llm.engine)
         ae.start()
-        bad = SamplingParams(max_tokens=6, temperature=1e-300)
+        bad = unsampleable()
         good = await ae.submit([Job(PROMPTS[0], None, greedy(), "g0"), Job(PROMPTS[1], "a", greedy(), "g1")])
         failing = await ae.submit([Job(PROMPTS[2], None, greedy(n=40), "b0"), Job(PROMPTS[1], None, bad, "b1")])
         with pytest.raises(RequestFailed, match="b1 failed: sampling failed"):

@@ -101,7 +101,7 @@ def test_random_bodies_never_break_the_server(live, ref):
     loaded: list[str] = []
     with live.http() as h:
 
-        @settings(max_examples=200, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=100, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(request())
         def one(req):
