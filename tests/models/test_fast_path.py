@@ -36,7 +36,7 @@ def test_triton_attention_with_cached_prefix_keeps_tokens(tmp_path):
 
 GRAPH_PROMPTS = [PROMPTS[i % 4] + [i + 20] * (i % 3) for i in range(7)]
 GRAPH_NAMES = [NAMES[(i + 2) % 4] for i in range(7)]        # the longest-running request is a base-model one
-GRAPH_SPS = [SamplingParams(max_tokens=4 + 2 * i, min_tokens=4 + 2 * i, ignore_eos=True) for i in range(7)]
+GRAPH_SPS = [SamplingParams(max_tokens=3 + i, min_tokens=3 + i, ignore_eos=True) for i in range(7)]
 
 
 def check_graph_decode(path, paths, pm, **kw):

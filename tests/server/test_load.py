@@ -1,4 +1,4 @@
-"""A bounded load test on loopback: 200 requests from 32 concurrent clients over 4 models (base + 3
+"""A bounded load test on loopback: 128 requests from 32 concurrent clients over 4 models (base + 3
 adapters), some streaming, some disconnecting midway. Every completed answer equals the offline
 greedy answer; nothing is lost; every disconnected request is aborted; all KV blocks end free."""
 
@@ -9,7 +9,7 @@ import json
 
 from tests.server.conftest import ADAPTERS, API_KEY, QUESTIONS
 
-REQUESTS, CLIENTS, N = 200, 32, 10
+REQUESTS, CLIENTS, N = 128, 32, 10
 
 
 def kind_of(i: int) -> str:
