@@ -18,8 +18,9 @@ from torch import nn
 
 from vlora.models.decoder import DecoderLM, RMSNorm
 from vlora.models.loader import ModelLoadError
-from vlora.models.qwen2_vl import (PatchEmbed, Qwen2VisionConfig, Qwen2VisionTower, Qwen2VLVision, VisionAttention,
-                                   build_with_tower)
+from vlora.models.qwen2_vl import PatchEmbed, Qwen2VisionConfig, Qwen2VisionTower, Qwen2VLVision
+from vlora.models.qwen2_vl import VisionBlock as Qwen2VisionBlock
+from vlora.models.qwen2_vl import build_with_tower
 
 # frames of a video given as a list are taken as sampled at this rate (the Qwen2.5-VL processor's default)
 VIDEO_FPS = 2.0
@@ -83,17 +84,9 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nn.Module):
+class VisionBlock(Qwen2VisionBlock):
     def __init__(self, cfg: Qwen25VisionConfig, act):
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.embed_dim, 1e-6)
-        self.norm2 = RMSNorm(cfg.embed_dim, 1e-6)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = GatedMLP(cfg.embed_dim, cfg.mlp_dim, act)
-
-    def forward(self, x, cos, sin, segments):
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+        super().__init__(cfg, act, norm=lambda dim: RMSNorm(dim, 1e-6), mlp=GatedMLP)
 
 
 class PatchMerger(nn.Module):

@@ -114,12 +114,14 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen2VisionConfig, act):
+    """Pre-norm attention and MLP; Qwen2.5-VL's block passes RMS norms and a gated MLP."""
+
+    def __init__(self, cfg: Qwen2VisionConfig, act, norm=lambda dim: nn.LayerNorm(dim, eps=1e-6), mlp=None):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm1 = norm(cfg.embed_dim)
+        self.norm2 = norm(cfg.embed_dim)
         self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = VisionMLP(cfg.embed_dim, cfg.mlp_dim, act)
+        self.mlp = (mlp or VisionMLP)(cfg.embed_dim, cfg.mlp_dim, act)
 
     def forward(self, x, cos, sin, segments):
         x = x + self.attn(self.norm1(x), cos, sin, segments)
