@@ -18,7 +18,7 @@ from torch import nn
 
 from vlora.models.decoder import DecoderLM, RMSNorm
 from vlora.models.loader import ModelLoadError
-from vlora.models.qwen2_vl import PatchEmbed, Qwen2VisionConfig, Qwen2VisionTower, Qwen2VLVision
+from vlora.models.qwen2_vl import Qwen2VisionConfig, Qwen2VisionTower, Qwen2VLVision
 from vlora.models.qwen2_vl import VisionBlock as Qwen2VisionBlock
 from vlora.models.qwen2_vl import build_with_tower
 
@@ -103,18 +103,7 @@ class PatchMerger(nn.Module):
 class Qwen25VisionTower(Qwen2VisionTower):
     """Qwen2.5-VL ViT + merger: patches [P, C*tp*p*p] with patch grids (t, h, w) -> [P / m^2, D_text]."""
 
-    def __init__(self, cfg: Qwen25VisionConfig):
-        nn.Module.__init__(self)
-        from transformers.activations import ACT2FN
-
-        self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
-        act = ACT2FN[cfg.hidden_act]
-        self.blocks = nn.ModuleList(VisionBlock(cfg, act) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
-        quarter = cfg.embed_dim // cfg.num_heads // 2
-        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2).float() / quarter),
-                             persistent=False)
+    block_cls, merger_cls = VisionBlock, PatchMerger
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         if patches.shape[0] != sum(t * h * w for t, h, w in grids):

@@ -155,6 +155,8 @@ class Qwen2VisionTower(nn.Module):
     """Qwen2-VL ViT + merger: patches [P, C*tp*p*p] of images with patch grids (t, h, w) -> [P / m^2, D_text].
     Module names follow the checkpoint's ``visual.*`` tensors."""
 
+    block_cls, merger_cls = VisionBlock, PatchMerger      # Qwen2.5-VL's tower swaps in its own
+
     def __init__(self, cfg: Qwen2VisionConfig):
         super().__init__()
         from transformers.activations import ACT2FN
@@ -162,8 +164,8 @@ class Qwen2VisionTower(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
         act = ACT2FN[cfg.hidden_act]
-        self.blocks = nn.ModuleList(VisionBlock(cfg, act) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg)
+        self.blocks = nn.ModuleList(self.block_cls(cfg, act) for _ in range(cfg.depth))
+        self.merger = self.merger_cls(cfg)
         quarter = cfg.embed_dim // cfg.num_heads // 2
         self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2).float() / quarter),
                              persistent=False)
