@@ -1,0 +1,1 @@
+"""A cluster of engine replicas: placement policies, the Ray-backed front and the simulator."""
