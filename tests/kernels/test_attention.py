@@ -55,6 +55,20 @@ def test_decode_matches_reference(ctx_lens, page, hq, hkv, d, window, parts):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_split_decode_cuts_each_context_not_the_capacity():
+    """A split chosen for a long capacity (a CUDA graph's max_model_len) on short contexts, with and without a
+    sliding window: each program cuts its own context, and the parts reduce to the reference."""
+    ctx_lens, page, hq, hkv, d = [50, 9], 8, 4, 2, 16
+    k, v, tables = paged_case(ctx_lens, page, hq, hkv, d, torch.float32, "cpu", seed=5)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    q = torch.randn(2, hq, d)
+    ref = paged_decode_ref(q, k, v, tables, lens, 0.3, 0)
+    for window in (0, 20):
+        out = paged_decode(q, k, v, tables, lens, 0.3, window, block_n=16, parts=3, max_ctx=4096)
+        assert rel_err(out, paged_decode_ref(q, k, v, tables, lens, 0.3, window)) < 1e-5
+    assert rel_err(out, ref) > 1e-3, "the window changes the result (the check above can fail)"
+
+
 @pytest.mark.parametrize("ctx_lens,page,hq,hkv,d,window", CASES)
 def test_prefill_with_cached_prefix_matches_reference(ctx_lens, page, hq, hkv, d, window):
     """Chunks with and without a cached prefix, ragged lengths, rows of no chunk left untouched."""

@@ -25,8 +25,8 @@ from vlora.kernels import compiles
 from vlora.kernels.limits import device_limits
 
 
-@compiles.jit(ints=("part_len", "stride_tb"))       # stride_tb: the batch's longest block table
-def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, scale, window, part_len,
+@compiles.jit(ints=("stride_tb",))       # stride_tb: the batch's longest block table
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, scale, window,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_blk, stride_slot, stride_kh, stride_tb,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    D: tl.constexpr, SPLIT: tl.constexpr):
@@ -38,8 +38,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, tables_ptr, lens_ptr, part_ptr, s
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < D
     q = tl.load(q_ptr + b * stride_qt + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32) * scale
-    lo = tl.maximum(tl.maximum(ctx - window, 0), part * part_len)      # window: huge when there is none
-    hi = tl.minimum(ctx, (part + 1) * part_len)
+    lo = tl.maximum(ctx - window, 0)             # window: huge when there is none
+    hi = ctx
+    if SPLIT:       # this sequence's own span cut in equal parts, so every part has work at any length
+        part_len = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = lo + part * part_len
+        hi = tl.minimum(hi, lo + part_len)
     m_i = -1.0e30
     l_i = 0.0
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
@@ -163,11 +167,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
     assert q.shape[1] % k_cache.shape[2] == 0, "query heads must be a multiple of KV heads"
 
 
-def decode_parts(batch: int, heads: int, max_ctx: int, block_n: int, target_programs: int = 512) -> tuple[int, int]:
-    """(parts, tokens per part): split each sequence's context so that a small batch still fills the GPU."""
-    parts = max(1, min(-(-target_programs // max(1, batch * heads)), -(-max_ctx // block_n)))
-    part_len = -(-(-(-max_ctx // parts)) // block_n) * block_n
-    return -(-max_ctx // part_len), part_len
+def decode_parts(batch: int, heads: int, max_ctx: int, block_n: int, target_programs: int = 512) -> int:
+    """How many parts each sequence's context is split into so that a small batch still fills the GPU: enough
+    programs for the GPU, no more parts than ``max_ctx`` has key blocks. Each program cuts its own sequence's
+    length in that many parts, so a graph captured for ``max_model_len`` splits a short context as finely as
+    an eager call would."""
+    return max(1, min(-(-target_programs // max(1, batch * heads)), -(-max_ctx // block_n)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -190,14 +195,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     head_dim = triton.next_power_of_2(d)
     max_ctx = max(1, max_ctx or tables.shape[1] * page)
     if parts is None:
-        parts, part_len = decode_parts(bsz, heads, max_ctx, block_n)
-    else:
-        part_len = -(-(-(-max_ctx // parts)) // block_n) * block_n
+        parts = decode_parts(bsz, heads, max_ctx, block_n)
     split = parts > 1
     partial = torch.empty(bsz * heads * parts * (head_dim + 2) if split else 1, dtype=torch.float32,
                           device=q.device)
     _decode_kernel[(bsz, heads, parts)](
-        q, k_cache, v_cache, out, tables, lens, partial, scale, _window(window), part_len if split else 1 << 30,
+        q, k_cache, v_cache, out, tables, lens, partial, scale, _window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), hkv * d, d, tables.stride(0),
         GROUP=heads // hkv, PAGE=page, BLOCK_N=block_n, HEAD_DIM=head_dim, D=d, SPLIT=split,
         num_warps=num_warps)
