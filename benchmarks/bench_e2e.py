@@ -94,9 +94,13 @@ def replay_ms(graph, dev: torch.device, reps: int = 50) -> float:
 class StepTimer:
     """Wraps ``engine.step``: wall time of every step and whether it was decode-only, for the whole batch."""
 
-    def __init__(self, engine, dev: torch.device):
+    def __init__(self, engine, dev: torch.device, probe=None, probe_batch: int = 0, probe_after: int = 8):
+        """``probe``: called once, after the ``probe_after``-th decode-only step of ``probe_batch`` sequences,
+        while the graphs' static buffers hold a full batch mid-run (at the end of a run they hold whatever
+        rows finished last, which can be fewer)."""
         self.engine, self.dev, self.steps = engine, dev, []
         self._step = engine.step
+        self._probe, self._probe_batch, self._probe_after = probe, probe_batch, probe_after
 
         def timed():
             sched = engine.scheduler
@@ -108,6 +112,10 @@ class StepTimer:
             decode_only = all(s.num_computed - before.get(s.request_id, s.num_computed) <= 1
                               for s in sched.unfinished())
             self.steps.append((dt_, len(before), decode_only and bool(out)))
+            if self._probe is not None and sum(1 for _, n, d in self.steps
+                                               if d and n == self._probe_batch) == self._probe_after:
+                self._probe()
+                self._probe = None
             return out
 
         engine.step = timed
@@ -217,13 +225,22 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
     ab = adapter_bytes(eng, names)
     res.update(weight_bytes=wb, adapter_bytes=ab)
     out_tokens = len(prompts) * args.output_len
+    b = len(prompts)
+
+    def replay_full_batch():
+        # base first: the LoRA graph, replayed last, rewrites the step's KV as the run computed it
+        res["vlora_graph_base_ms"] = replay_ms(graphs.graphs[(graphs.bucket(b), False)][0], dev)
+        res["vlora_graph_lora_ms"] = replay_ms(graphs.graphs[(graphs.bucket(b), True)][0], dev)
+        log(f"decode forward B={b} (graph replay mid-run): with adapters {res['vlora_graph_lora_ms']:.2f} ms, "
+            f"base {res['vlora_graph_base_ms']:.2f} ms")
+
     for label, adapters in (("adapters", names), ("base", None)):
-        timer = StepTimer(eng, dev)
+        probe = replay_full_batch if graphs is not None and label == "adapters" else None
+        timer = StepTimer(eng, dev, probe, b, probe_after=min(8, args.output_len // 2))
         run = run_offline(eng, prompts, adapters, sp, dev)
         timer.close()
         assert all(n == args.output_len for n in run["tokens"])
         wall = run["wall_s"]
-        b = len(prompts)
         step = timer.decode_median_ms(b)
         res[f"vlora_{label}_tok_s"] = out_tokens / wall
         res[f"vlora_{label}_wall_s"] = wall
@@ -232,12 +249,6 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         log(f"vlora {label}: {out_tokens / wall:.0f} output tok/s ({wall:.2f} s), TTFT "
             f"{fmt_ttft(res[f'vlora_{label}_ttft_s'])}, decode step (B={b}) "
             f"{step if step is None else round(step, 2)} ms, {len(timer.steps)} steps")
-        if graphs is not None and label == "adapters":
-            bb = graphs.bucket(b)             # the static buffers hold the batch's last decode step
-            res["vlora_graph_lora_ms"] = replay_ms(graphs.graphs[(bb, True)][0], dev)
-            res["vlora_graph_base_ms"] = replay_ms(graphs.graphs[(bb, False)][0], dev)
-            log(f"decode forward B={b} (graph replay): with adapters {res['vlora_graph_lora_ms']:.2f} ms, "
-                f"base {res['vlora_graph_base_ms']:.2f} ms")
     kv_tok = 2 * eng.model.cfg.num_layers * eng.model.cfg.kv_size * torch.finfo(dtype).bits // 8
     res["kv_bytes_last_step"] = kv_tok * len(prompts) * (args.input_len + args.output_len)
     # batch 1
