@@ -21,7 +21,9 @@ requests. Measured, in this order:
 Floors: weight bytes (every weight matrix read once per step; the embedding
 table is not, only its looked-up rows) / copy bandwidth; adapter bytes (the A
 and B of every adapter active in the batch, all layers) / copy bandwidth; at
-batch 64 the KV cache read by attention is reported as its own floor term.
+batch 64 the KV cache read by attention is reported as its own floor term. Prefill (the time until every
+prompt has its first token): its matmul FLOPs / the dense bf16 matmul rate measured in the same run. The
+engine-loop decode step less the graph replay is the host work between forwards (the GPU idles).
 
     python benchmarks/bench_e2e.py --out benchmarks/results            # GPU, the issue's setting
     python benchmarks/bench_e2e.py --model random:tiny-llama --device cpu --requests 4 --input-len 16 \\
@@ -74,6 +76,31 @@ def copy_bandwidth(dev: torch.device) -> float:
         sync(dev)
         times.append(time.perf_counter() - t0)
     return 2 * n / statistics.median(times[len(times) // 3:])
+
+
+def matmul_rate(dev: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a dense square matmul (8192 on GPU, 1024 on CPU), median of repeats: the prefill floor's rate."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a = torch.randn(n, n, dtype=dtype, device=dev)
+    b = torch.randn(n, n, dtype=dtype, device=dev)
+    times = []
+    for _ in range(20 if dev.type == "cuda" else 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        a @ b
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times[len(times) // 3:])
+
+
+def prefill_flops(cfg, prompt_lens: list[int]) -> float:
+    """Matmul FLOPs of prefilling these prompts: every projection over every token, causal attention
+    (QK^T and PV over each token's prefix), the LM head for each prompt's last token."""
+    ins, outs = cfg.lora_in_out()
+    per_token = 2 * cfg.num_layers * sum(ins[k] * outs[k] for k in ins)
+    attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * sum(n * (n + 1) // 2 for n in prompt_lens)
+    head = 2 * len(prompt_lens) * cfg.hidden_size * cfg.vocab_size
+    return per_token * sum(prompt_lens) + attn + head
 
 
 def replay_ms(graph, dev: torch.device, reps: int = 50) -> float:
@@ -246,9 +273,12 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         res[f"vlora_{label}_wall_s"] = wall
         res[f"vlora_{label}_decode_step_ms"] = step
         res[f"vlora_{label}_ttft_s"] = ttft_stats(run["ttft_s"])
+        res[f"vlora_{label}_prefill_s"] = max(run["ttft_s"])     # every prompt prefilled
         log(f"vlora {label}: {out_tokens / wall:.0f} output tok/s ({wall:.2f} s), TTFT "
             f"{fmt_ttft(res[f'vlora_{label}_ttft_s'])}, decode step (B={b}) "
             f"{step if step is None else round(step, 2)} ms, {len(timer.steps)} steps")
+    res["prefill_flops"] = prefill_flops(eng.model.cfg, [len(p) for p in prompts])
+    res["matmul_flops_s"] = matmul_rate(dev, dtype)
     kv_tok = 2 * eng.model.cfg.num_layers * eng.model.cfg.kv_size * torch.finfo(dtype).bits // 8
     res["kv_bytes_last_step"] = kv_tok * len(prompts) * (args.input_len + args.output_len)
     # batch 1
@@ -339,6 +369,24 @@ def summarize(res: dict) -> list[str]:
                      f"{wf:.2f} + KV floor {kvf:.2f} = {wf + kvf:.2f} ms), with adapters "
                      f"{res['vlora_graph_lora_ms']:.2f} ms: extra {extra:.2f} ms vs adapter floor {af:.2f} ms = "
                      f"{res['lora_extra_vs_floor']:.2f}x (target <= 1.5)")
+    if res.get("prefill_flops") and res.get("vlora_base_prefill_s"):
+        floor = res["prefill_flops"] / res["matmul_flops_s"]
+        res["prefill_floor_s"] = floor
+        for label in ("base", "adapters"):
+            res[f"{label}_prefill_vs_floor"] = res[f"vlora_{label}_prefill_s"] / floor
+        lines.append(f"prefill of {res['requests']} x {res['input_len']} tokens (last first token): base "
+                     f"{res['vlora_base_prefill_s']:.3f} s, with adapters {res['vlora_adapters_prefill_s']:.3f} s vs "
+                     f"compute floor {floor:.3f} s ({res['prefill_flops'] / 1e12:.0f} TFLOP at "
+                     f"{res['matmul_flops_s'] / 1e12:.0f} TFLOP/s dense matmul) = {res['base_prefill_vs_floor']:.2f}x / "
+                     f"{res['adapters_prefill_vs_floor']:.2f}x (target <= 1.3)")
+    for label in ("base", "adapters"):
+        graph = res.get(f"vlora_graph_{'lora' if label == 'adapters' else 'base'}_ms")
+        step = res.get(f"vlora_{label}_decode_step_ms")
+        if graph and step:            # the GPU idles while the host finishes one step and prepares the next
+            res[f"{label}_host_gap_ms"] = step - graph
+            lines.append(f"batch-{res['requests']} decode, {label}: engine-loop step {step:.2f} ms vs forward "
+                         f"{graph:.2f} ms: {step - graph:.2f} ms ({(step - graph) / step:.0%}) host work between "
+                         f"forwards")
     return lines
 
 
