@@ -10,12 +10,13 @@ setup:
 run: setup
 	$(VENV)/bin/vlora serve
 
+# one test process per core (pytest-xdist), a module's tests in one process so that its fixtures are built once
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n auto --dist loadscope
 
 # the suite on today's newest releases (a fresh virtualenv, nothing pinned but CPU torch): run before `make lock`
 test-latest:
-	v=$$(VENV=$$(mktemp -d)/venv bash scripts/lock.sh --latest) && $$v/bin/python -m pytest -q
+	v=$$(VENV=$$(mktemp -d)/venv bash scripts/lock.sh --latest) && $$v/bin/python -m pytest -q -n auto --dist loadscope
 
 # re-resolve the dependencies into requirements.lock, then run the suite on it
 lock:

@@ -15,7 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _CACHE = tempfile.mkdtemp(prefix="vlora-tests-")
 for _var, _sub in (("VLORA_CACHE", "vlora"), ("HF_HOME", "huggingface"), ("TRITON_CACHE_DIR", "triton")):
     os.environ[_var] = os.path.join(_CACHE, _sub)
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# under pytest-xdist each worker takes one core: more threads per worker would only contend
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 def pytest_sessionfinish(session, exitstatus):
