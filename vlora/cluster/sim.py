@@ -115,6 +115,7 @@ class Replica:
         self.waiting: deque[_Seq] = deque()
         self.resident: OrderedDict[str, int] = OrderedDict()   # adapter -> pages, least recently used first
         self.iteration: _Iteration | None = None
+        self.kicked = False                 # a start is due (the replica was idle when a request came)
         self.version = 0
         self.busy_s = 0.0
         self.iterations = 0
@@ -428,8 +429,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
-# event kinds, in the order events at the same time are handled
-_DONE, _ARRIVE, _TICK = 0, 1, 2
+# event kinds, in the order events at the same time are handled: an idle replica starts after every request
+# arriving at that instant has been placed (an engine steps once for requests queued together)
+_DONE, _ARRIVE, _TICK, _START = 0, 1, 2, 3
 
 
 class ClusterSim:
@@ -485,7 +487,11 @@ class ClusterSim:
             self.policy.placed(info, rid)
             rep = self.replicas[rid]
             rep.add(req)
-            scheduled(rep, rep.start(now, self.fast_forward) if rep.iteration is None else rep.cut(now))
+            if rep.iteration is not None:
+                scheduled(rep, rep.cut(now))
+            elif not rep.kicked:
+                rep.kicked = True
+                push(now, _START, rep.id)
             return True
 
         def submit(req: SimRequest) -> None:
@@ -527,6 +533,12 @@ class ClusterSim:
                 rep.finished.clear()
                 scheduled(rep, rep.start(now, self.fast_forward))
                 send_off(rep)
+            elif kind == _START:
+                rep = self.replicas[payload]
+                rep.kicked = False
+                if rep.iteration is None:
+                    scheduled(rep, rep.start(now, self.fast_forward))
+                    send_off(rep)
             else:
                 tick_at = None
                 n = next(ticks)
@@ -539,7 +551,7 @@ class ClusterSim:
                     if rep.cancel(m.request_id):
                         scheduled(rep, rep.cut(now))
                         send_off(rep)
-            busy = any(r.iteration is not None for r in self.replicas)
+            busy = any(r.iteration is not None or r.kicked for r in self.replicas)
             idle_ticks = 0 if busy or pending else idle_ticks + (kind == _TICK)
             if tick_at is None and (busy or pending or (queue and idle_ticks < 2)):
                 k = math.floor(now / self.report_s) + 1
