@@ -146,3 +146,19 @@ def test_cycled_rank_follows_the_benchmarks_registration():
     assert [cycled_rank(f"a{i}") for i in range(5)] == [8, 16, 32, 64, 8]
     assert cycled_rank(None) == 0 and cycled_rank("custom") == 64
     assert math.isclose(TABLE.load_s(8), 0.003)
+
+
+def test_cost_benchmark_dry_run_writes_a_table_the_simulator_runs(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster_costs.py"
+    spec = importlib.util.spec_from_file_location("cluster_costs", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--dry-run", "--out", str(tmp_path / "costs.json")])
+    table = CostTable.load(out)
+    assert table.meta["dry_run"] and table.limits.max_num_seqs == 8 and table.limits.page_tokens == 16
+    assert all(v > 0 for plane in table.step_s[1:] for row in plane for v in row)   # every prefill costs time
+    res = run([RequestSpec(0.0, "a0", 12, 3), RequestSpec(0.0, "a1", 20, 2)], replicas=2, table=table)
+    assert all(r.generated == r.spec.output_len for r in res.requests)
