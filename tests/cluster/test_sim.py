@@ -78,9 +78,9 @@ def test_fast_forward_gives_the_same_result_as_stepping_each_iteration():
     table = linear_table(limits, 0.010, 0.0001, 0.001, 0.001, kv_s_per_token=1e-6, grid_context=8,
                          adapter_load_s={8: 0.002}, migration_s=0.004)
     specs = synthetic(num_adapters=8, rate=20, duration_s=4, input_range=(8, 128), output_range=(20, 200), seed=5)
-    for policy in ("least_loaded", "consolidate"):
-        fast = run(specs, replicas=2, policy=policy, table=table)
-        slow = run(specs, replicas=2, policy=policy, table=table, fast_forward=False)
+    for policy, hand_back in (("least_loaded", True), ("consolidate", True), ("consolidate", False)):
+        fast = run(specs, replicas=2, policy=policy, table=table, hand_back=hand_back)
+        slow = run(specs, replicas=2, policy=policy, table=table, fast_forward=False, hand_back=hand_back)
         key = [(r.request_id, r.replica, r.first_token, r.finish, r.migrations, r.preemptions) for r in fast.requests]
         assert key == [(r.request_id, r.replica, r.first_token, r.finish, r.migrations, r.preemptions)
                        for r in slow.requests]

@@ -4,7 +4,8 @@ Each replica is the engine's continuous batching (`vlora.engine.scheduler`) with
 :class:`~vlora.cluster.costs.CostTable` instead of a model: every iteration, running sequences first (oldest
 first, a decode token or their next prefill chunk within the token budget), then waiting ones in order
 while the budget, the sequence cap and free pool pages allow; a running sequence short of a page preempts
-the newest running one, which recomputes later. Adapters take pool pages; one not resident is loaded (its
+the newest running one, which the replica hands back to the front (as the cluster's replicas do) or, with
+``hand_back=False``, recomputes itself later. Adapters take pool pages; one not resident is loaded (its
 measured load time added to the iteration), evicting idle adapters least recently used first.
 
 The front is the real cluster's: the *same* policy objects (`vlora.cluster.policy`) place each request on
@@ -105,8 +106,8 @@ class _Iteration:
 
 
 class Replica:
-    def __init__(self, replica_id: int, costs: CostTable, batch_cap: int):
-        self.id, self.costs, self.batch_cap = replica_id, costs, batch_cap
+    def __init__(self, replica_id: int, costs: CostTable, batch_cap: int, hand_back: bool = True):
+        self.id, self.costs, self.batch_cap, self.hand_back = replica_id, costs, batch_cap, hand_back
         lim = costs.limits
         self.page_tokens, self.num_pages = lim.page_tokens, lim.num_pages
         self.max_seqs, self.budget = lim.max_num_seqs, lim.max_num_batched_tokens
@@ -136,16 +137,18 @@ class Replica:
         if it is not None and it.growth:
             begun = min(self._steps_done(now) + 1, len(it.ends))
             free -= sum(it.growth[1:begun])
-        return ReplicaReport(self.id, len(self.running), len(self.waiting), free + self._idle_adapter_pages(),
-                             self.num_pages, self.page_tokens, frozenset(self.resident), self.batch_cap,
-                             True, seq_no)
+        return ReplicaReport(self.id, len(self.running), len(self.waiting), free, self.num_pages,
+                             self.page_tokens, frozenset(self.resident), self.batch_cap, True, seq_no)
 
-    def running_infos(self, now: float) -> list[RequestInfo]:
-        """The running requests, oldest first, with the tokens they have sent by ``now``."""
+    def infos(self, now: float) -> list[RequestInfo]:
+        """The requests on the replica (running and waiting), oldest first, with the tokens they have sent by
+        ``now``: what the front knows of its flights on the replica."""
         # a run of decode iterations holds every running sequence, each a token further per iteration done
         done = self._steps_done(now) if self.iteration is not None and self.iteration.growth else 0
-        return [RequestInfo(s.req.request_id, s.req.spec.adapter, s.req.spec.input_len, s.req.spec.output_len,
-                            s.req.generated + done) for s in self.running]
+        out = [(s.order, RequestInfo(s.req.request_id, s.req.spec.adapter, s.req.spec.input_len,
+                                     s.req.spec.output_len, s.req.generated + done)) for s in self.running]
+        out += [(s.order, s.req.info()) for s in self.waiting]
+        return [i for _, i in sorted(out, key=lambda x: x[0])]
 
     @property
     def has_work(self) -> bool:
@@ -154,10 +157,6 @@ class Replica:
     # -- pages and adapters -------------------------------------------------------------------------
     def _pinned(self) -> set[str]:
         return {s.adapter for s in self.running if s.adapter is not None}
-
-    def _idle_adapter_pages(self) -> int:
-        pinned = self._pinned()
-        return sum(p for a, p in self.resident.items() if a not in pinned)
 
     def _make_room(self, pages: int, keep: set[str]) -> bool:
         """Free pages by evicting idle adapters (least recently used first) until ``pages`` are free."""
@@ -212,7 +211,11 @@ class Replica:
         seq.req.preemptions += 1
         self.preemptions += 1
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        if self.hand_back:                  # a cluster replica gives it back to the front to resume elsewhere
+            seq.req.migrations += 1
+            self.left.append(seq.req)
+        else:
+            self.waiting.appendleft(seq)
 
     def _schedule(self) -> tuple[list[tuple[_Seq, int]], float, bool, bool]:
         """One iteration of the engine's scheduler: (chunks, adapter load seconds, preempted, admission
@@ -438,20 +441,23 @@ class ClusterSim:
     """``replicas`` replicas of the engine the cost table measured, placed by ``policy``.
 
     ``report_s``: the period of replica reports (and of the policy's rebalancing); ``batch_cap``: the
-    profiled batch cap the reports carry (default: :func:`profiled_batch_cap`); ``adapter_rank``: each
-    adapter's rank (default: :func:`cycled_rank`, as the benchmarks register them)."""
+    batch cap the reports carry (default: the engine's max_num_seqs, as the cluster's replicas report; Punica's
+    profiled cap is :func:`profiled_batch_cap`); ``adapter_rank``: each adapter's rank (default:
+    :func:`cycled_rank`, as the benchmarks register them); ``hand_back``: a replica gives a request it preempts
+    for KV back to the front, which places it again (the cluster's replicas do), rather than recompute it
+    itself later."""
 
     def __init__(self, costs: CostTable, replicas: int, policy: Policy, report_s: float = 0.05,
                  batch_cap: int | None = None, adapter_rank: Callable[[str | None], int] = cycled_rank,
-                 fast_forward: bool = True):
+                 fast_forward: bool = True, hand_back: bool = True):
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if report_s <= 0:
             raise ValueError(f"report_s must be > 0, got {report_s}")
         self.costs, self.policy, self.report_s = costs, policy, report_s
-        self.batch_cap = batch_cap or profiled_batch_cap(costs)
+        self.batch_cap = batch_cap or costs.limits.max_num_seqs
         self.adapter_rank, self.fast_forward = adapter_rank, fast_forward
-        self.replicas = [Replica(i, costs, self.batch_cap) for i in range(replicas)]
+        self.replicas = [Replica(i, costs, self.batch_cap, hand_back) for i in range(replicas)]
 
     def run(self, specs: Iterable[RequestSpec]) -> SimResult:
         heap: list = []
@@ -545,7 +551,7 @@ class ClusterSim:
                 reports[:] = [r.report(now, n) for r in self.replicas]
                 while queue and place(queue[0]):
                     queue.popleft()
-                running = {r.id: r.running_infos(now) for r in self.replicas}
+                running = {r.id: r.infos(now) for r in self.replicas if r.has_work}
                 for m in self.policy.rebalance(reports, running):
                     rep = self.replicas[m.source]
                     if rep.cancel(m.request_id):
