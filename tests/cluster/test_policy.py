@@ -26,8 +26,8 @@ def test_unknown_policy_names_the_choices():
 # -- consolidate ------------------------------------------------------------------------------------
 def test_consolidate_picks_busiest_under_cap_with_kv_room():
     p = make_policy("consolidate")
-    reps = [rep(0, running=1), rep(1, running=3), rep(2, running=4), rep(3, running=2, free=1)]
-    # 2 is at its cap, 3 has no KV room for 2 pages: 1 is the busiest that fits
+    reps = [rep(0, running=1), rep(1, running=3), rep(2, running=4), rep(3, running=2, free=4)]
+    # 2 is at its cap; 3 would keep 2 free pages for 3 requests (short): 1 is the busiest that fits
     assert p.place(req(), reps) == 1
 
 
@@ -62,7 +62,7 @@ def test_placed_kv_counts_against_free_pages_and_numbered_reports():
     p.placed(req("q0"), 1)                             # takes 2 of the 4 pages
     assert p.place(req("q1", prompt=40), [rep(0, seq=1), rep(1, running=1, free=4, seq=1)]) == 0
     # same seq: still the old report, so the placement still counts; a higher seq starts over
-    assert p.place(req("q2", prompt=40), [rep(0, seq=1), rep(1, running=2, free=4, seq=2)]) == 1
+    assert p.place(req("q2", prompt=40), [rep(0, seq=1), rep(1, running=2, free=6, seq=2)]) == 1
 
 
 def test_consolidate_drains_a_lightly_used_replica_onto_busier_ones():

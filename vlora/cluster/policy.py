@@ -8,7 +8,8 @@ last report, which it counts itself through `placed`.
 The policies (one component, the policy a setting of :func:`make_policy`):
 
 * ``consolidate`` (Punica §5.1): a new request goes to the busiest live replica still under its
-  profiled batch cap with KV room for the request (ties: the highest replica id); when none has
+  profiled batch cap with KV room for the request, that is room for its KV without falling short
+  (below); ties: the highest replica id; when none has
   room the request stays queued at the front. It migrates (Punica §5.3) the newest requests of a
   replica short of KV, and drains a lightly used replica when its requests fit on busier ones,
   which frees that GPU entirely.
@@ -20,12 +21,14 @@ The policies (one component, the policy a setting of :func:`make_policy`):
 * ``round_robin``: each request to the next live replica in turn; never migrates.
 
 A replica is *short of KV* when its free pages (less those taken by requests placed since its report)
-are fewer than its running requests: the next decode step may need a new page for each of them.
+are fewer than its running requests: the next decode step may need a new page for each of them. Free
+pages are those KV can have: a replica reports the pool's free pages plus what it could reclaim (idle
+adapters, cached prefixes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,10 @@ class Policy(Protocol):
         """Told after each placement, so the policy can count load between reports."""
 
     def rebalance(self, replicas: Sequence[ReplicaReport],
-                  running: dict[int, Sequence[RequestInfo]]) -> list[Migration]:
+                  running: Mapping[int, Sequence[RequestInfo]]) -> list[Migration]:
         """Migrations to make now (e.g. consolidation freeing a whole replica); may be empty.
-        ``running[replica_id]``: the requests on that replica, oldest first."""
+        ``running[replica_id]``: the requests on that replica, oldest first (a policy reads it only for the
+        replicas it considers moving requests off)."""
 
 
 def pages_for(request: RequestInfo, page_tokens: int) -> int:
@@ -125,7 +129,9 @@ def _newer(report: ReplicaReport, seen: ReplicaReport) -> bool:
 
 
 def _has_room(r: ReplicaReport, request: RequestInfo) -> bool:
-    return r.alive and r.load < r.batch_cap and r.free_kv_pages >= pages_for(request, r.page_tokens)
+    """Under the batch cap, with KV for the request that leaves the replica not short (so that the placement is
+    not migrated straight back out)."""
+    return r.alive and r.load < r.batch_cap and _kv_after(r, request) > r.load
 
 
 def _kv_after(r: ReplicaReport, request: RequestInfo) -> int:
@@ -179,8 +185,10 @@ class _Stateful:
         out = []
         for rid in sorted(view):
             src = view[rid]
+            if not (src.alive and src.free_kv_pages < src.running):
+                continue
             reqs = list(running.get(rid, ()))
-            while src.alive and reqs and src.free_kv_pages < src.running:
+            while reqs and src.free_kv_pages < src.running:
                 victim = reqs.pop()
                 others = [r for r in view.values() if r.replica_id != rid and _kv_after(r, victim) > r.load]
                 target = self.choose(victim, others)
@@ -210,9 +218,11 @@ class Consolidate(_Stateful):
         out = []
         receivers: set[int] = set()
         for src in sorted(view.values(), key=lambda r: (r.load, r.replica_id)):
-            reqs = list(running.get(src.replica_id, ()))
-            if (not src.alive or src.replica_id in receivers or not reqs or len(reqs) != src.load
+            if (not src.alive or src.replica_id in receivers or not src.load
                     or src.load >= self.drain_below * src.batch_cap):
+                continue
+            reqs = list(running.get(src.replica_id, ()))
+            if len(reqs) != src.load:       # requests placed since the report are not seen there yet
                 continue
             trial = dict(view)
             moves = []

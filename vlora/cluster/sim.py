@@ -27,6 +27,7 @@ import itertools
 import math
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -75,10 +76,10 @@ class SimRequest:
 
 class _Seq:
     """A request on one replica: its prompt there is the original prompt plus the tokens sent before it came."""
-    __slots__ = ("req", "order", "prompt", "out", "target", "computed", "pages", "cancel")
+    __slots__ = ("req", "order", "adapter", "prompt", "out", "target", "computed", "pages", "cancel")
 
     def __init__(self, req: SimRequest, order: int):
-        self.req, self.order = req, order
+        self.req, self.order, self.adapter = req, order, req.spec.adapter
         self.prompt = req.spec.input_len + req.generated
         self.out = 0
         self.target = req.spec.output_len - req.generated
@@ -89,10 +90,6 @@ class _Seq:
     @property
     def num_tokens(self) -> int:
         return self.prompt + self.out
-
-    @property
-    def adapter(self) -> str | None:
-        return self.req.spec.adapter
 
 
 @dataclass
@@ -123,6 +120,8 @@ class Replica:
         self.preemptions = 0
         self.finished: list[SimRequest] = []
         self.left: list[SimRequest] = []    # migrated away at the end of the last iteration
+        self.by_id: dict[str, _Seq] = {}    # requests on the replica
+        self.cancels = 0                    # of them, marked to migrate
         self._orders = itertools.count()
 
     # -- state the front sees ----------------------------------------------------------------------
@@ -137,8 +136,10 @@ class Replica:
         if it is not None and it.growth:
             begun = min(self._steps_done(now) + 1, len(it.ends))
             free -= sum(it.growth[1:begun])
-        return ReplicaReport(self.id, len(self.running), len(self.waiting), free, self.num_pages,
-                             self.page_tokens, frozenset(self.resident), self.batch_cap, True, seq_no)
+        # KV can have the free pages and those of idle adapters (evicted on demand), as the pool's available()
+        return ReplicaReport(self.id, len(self.running), len(self.waiting), free + self._idle_adapter_pages(),
+                             self.num_pages, self.page_tokens, frozenset(self.resident), self.batch_cap, True,
+                             seq_no)
 
     def infos(self, now: float) -> list[RequestInfo]:
         """The requests on the replica (running and waiting), oldest first, with the tokens they have sent by
@@ -157,6 +158,12 @@ class Replica:
     # -- pages and adapters -------------------------------------------------------------------------
     def _pinned(self) -> set[str]:
         return {s.adapter for s in self.running if s.adapter is not None}
+
+    def _idle_adapter_pages(self) -> int:
+        if not self.resident:
+            return 0
+        pinned = self._pinned()
+        return sum(p for a, p in self.resident.items() if a not in pinned)
 
     def _make_room(self, pages: int, keep: set[str]) -> bool:
         """Free pages by evicting idle adapters (least recently used first) until ``pages`` are free."""
@@ -203,7 +210,9 @@ class Replica:
     # -- the iteration ------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
         req.replica = self.id
-        self.waiting.append(_Seq(req, next(self._orders)))
+        seq = _Seq(req, next(self._orders))
+        self.by_id[req.request_id] = seq
+        self.waiting.append(seq)
 
     def _preempt(self, seq: _Seq) -> None:
         self._release(seq)
@@ -212,6 +221,7 @@ class Replica:
         self.preemptions += 1
         self.running.remove(seq)
         if self.hand_back:                  # a cluster replica gives it back to the front to resume elsewhere
+            del self.by_id[seq.req.request_id]
             seq.req.migrations += 1
             self.left.append(seq.req)
         else:
@@ -224,10 +234,10 @@ class Replica:
         chunks: list[tuple[_Seq, int]] = []
         preempted = False
         load_s = 0.0
-        queue = list(self.running)
+        queue = deque(self.running)
         batch_adapters = {s.adapter for s in queue}
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             n = min(seq.num_tokens - seq.computed, budget)
             if -(-(seq.computed + n) // self.page_tokens) > self.num_pages:
                 self._finish(seq, "length", None)
@@ -366,6 +376,7 @@ class Replica:
             self._finish(seq, "length", now)
 
     def _finish(self, seq: _Seq, reason: str, now: float | None) -> None:
+        self.by_id.pop(seq.req.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)
@@ -376,16 +387,21 @@ class Replica:
 
     def cancel(self, request_id: str) -> bool:
         """Migrate ``request_id`` away: it leaves at the end of the iteration in progress (now, if idle)."""
-        for seq in itertools.chain(self.running, self.waiting):
-            if seq.req.request_id == request_id and not seq.cancel:
-                seq.cancel = True
-                if self.iteration is None:
-                    self._apply_cancels()
-                return True
-        return False
+        seq = self.by_id.get(request_id)
+        if seq is None or seq.cancel:
+            return False
+        seq.cancel = True
+        self.cancels += 1
+        if self.iteration is None:
+            self._apply_cancels()
+        return True
 
     def _apply_cancels(self) -> None:
+        if not self.cancels:
+            return
+        self.cancels = 0
         for seq in [s for s in itertools.chain(self.running, self.waiting) if s.cancel]:
+            del self.by_id[seq.req.request_id]
             if seq in self.running:
                 self.running.remove(seq)
             else:
@@ -393,6 +409,26 @@ class Replica:
             self._release(seq)
             seq.req.migrations += 1
             self.left.append(seq.req)
+
+
+class _Infos(Mapping):
+    """``rebalance``'s view of the requests on each replica, built only for the replicas a policy looks at."""
+
+    def __init__(self, replicas: list[Replica], now: float):
+        self.replicas, self.now, self.cache = replicas, now, {}
+
+    def __getitem__(self, rid: int) -> list[RequestInfo]:
+        if rid not in self.cache:
+            if not 0 <= rid < len(self.replicas):
+                raise KeyError(rid)
+            self.cache[rid] = self.replicas[rid].infos(self.now)
+        return self.cache[rid]
+
+    def __iter__(self):
+        return iter(range(len(self.replicas)))
+
+    def __len__(self) -> int:
+        return len(self.replicas)
 
 
 @dataclass
@@ -551,8 +587,7 @@ class ClusterSim:
                 reports[:] = [r.report(now, n) for r in self.replicas]
                 while queue and place(queue[0]):
                     queue.popleft()
-                running = {r.id: r.infos(now) for r in self.replicas if r.has_work}
-                for m in self.policy.rebalance(reports, running):
+                for m in self.policy.rebalance(reports, _Infos(self.replicas, now)):
                     rep = self.replicas[m.source]
                     if rep.cancel(m.request_id):
                         scheduled(rep, rep.cut(now))
