@@ -164,3 +164,52 @@ def test_cost_benchmark_dry_run_writes_a_table_the_simulator_runs(tmp_path):
     assert all(v > 0 for plane in table.step_s[1:] for row in plane for v in row)   # every prefill costs time
     res = run([RequestSpec(0.0, "a0", 12, 3), RequestSpec(0.0, "a1", 20, 2)], replicas=2, table=table)
     assert all(r.generated == r.spec.output_len for r in res.requests)
+
+
+def _bench_module(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_validation_replays_real_records_and_reports_the_error(tmp_path):
+    import json
+
+    mod = _bench_module("sim_cluster")
+    table = mod.test_table()
+    specs = synthetic(num_adapters=10, rate=6, duration_s=3, seed=4)
+    runs = []
+    for n in (1, 2):
+        recs = mod.sim_records(ClusterSim(table, n, make_policy("least_loaded")).run(specs))
+        for r in recs:                                   # the real run was 10% slower to finish each request
+            r["latency_s"] *= 1.1
+        runs.append(dict(popularity="zipf", replicas=n, policy="least_loaded", rate=6.0, records=recs))
+    lost = [dict(r, finish_reason="abort", tokens=0) for r in runs[0]["records"]]
+    runs.append(dict(popularity="zipf", replicas=1, policy="least_loaded", rate=60.0, records=lost))
+    real = tmp_path / "results.json"
+    real.write_text(json.dumps(dict(config=dict(ranks=[8, 16, 32, 64]), runs=runs)))
+    res = mod.main(["validate", "--test-table", "--real", str(real), "--out", str(tmp_path / "v")])
+    assert [r["replicas"] for r in res["rows"]] == [1, 2] and len(res["skipped"]) == 1
+    for r in res["rows"]:
+        assert r["latency_err"] == pytest.approx(1 / 1.1 - 1)
+        assert r["sim_throughput_rps"] > r["real_throughput_rps"]
+    assert res["test_table"] and (tmp_path / "v" / "results.json").exists()
+
+
+def test_scale_study_runs_every_policy_on_the_same_trace_and_plots(tmp_path):
+    mod = _bench_module("sim_cluster")
+    res = mod.main(["scale", "--test-table", "--gpus", "2,4", "--adapters", "50", "--requests-per-gpu", "4",
+                    "--workloads", "skewed,dynamic", "--out", str(tmp_path)])
+    rows = res["rows"]
+    assert len(rows) == 2 * 2 * 4
+    for kind in ("skewed", "dynamic"):
+        for gpus in (2, 4):
+            same = [r for r in rows if r["workload"] == kind and r["gpus"] == gpus]
+            assert {r["policy"] for r in same} == {"consolidate", "affinity", "least_loaded", "round_robin"}
+            assert len({r["requests"] for r in same}) == 1 and all(r["unserved"] == 0 for r in same)
+    assert (tmp_path / "scale.png").stat().st_size > 0
