@@ -3,7 +3,11 @@ this GPU for a grid of prefill tokens x decode batch x distinct adapters, the de
 load times per rank and the engine's side of a migration.
 
     python benchmarks/cluster_costs.py                 # GPU: random Llama-2-7B shape, bf16, ranks 8-64
+    python benchmarks/cluster_costs.py --ranks 8,16 --targets q_proj,k_proj,v_proj,o_proj   # as bench_cluster.py
     python benchmarks/cluster_costs.py --dry-run       # CPU: a tiny random model and grid (tests run this)
+
+The engine runs with the settings bench_cluster.py's replicas use (defaults sized to the GPU, max_lora_rank
+the largest rank), so the table's limits are theirs.
 
 Each grid cell sets up its decode batch (requests of --context prompt tokens, adapter i of the batch's
 distinct adapters for request i), waits until they all decode, times decode-only steps, then for each
@@ -29,7 +33,7 @@ import torch  # noqa: E402
 
 from vlora.cluster.costs import CostTable, ReplicaLimits  # noqa: E402
 from vlora.engine.llm import LLM  # noqa: E402
-from vlora.lora.adapter import ModelShape  # noqa: E402
+from vlora.lora.adapter import LORA_TARGETS, ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.sampling_params import SamplingParams  # noqa: E402
 
@@ -53,6 +57,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="weight and activation dtype")
     p.add_argument("--ranks", type=ints, default=[8, 16, 32, 64],
                    help="adapter ranks, given to adapters a0, a1, ... in turn (as the cluster benchmarks do)")
+    p.add_argument("--targets", default=",".join(LORA_TARGETS),
+                   help="projections the adapters change (bench_cluster.py's --targets, to match its runs)")
     p.add_argument("--prefill", type=ints, default=[0, 128, 512, 2048, 8192], help="prefill-token grid axis")
     p.add_argument("--decode", type=ints, default=[0, 1, 8, 32, 64, 128, 224], help="decode-batch grid axis")
     p.add_argument("--adapters", type=ints, default=[0, 1, 4, 16, 64],
@@ -67,6 +73,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None,
                    help="table JSON to write (default: benchmarks/results/cluster-costs-<gpu or cpu>.json)")
     a = p.parse_args(argv)
+    a.targets = tuple(a.targets.split(","))
     if a.dry_run:
         a.model, a.dtype = "random:tiny-llama", "float32"
         a.prefill, a.decode, a.adapters, a.ranks = [0, 16, 64], [0, 1, 4], [0, 1, 2], [8, 16]
@@ -88,7 +95,7 @@ class Bench:
         self.args = args
         kw = dict(dtype=args.dtype, max_lora_rank=max(args.ranks), check_base_model=False,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_memory_gb=args.kv_cache_memory_gb, max_loras=max(args.adapters))
+                  kv_cache_memory_gb=args.kv_cache_memory_gb)
         if args.dry_run:
             kw.update(device="cpu", max_num_seqs=8, max_num_batched_tokens=256, num_blocks=256)
         self.llm = LLM(args.model, **kw)
@@ -107,7 +114,8 @@ class Bench:
         cfg = self.eng.model.cfg
         ins, outs = cfg.lora_in_out()
         shape = ModelShape(self.eng.model_name, cfg.num_layers, ins, outs)
-        paths = {r: write_random_adapter(tmp / f"r{r}", shape, r, seed=r, std=0.01) for r in self.args.ranks}
+        paths = {r: write_random_adapter(tmp / f"r{r}", shape, r, seed=r, std=0.01, targets=self.args.targets)
+                 for r in self.args.ranks}
         names = []
         n = max(self.args.adapters)
         for j in range(n):
@@ -279,6 +287,7 @@ def main(argv=None) -> Path:
         prefill=args.prefill, decode=decode, adapters=args.adapters, step_s=step, grid_context=args.context,
         kv_s_per_token=slope, adapter_load_s=load, migration_s=mig, mode=sc.policy,
         meta=dict(device=gpu, model=args.model, dtype=args.dtype, adapter_ranks=args.ranks,
+                  adapter_targets=list(args.targets),
                   prompt_chunk=PROMPT_CHUNK, measured_cells=len(cells), dry_run=args.dry_run,
                   date=time.strftime("%Y-%m-%d"), seconds=round(time.perf_counter() - t_start, 1)))
     out = args.out or RESULTS / f"cluster-costs-{'cpu' if dev.type != 'cuda' else gpu.split()[-1].lower()}.json"

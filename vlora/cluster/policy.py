@@ -98,25 +98,29 @@ class Placements:
     """Requests placed on each replica since its last report, so that reports a period old are not read as
     if nothing had happened since. A replica's count starts again when a newer report of it comes: a higher
     ``seq``, or for unnumbered reports (seq 0) a different report object."""
-    _since: dict[int, tuple[ReplicaReport | None, list[RequestInfo]]] = field(default_factory=dict)
+    # replica id -> (the report last seen, KV tokens of each request placed since, their adapters)
+    _since: dict[int, tuple[ReplicaReport | None, list[int], frozenset]] = field(default_factory=dict)
 
     def add(self, request: RequestInfo, replica_id: int) -> None:
-        report, reqs = self._since.get(replica_id, (None, []))
-        self._since[replica_id] = (report, reqs + [request])
+        report, kv, adapters = self._since.get(replica_id, (None, [], frozenset()))
+        if request.adapter is not None and request.adapter not in adapters:
+            adapters = adapters | {request.adapter}
+        self._since[replica_id] = (report, kv + [request.kv_tokens], adapters)
 
     def view(self, replicas: Sequence[ReplicaReport]) -> list[ReplicaReport]:
         """The reports with the requests placed since each one added: in ``waiting``, out of ``free_kv_pages``
         and (their adapters) into ``resident_adapters``."""
         out = []
+        since = self._since
         for r in replicas:
-            seen, reqs = self._since.get(r.replica_id, (None, []))
-            if seen is not None and _newer(r, seen):
-                reqs = []
-            self._since[r.replica_id] = (r, reqs)
-            if reqs:
-                pages = sum(pages_for(q, r.page_tokens) for q in reqs)
-                adapters = {q.adapter for q in reqs if q.adapter is not None}
-                r = replace(r, waiting=r.waiting + len(reqs), free_kv_pages=r.free_kv_pages - pages,
+            seen, kv, adapters = since.get(r.replica_id, (None, [], frozenset()))
+            if seen is not r:
+                if seen is not None and _newer(r, seen):
+                    kv, adapters = [], frozenset()
+                since[r.replica_id] = (r, kv, adapters)
+            if kv:
+                pages = sum(-(-(k + 1) // r.page_tokens) for k in kv)
+                r = replace(r, waiting=r.waiting + len(kv), free_kv_pages=r.free_kv_pages - pages,
                             resident_adapters=r.resident_adapters | adapters)
             out.append(r)
         return out

@@ -98,7 +98,7 @@ class _Iteration:
     chunks: list[tuple[_Seq, int]]
     ends: list[float]                   # end time of each iteration of the run
     start: float
-    growth: list[int] = field(default_factory=list)   # pages taken at the start of iteration j (j >= 1)
+    growth: list[int] = field(default_factory=list)   # a run: pages taken by its iterations 1..j (growth[0] = 0)
     version: int = 0
 
 
@@ -135,7 +135,7 @@ class Replica:
         it = self.iteration
         if it is not None and it.growth:
             begun = min(self._steps_done(now) + 1, len(it.ends))
-            free -= sum(it.growth[1:begun])
+            free -= it.growth[begun - 1]
         # KV can have the free pages and those of idle adapters (evicted on demand), as the pool's available()
         return ReplicaReport(self.id, len(self.running), len(self.waiting), free + self._idle_adapter_pages(),
                              self.num_pages, self.page_tokens, frozenset(self.resident), self.batch_cap, True,
@@ -314,22 +314,30 @@ class Replica:
         steps = min(s.target - s.out for s in seqs)
         if steps <= 1:
             return
-        it.growth = [0]
-        free = self.free
+        pt = self.page_tokens
+        # iteration j computes position computed + j of each sequence: a new page where that starts one, i.e.
+        # for the sequences whose computed % pt is -j mod pt
+        residues = [0] * pt
+        for s in seqs:
+            residues[s.computed % pt] += 1
         adapters = len({s.adapter for s in seqs if s.adapter is not None})
         context = sum(s.computed for s in seqs)
         d = len(seqs)
-        pt = self.page_tokens
-        t = it.ends[0]
+        costs = self.costs
+        base = costs.step(0, d, adapters, 0)             # the grid's value; the context term is added per step
+        kv, floor = costs.kv_s_per_token, d * costs.grid_context
+        free, taken = self.free, 0
+        cum = it.growth = [0]
+        ends = it.ends
+        t = ends[0]
         for j in range(1, steps):
-            # iteration j computes token computed+j of each sequence: a new page where that crosses a boundary
-            need = sum(1 for s in seqs if (s.computed + j) % pt == 0)
-            if need > free:
+            need = residues[-j % pt]
+            if taken + need > free:
                 break
-            free -= need
-            it.growth.append(need)
-            t = t + self.costs.step(0, d, adapters, context + j * d)
-            it.ends.append(t)
+            taken += need
+            cum.append(taken)
+            t = t + (base + kv * max(0, context + j * d - floor))
+            ends.append(t)
 
     def cut(self, now: float) -> float | None:
         """Something touched the replica at ``now``: a run of iterations ends with the one in progress. The
@@ -353,8 +361,7 @@ class Replica:
         self.iterations += steps
         self.busy_s += now - it.start
         if it.growth:
-            grown = sum(it.growth[1:])
-            self.free -= grown
+            self.free -= it.growth[-1]
         for seq, n in it.chunks:
             if it.growth:
                 seq.pages = -(-(seq.computed + steps) // self.page_tokens)
