@@ -135,6 +135,13 @@ def test_affinity_skips_full_resident_replicas_and_breaks_ties_low():
     assert p.place(req(adapter="a"), [rep(0, running=4), rep(1, alive=False, adapters={"a"})]) is None
 
 
+def test_affinity_spreads_an_adapter_beyond_the_slack():
+    reps = [rep(0), rep(1, running=2, adapters={"a"}), rep(2, running=1, adapters={"a"})]
+    assert make_policy("affinity").place(req(adapter="a"), reps) == 2          # 1 <= 0 + 0.25 * 4
+    assert make_policy("affinity", slack=0.0).place(req(adapter="a"), reps) == 0
+    assert make_policy("affinity", slack=1.0).place(req(adapter="a"), reps) == 2
+
+
 def test_affinity_counts_adapters_it_placed_as_resident():
     p = make_policy("affinity")
     reps = [rep(0), rep(1)]

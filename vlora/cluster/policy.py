@@ -14,7 +14,8 @@ The policies (one component, the policy a setting of :func:`make_policy`):
   replica short of KV, and drains a lightly used replica when its requests fit on busier ones,
   which frees that GPU entirely.
 * ``affinity``: among live replicas under their cap with KV room, one where the request's adapter is
-  resident, then the least loaded (ties: the lowest id); queued when none has room. Migrates off
+  resident (unless its load exceeds the least load by more than ``slack`` of its cap: a popular adapter's
+  requests then spread), then the least loaded (ties: the lowest id); queued when none has room. Migrates off
   replicas short of KV.
 * ``least_loaded``: the live replica with the fewest requests (ties: the lowest id), room or not
   (the replica queues it); migrates off replicas short of KV.
@@ -252,13 +253,17 @@ class Consolidate(_Stateful):
 class Affinity(_Stateful):
     """Prefer a replica where the request's adapter is resident, then the least loaded."""
     name: str = "affinity"
+    slack: float = 0.25          # a resident replica is preferred while its load is at most the least load
+    #                              plus this share of its batch cap (beyond, the adapter's load spreads out)
 
     def choose(self, request: RequestInfo, replicas: Sequence[ReplicaReport]) -> int | None:
         fits = [r for r in replicas if _has_room(r, request)]
         if not fits:
             return None
-        return min(fits, key=lambda r: (request.adapter not in r.resident_adapters, r.load,
-                                        r.replica_id)).replica_id
+        least = min(r.load for r in fits)
+        return min(fits, key=lambda r: (not (request.adapter in r.resident_adapters
+                                              and r.load <= least + self.slack * r.batch_cap),
+                                        r.load, r.replica_id)).replica_id
 
 
 @dataclass
