@@ -76,8 +76,8 @@ def parse(argv=None) -> argparse.Namespace:
     a.targets = tuple(a.targets.split(","))
     if a.dry_run:
         a.model, a.dtype = "random:tiny-llama", "float32"
-        a.prefill, a.decode, a.adapters, a.ranks = [0, 16, 64], [0, 1, 4], [0, 1, 2], [8, 16]
-        a.context, a.long_context, a.reps = 8, 32, 1
+        a.prefill, a.decode, a.adapters, a.ranks = [0, 32], [0, 2], [0, 1, 2], [8, 16]
+        a.context, a.long_context, a.reps = 8, 24, 1
     for name in ("prefill", "decode", "adapters"):
         axis = getattr(a, name)
         if axis != sorted(set(axis)) or axis[0] != 0:
