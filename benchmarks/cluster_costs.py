@@ -12,8 +12,8 @@ the largest rank), so the table's limits are theirs.
 Each grid cell sets up its decode batch (requests of --context prompt tokens, adapter i of the batch's
 distinct adapters for request i), waits until they all decode, times decode-only steps, then for each
 prefill size adds prompts (at most 1,024 tokens each) beside the decodes and times the step that prefills
-them. A cell whose prefill does not fit the token budget beside its decodes is extrapolated along the
-prefill axis from the two largest that fit; a cell asking more distinct adapters than it has requests takes
+them. The prefill axis ends at the engine's token budget. A cell whose prefill does not fit the budget beside
+its decodes (or the sequence cap) is extrapolated along the prefill axis from the two largest that fit; a cell asking more distinct adapters than it has requests takes
 the value with one adapter per request. Writes the table JSON (--out) that benchmarks/sim_cluster.py loads.
 """
 from __future__ import annotations
@@ -59,7 +59,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="adapter ranks, given to adapters a0, a1, ... in turn (as the cluster benchmarks do)")
     p.add_argument("--targets", default=",".join(LORA_TARGETS),
                    help="projections the adapters change (bench_cluster.py's --targets, to match its runs)")
-    p.add_argument("--prefill", type=ints, default=[0, 128, 512, 2048, 8192], help="prefill-token grid axis")
+    p.add_argument("--prefill", type=ints, default=[0, 256, 1024, 4096],
+                   help="prefill-token grid axis; the engine's token budget is added as its last point")
     p.add_argument("--decode", type=ints, default=[0, 1, 8, 32, 64, 128, 224], help="decode-batch grid axis")
     p.add_argument("--adapters", type=ints, default=[0, 1, 4, 16, 64],
                    help="distinct-adapters grid axis (0: the base model only)")
@@ -253,6 +254,8 @@ def main(argv=None) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         names = b.register(Path(tmp))
         sc = b.eng.config.scheduler
+        if args.prefill[-1] < sc.max_num_batched_tokens:   # the table must reach the budget (it clamps beyond)
+            args.prefill = args.prefill + [sc.max_num_batched_tokens]
         decode = [d for d in args.decode if d + 1 <= sc.max_num_seqs]
         if decode != args.decode:
             log(f"decode axis cut to {decode} (max_num_seqs {sc.max_num_seqs})")
