@@ -17,8 +17,10 @@ simulator has no drain limit. The target: within 10% for 1 and 2 replicas.
 set) over ``--adapters`` adapters, at ``--load`` of the cluster's estimated capacity (one replica's decode
 throughput at its batch cap, from the table, times the GPUs), ``--requests-per-gpu`` requests per GPU. The
 batch cap of the reports is Punica's profiled cap from the table (the smallest decode batch reaching 90% of
-the table's best decode throughput). Plots throughput, mean TTFT, GPUs used (busy GPU-seconds per second and
-GPUs that ran anything) and migrations per request against the GPU count.
+the table's best decode throughput). Plots the output tokens per second the cluster sustains while requests
+arrive (second half of the arrival window: finished requests over the whole run would count the drain after
+the last arrival), mean TTFT, busy GPUs (busy GPU-seconds per second; results.json also has the GPUs that ran
+anything) and migrations per request against the GPU count.
 
 Numbers come only from a measured table (benchmarks/cluster_costs.py on a GPU); ``--test-table`` runs on a
 constructed table to check the script and is labelled so in every output.
@@ -192,7 +194,7 @@ def scale(args) -> dict:
                          migrations_per_request=m["migrations"] / max(1, m["requests"]),
                          wall_s=time.perf_counter() - t0)
                 rows.append(m)
-                log(f"{kind:9s} {gpus:>4} GPUs {policy:13s}: {m['throughput_rps']:8.1f} req/s, mean TTFT "
+                log(f"{kind:9s} {gpus:>4} GPUs {policy:13s}: {m['window_tok_s'] or 0:9.0f} tok/s, mean TTFT "
                     f"{m['mean_ttft_s']:7.3f} s, busy GPUs {m['mean_busy_gpus']:6.1f} (used {m['gpus_used']}), "
                     f"{m['migrations']} migrations  [{m['wall_s']:.1f} s]")
     out = dict(costs=args.costs or "test table", costs_meta=costs.meta, batch_cap=cap, rate_per_gpu=per_gpu,
@@ -209,7 +211,7 @@ def plot_scale(res: dict, path: Path) -> None:
 
     rows = res["rows"]
     kinds = sorted({r["workload"] for r in rows}, key=WORKLOADS.index)
-    panels = [("throughput_rps", "throughput (req/s)"), ("mean_ttft_s", "mean TTFT (s)"),
+    panels = [("window_tok_s", "output tok/s while requests arrive"), ("mean_ttft_s", "mean TTFT (s)"),
               ("mean_busy_gpus", "GPUs busy (mean)"), ("migrations_per_request", "migrations per request")]
     fig, axes = plt.subplots(len(kinds), len(panels), figsize=(4 * len(panels), 3.2 * len(kinds)), squeeze=False)
     for i, kind in enumerate(kinds):
@@ -256,7 +258,7 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--adapters", type=int, default=1000, help="adapters (ranks 8, 16, 32, 64 in turn)")
     s.add_argument("--load", type=float, default=0.7, help="request rate as a share of the estimated capacity")
     s.add_argument("--rate-per-gpu", type=float, default=None, help="request rate per GPU (overrides --load)")
-    s.add_argument("--requests-per-gpu", type=int, default=30,
+    s.add_argument("--requests-per-gpu", type=int, default=40,
                    help="requests per simulated GPU (sets the arrival window: the run's cost grows with it)")
     s.add_argument("--input-range", type=csv_ints, default=[8, 512], help="MIN,MAX prompt tokens")
     s.add_argument("--output-range", type=csv_ints, default=[8, 512], help="MIN,MAX output tokens")
@@ -284,11 +286,14 @@ def main(argv=None) -> dict:
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     if args.cmd == "scale":
         plot_scale(res, out / "scale.png")
-        print("\nworkload   GPUs policy         req/s   mean TTFT  busy GPUs  used  migr/req")
+        print("\nworkload   GPUs policy          tok/s*  req/s**  mean TTFT  busy GPUs  used  migr/req")
         for r in res["rows"]:
-            print(f"{r['workload']:9s} {r['gpus']:>5} {r['policy']:13s} {r['throughput_rps']:7.1f} "
+            print(f"{r['workload']:9s} {r['gpus']:>5} {r['policy']:13s} {r['window_tok_s'] or 0:8.0f} "
+                  f"{r['throughput_rps']:7.1f} "
                   f"{r['mean_ttft_s']:10.3f} {r['mean_busy_gpus']:10.1f} {r['gpus_used']:5d} "
                   f"{r['migrations_per_request']:9.2f}")
+        print("* output tokens per second over the second half of the arrival window; ** finished requests per "
+              "second from the first arrival to the last finish (includes the drain)")
     print(f"\nwritten: {out}/results.json" + (" (constructed test table: not a measurement)" if args.test_table
                                              else ""))
     return res

@@ -37,6 +37,16 @@ def test_one_replica_matches_hand_computed_latencies():
     assert ra.replica == rb.replica == 0
 
 
+def test_tokens_are_counted_in_the_second_they_are_sampled():
+    specs = [RequestSpec(0.5 * i, None, 4, 40) for i in range(8)]        # arrivals over 3.5 s
+    res = run(specs)
+    assert sum(res.tokens_at.values()) == 8 * 40
+    # each request alone: prefill 0.014 s, then 39 decodes of 0.012 s, done 0.482 s after it came, so two
+    # requests' tokens fall in each second; the window is seconds 1 and 2 (the second half of 3.5 s)
+    assert [res.tokens_at[t] for t in range(5)] == [80, 80, 80, 80, 0]
+    assert res.window_tok_s() == 80
+
+
 def test_chunked_prefill_and_resident_adapter():
     # a 100-token prompt takes two iterations under the 64-token budget; the adapter is loaded once
     a = RequestSpec(0.0, "a0", 100, 2)

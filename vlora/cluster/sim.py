@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 import statistics
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -121,6 +121,7 @@ class Replica:
         self.finished: list[SimRequest] = []
         self.left: list[SimRequest] = []    # migrated away at the end of the last iteration
         self.by_id: dict[str, _Seq] = {}    # requests on the replica
+        self.tokens_at: Counter[int] = Counter()   # tokens sampled in each second of the run
         self.cancels = 0                    # of them, marked to migrate
         self._orders = itertools.count()
 
@@ -362,6 +363,9 @@ class Replica:
         self.busy_s += now - it.start
         if it.growth:
             self.free -= it.growth[-1]
+            d = len(it.chunks)
+            for t in it.ends:
+                self.tokens_at[int(t)] += d
         for seq, n in it.chunks:
             if it.growth:
                 seq.pages = -(-(seq.computed + steps) // self.page_tokens)
@@ -370,6 +374,7 @@ class Replica:
                 continue
             seq.computed += n
             if seq.computed == seq.num_tokens:
+                self.tokens_at[int(now)] += 1
                 self._sample(seq, 1, now)
         self.iteration = None
 
@@ -447,6 +452,16 @@ class SimResult:
     busy_s: list[float]                 # per replica, seconds it ran iterations
     iterations: int
     settings: dict = field(default_factory=dict)
+    tokens_at: Counter = field(default_factory=Counter)   # tokens sampled in each second of the run
+
+    def window_tok_s(self) -> float | None:
+        """Output tokens per second over the second half of the arrival window (whole seconds): the rate the
+        cluster sustains while requests still come, without the drain after the last arrival."""
+        last = max((r.arrival for r in self.requests), default=0.0)
+        lo, hi = int(last / 2), int(last)
+        if hi - lo < 1:
+            return None
+        return sum(self.tokens_at[t] for t in range(lo, hi)) / (hi - lo)
 
     def metrics(self) -> dict:
         done = [r for r in self.requests if r.finish is not None and math.isfinite(r.finish)]
@@ -467,6 +482,7 @@ class SimResult:
             avg_token_latency_s=sum(lat) / tokens if tokens else 0.0,
             gpus=self.replicas, gpus_used=sum(1 for b in self.busy_s if b > 0),
             mean_busy_gpus=sum(self.busy_s) / span if span > 0 else 0.0,
+            window_tok_s=self.window_tok_s(),
             migrations=self.migrations, preemptions=self.preemptions, iterations=self.iterations)
 
 
@@ -609,11 +625,14 @@ class ClusterSim:
                 push(tick_at, _TICK, None)
         for req in queue:
             req.finish_reason = "unplaced"
+        tokens_at = Counter()
+        for r in self.replicas:
+            tokens_at.update(r.tokens_at)
         return SimResult(reqs, len(self.replicas), sum(r.migrations for r in reqs),
                          sum(r.preemptions for r in self.replicas), [r.busy_s for r in self.replicas],
                          sum(r.iterations for r in self.replicas),
                          {"policy": self.policy.name, "replicas": len(self.replicas), "report_s": self.report_s,
-                          "batch_cap": self.batch_cap})
+                          "batch_cap": self.batch_cap}, tokens_at)
 
 
 def profiled_batch_cap(costs: CostTable, share: float = 0.9) -> int:
