@@ -233,7 +233,8 @@ class Bench:
 
 
 def fill(prefill: list[int], col: dict[int, float]) -> list[float]:
-    """Values on the prefill axis: measured, else extrapolated linearly from the two largest measured."""
+    """Values on the prefill axis: measured, else extrapolated linearly from the two largest measured, and never
+    below the largest measured (more prefill is not faster; timing noise can make the slope negative)."""
     xs = sorted(col)
     out = []
     for p in prefill:
@@ -241,7 +242,7 @@ def fill(prefill: list[int], col: dict[int, float]) -> list[float]:
             out.append(col[p])
         elif len(xs) >= 2:
             x0, x1 = xs[-2], xs[-1]
-            out.append(col[x1] + (p - x1) * (col[x1] - col[x0]) / (x1 - x0))
+            out.append(max(col[x1], col[x1] + (p - x1) * (col[x1] - col[x0]) / (x1 - x0)))
         else:
             out.append(col[xs[-1]] if xs else math.nan)
     return out
