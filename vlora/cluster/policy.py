@@ -299,8 +299,9 @@ class RoundRobin:
         return []
 
 
-POLICIES: dict[str, type] = {"consolidate": Consolidate, "affinity": Affinity, "least_loaded": LeastLoaded,
-                             "round_robin": RoundRobin}
+# the baseline first: a comparison that runs "every policy" starts from it
+POLICIES: dict[str, type] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "affinity": Affinity,
+                             "consolidate": Consolidate}
 
 
 def make_policy(name: str, **kwargs) -> Policy:
