@@ -1,0 +1,303 @@
+"""The cluster simulator against real runs, then at the scale the machines here cannot reach.
+
+    # (a) validation: replay each run of benchmarks/bench_cluster.py in the simulator on the measured table
+    python benchmarks/sim_cluster.py validate --costs benchmarks/results/cluster-costs-h100.json \\
+        --real benchmarks/results/cluster-h100x2/results.json
+    # (b) scale study: the placement policies at 8 to 256 simulated GPUs, 1,000 adapters, with plots
+    python benchmarks/sim_cluster.py scale --costs benchmarks/results/cluster-costs-h100.json
+
+(a) rebuilds each real run's trace from its per-request records (arrival, adapter, input and output lengths),
+runs it through the simulator with the run's replica count and policy, and compares the mean latency and
+throughput as bench_cluster.py computes them (complete requests; throughput = complete requests / the last
+finish since the run's start). Runs that lost requests (aborted past the drain time) are left out: the
+simulator has no drain limit. The target: within 10% for 1 and 2 replicas.
+
+(b) runs every policy on the same seeded trace per setting (common random numbers): the workloads of
+../shared/BENCHMARKS.md (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
+set) over ``--adapters`` adapters, at ``--load`` of the cluster's estimated capacity (one replica's decode
+throughput at its batch cap, from the table, times the GPUs), ``--requests-per-gpu`` requests per GPU. The
+batch cap of the reports is Punica's profiled cap from the table (the smallest decode batch reaching 90% of
+the table's best decode throughput). Plots the output tokens per second the cluster sustains while requests
+arrive (second half of the arrival window: finished requests over the whole run would count the drain after
+the last arrival), mean TTFT, busy GPUs (busy GPU-seconds per second; results.json also has the GPUs that ran
+anything) and migrations per request against the GPU count.
+
+Numbers come only from a measured table (benchmarks/cluster_costs.py on a GPU); ``--test-table`` runs on a
+constructed table to check the script and is labelled so in every output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vlora.bench import workloads as W  # noqa: E402
+from vlora.cluster.costs import CostTable, ReplicaLimits, linear_table  # noqa: E402
+from vlora.cluster.policy import POLICIES, make_policy  # noqa: E402
+from vlora.cluster.sim import ClusterSim, SimResult, cycled_rank, profiled_batch_cap  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def test_table() -> CostTable:
+    """Constructed costs for checking the script (not a measurement)."""
+    lim = ReplicaLimits(num_pages=4000, page_tokens=16, max_num_seqs=128, max_num_batched_tokens=8192,
+                        adapter_pages={8: 4, 16: 8, 32: 16, 64: 32})
+    return linear_table(lim, 0.012, 0.00007, 0.0001, 0.0002, prefill=(0, 8192), decode=(0, 128),
+                        adapters=(0, 128), adapter_load_s={8: 0.001, 64: 0.004}, migration_s=0.005,
+                        meta={"device": "constructed test table (not a measurement)"})
+
+
+def load_costs(args) -> CostTable:
+    if args.test_table:
+        return test_table()
+    if not args.costs:
+        raise SystemExit("--costs TABLE.json is required (benchmarks/cluster_costs.py writes it), or --test-table")
+    return CostTable.load(args.costs)
+
+
+def summarize(records: list[dict]) -> dict:
+    """bench_cluster.py's definitions: complete requests; throughput over the last finish since the start."""
+    done = [r for r in records if r["finish_reason"] == "length" and r["tokens"] == r["output_len"]]
+    last = max((r["arrival_s"] + r["latency_s"] for r in done), default=0.0)
+    ttft = [r["ttft_s"] for r in done if r["ttft_s"] is not None]
+    return dict(requests=len(records), complete=len(done),
+                mean_latency_s=statistics.fmean(r["latency_s"] for r in done) if done else None,
+                mean_ttft_s=statistics.fmean(ttft) if ttft else None,
+                throughput_rps=len(done) / last if last > 0 else None)
+
+
+def sim_records(res: SimResult) -> list[dict]:
+    return [dict(arrival_s=r.arrival, adapter=r.spec.adapter, input_len=r.spec.input_len,
+                 output_len=r.spec.output_len, ttft_s=r.ttft, latency_s=r.latency,
+                 tokens=r.generated, finish_reason=r.finish_reason, replica=r.replica, moves=r.migrations)
+            for r in res.requests]
+
+
+def rel_err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or not real:
+        return None
+    return (sim - real) / real
+
+
+# -- (a) validation -----------------------------------------------------------------------------------
+def validate(args) -> dict:
+    costs = load_costs(args)
+    real = json.loads(Path(args.real).read_text())
+    cfg = real.get("config", {})
+    ranks = tuple(cfg.get("ranks") or (8, 16, 32, 64))
+    rows, skipped = [], []
+    for run in real.get("runs", []):
+        recs = run.get("records") or []
+        label = f"{run.get('popularity')} {run.get('replicas')} replica(s) {run.get('policy')} {run.get('rate')}"
+        if not recs:
+            continue
+        lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
+        if lost:
+            skipped.append(dict(run=label, reason=f"{lost} requests lost (overloaded past the drain time)"))
+            continue
+        specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
+                       key=lambda s: s.arrival_s)
+        sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=args.report_s,
+                         adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
+        s, r = summarize(sim_records(sim)), summarize(recs)
+        row = dict(popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
+                   rate=run.get("rate"), requests=len(recs),
+                   real_mean_latency_s=r["mean_latency_s"], sim_mean_latency_s=s["mean_latency_s"],
+                   real_throughput_rps=r["throughput_rps"], sim_throughput_rps=s["throughput_rps"],
+                   real_mean_ttft_s=r["mean_ttft_s"], sim_mean_ttft_s=s["mean_ttft_s"],
+                   real_moves=sum(x.get("moves", 0) for x in recs), sim_migrations=sim.migrations)
+        row["latency_err"] = rel_err(s["mean_latency_s"], r["mean_latency_s"])
+        row["throughput_err"] = rel_err(s["throughput_rps"], r["throughput_rps"])
+        row["ttft_err"] = rel_err(s["mean_ttft_s"], r["mean_ttft_s"])
+        rows.append(row)
+    by_n = {}
+    for n in sorted({r["replicas"] for r in rows}):
+        sel = [r for r in rows if r["replicas"] == n]
+        by_n[n] = dict(runs=len(sel),
+                       mean_abs_latency_err=statistics.fmean(abs(r["latency_err"]) for r in sel),
+                       mean_abs_throughput_err=statistics.fmean(abs(r["throughput_err"]) for r in sel),
+                       within_10pct=sum(abs(r["latency_err"]) <= 0.1 and abs(r["throughput_err"]) <= 0.1
+                                        for r in sel))
+    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, real=str(args.real),
+               real_meta=real.get("meta"), report_s=args.report_s, rows=rows, by_replicas=by_n, skipped=skipped)
+    print("\npopularity replicas policy          rate   lat real / sim (err)        tput real / sim (err)")
+    for r in rows:
+        print(f"{r['popularity'] or '-':10s} {r['replicas']:>8} {r['policy']:14s} {r['rate'] or 0:6.2f}  "
+              f"{r['real_mean_latency_s']:6.3f} / {r['sim_mean_latency_s']:6.3f} ({r['latency_err']:+6.1%})   "
+              f"{r['real_throughput_rps']:6.2f} / {r['sim_throughput_rps']:6.2f} ({r['throughput_err']:+6.1%})")
+    for n, v in by_n.items():
+        print(f"{n} replica(s): {v['runs']} runs, mean |error| latency {v['mean_abs_latency_err']:.1%}, "
+              f"throughput {v['mean_abs_throughput_err']:.1%}; {v['within_10pct']} within 10% on both")
+    if skipped:
+        print(f"left out: {len(skipped)} runs that lost requests")
+    return out
+
+
+# -- (b) scale study ----------------------------------------------------------------------------------
+WORKLOADS = ("synthetic", "skewed", "dynamic")
+
+
+def capacity_rps(costs: CostTable, batch_cap: int, mean_in: float, mean_out: float) -> float:
+    """One replica's request rate at its batch cap: decodes at the cap (or as many as the KV holds), each
+    request's prefill on top. An estimate to set the load, not a result."""
+    seqs = max(1, min(batch_cap, costs.limits.num_pages * costs.limits.page_tokens // int(mean_in + mean_out)))
+    adapters = min(seqs, costs.adapters[-1])
+    step = costs.step(0, seqs, adapters, int(seqs * (mean_in + mean_out / 2)))
+    prefill = costs.step(int(mean_in), 0, 1) - costs.step(0, 0, 0)
+    return 1.0 / (step / seqs * mean_out + max(prefill, 0.0))
+
+
+def trace(kind: str, n_adapters: int, rate: float, duration: float, seed: int,
+          input_range=(8, 512), output_range=(8, 512)) -> list[W.RequestSpec]:
+    if kind == "synthetic":      # S-LoRA §7.2: power law alpha 1, Gamma cv 1
+        return W.synthetic(n_adapters, 1.0, 1.0, rate, duration, input_range, output_range, seed)
+    if kind == "skewed":         # Punica §7: Zipf-1.5 popularity, Poisson
+        return W.synthetic(n_adapters, rate=rate, duration_s=duration, input_range=input_range,
+                           output_range=output_range, seed=seed, shares=W.popularity_shares(n_adapters, "skewed"))
+    if kind == "dynamic":        # FastLibra §6.2: the hot set shifts (a tenth of the adapters, then a fifth)
+        half = duration / 2
+        return W.dynamic_popularity([(half, max(1, n_adapters // 10)), (half, max(1, n_adapters // 5))],
+                                    n_adapters, rate, input_range=input_range, output_range=output_range, seed=seed)
+    raise ValueError(f"unknown workload {kind!r} ({', '.join(WORKLOADS)})")
+
+
+def scale(args) -> dict:
+    costs = load_costs(args)
+    cap = args.batch_cap or profiled_batch_cap(costs)
+    mean_in, mean_out = sum(args.input_range) / 2, sum(args.output_range) / 2
+    per_gpu = args.rate_per_gpu or args.load * capacity_rps(costs, cap, mean_in, mean_out)
+    log(f"batch cap {cap}; {per_gpu:.2f} req/s per GPU ({'given' if args.rate_per_gpu else f'{args.load:.0%} of the estimated capacity'})")
+    rows = []
+    t_all = time.perf_counter()
+    for kind in args.workloads:
+        for gpus in args.gpus:
+            rate = per_gpu * gpus
+            duration = args.requests_per_gpu * gpus / rate
+            specs = trace(kind, args.adapters, rate, duration, args.seed, tuple(args.input_range),
+                          tuple(args.output_range))
+            for policy in args.policies:
+                t0 = time.perf_counter()
+                res = ClusterSim(costs, gpus, make_policy(policy), report_s=args.report_s, batch_cap=cap).run(specs)
+                m = res.metrics()
+                m.update(workload=kind, rate_rps=rate, arrivals_s=duration, adapters=args.adapters,
+                         migrations_per_request=m["migrations"] / max(1, m["requests"]),
+                         wall_s=time.perf_counter() - t0)
+                rows.append(m)
+                log(f"{kind:9s} {gpus:>4} GPUs {policy:13s}: {m['window_tok_s'] or 0:9.0f} tok/s, mean TTFT "
+                    f"{m['mean_ttft_s']:7.3f} s, busy GPUs {m['mean_busy_gpus']:6.1f} (used {m['gpus_used']}), "
+                    f"{m['migrations']} migrations  [{m['wall_s']:.1f} s]")
+    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, batch_cap=cap, rate_per_gpu=per_gpu,
+               settings={k: v for k, v in vars(args).items() if k not in ("func",)}, rows=rows,
+               wall_s=time.perf_counter() - t_all)
+    return out
+
+
+def plot_scale(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    kinds = sorted({r["workload"] for r in rows}, key=WORKLOADS.index)
+    panels = [("window_tok_s", "output tok/s while requests arrive"), ("mean_ttft_s", "mean TTFT (s)"),
+              ("mean_busy_gpus", "GPUs busy (mean)"), ("migrations_per_request", "migrations per request")]
+    fig, axes = plt.subplots(len(kinds), len(panels), figsize=(4 * len(panels), 3.2 * len(kinds)), squeeze=False)
+    for i, kind in enumerate(kinds):
+        for j, (key, label) in enumerate(panels):
+            ax = axes[i][j]
+            for pol in sorted({r["policy"] for r in rows}):
+                pts = sorted((r["gpus"], r[key]) for r in rows if r["workload"] == kind and r["policy"] == pol)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=pol)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("GPUs")
+            ax.set_title(f"{kind}: {label}", fontsize=9)
+            if key == "mean_ttft_s":
+                ax.set_yscale("log")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    src = res["costs_meta"].get("device", "?")
+    fig.suptitle(f"simulated cluster, {res['settings']['adapters']} adapters, {res['rate_per_gpu']:.2f} req/s per "
+                 f"GPU, batch cap {res['batch_cap']} (cost table: {src})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def csv_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--costs", help="cost table JSON written by benchmarks/cluster_costs.py")
+    common.add_argument("--test-table", action="store_true",
+                        help="a constructed table instead of --costs (checks the script; its numbers mean nothing)")
+    common.add_argument("--report-s", type=float, default=0.05,
+                        help="seconds between replica reports (the cluster's report_interval_s)")
+    common.add_argument("--out", type=Path, default=None, help="folder for the JSON (and plots)")
+    v = sub.add_parser("validate", parents=[common], help="replay real cluster runs and report the error")
+    v.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
+    s = sub.add_parser("scale", parents=[common], help="the policies at 8-256 simulated GPUs, with plots")
+    s.add_argument("--gpus", type=csv_ints, default=[8, 32, 128, 256], help="cluster sizes")
+    s.add_argument("--policies", default=",".join(POLICIES), help="placement policies to compare")
+    s.add_argument("--workloads", default="synthetic,skewed", help=f"workloads ({', '.join(WORKLOADS)})")
+    s.add_argument("--adapters", type=int, default=1000, help="adapters (ranks 8, 16, 32, 64 in turn)")
+    s.add_argument("--load", type=float, default=0.7, help="request rate as a share of the estimated capacity")
+    s.add_argument("--rate-per-gpu", type=float, default=None, help="request rate per GPU (overrides --load)")
+    s.add_argument("--requests-per-gpu", type=int, default=40,
+                   help="requests per simulated GPU (sets the arrival window: the run's cost grows with it)")
+    s.add_argument("--input-range", type=csv_ints, default=[8, 512], help="MIN,MAX prompt tokens")
+    s.add_argument("--output-range", type=csv_ints, default=[8, 512], help="MIN,MAX output tokens")
+    s.add_argument("--batch-cap", type=int, default=None, help="batch cap in the reports (default: profiled)")
+    s.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.cmd == "scale":
+        a.policies = a.policies.split(",")
+        a.workloads = a.workloads.split(",")
+        for pol in a.policies:
+            if pol not in POLICIES:
+                p.error(f"unknown policy {pol!r} ({', '.join(POLICIES)})")
+        for w in a.workloads:
+            if w not in WORKLOADS:
+                p.error(f"unknown workload {w!r} ({', '.join(WORKLOADS)})")
+    return a
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    res = validate(args) if args.cmd == "validate" else scale(args)
+    res["test_table"] = bool(args.test_table)
+    out = args.out or RESULTS / f"sim-cluster-{args.cmd}{'-test-table' if args.test_table else ''}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
+    if args.cmd == "scale":
+        plot_scale(res, out / "scale.png")
+        print("\nworkload   GPUs policy          tok/s*  req/s**  mean TTFT  busy GPUs  used  migr/req")
+        for r in res["rows"]:
+            print(f"{r['workload']:9s} {r['gpus']:>5} {r['policy']:13s} {r['window_tok_s'] or 0:8.0f} "
+                  f"{r['throughput_rps']:7.1f} "
+                  f"{r['mean_ttft_s']:10.3f} {r['mean_busy_gpus']:10.1f} {r['gpus_used']:5d} "
+                  f"{r['migrations_per_request']:9.2f}")
+        print("* output tokens per second over the second half of the arrival window; ** finished requests per "
+              "second from the first arrival to the last finish (includes the drain)")
+    print(f"\nwritten: {out}/results.json" + (" (constructed test table: not a measurement)" if args.test_table
+                                             else ""))
+    return res
+
+
+if __name__ == "__main__":
+    main()
