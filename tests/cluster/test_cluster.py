@@ -2,8 +2,8 @@
 engine's greedy answer, also when it migrates mid-stream or its replica is killed; adapters loaded at run time
 reach every replica, restarted ones included; the server streams through the front.
 
-One Ray session and one cluster (``LLM(replicas=2)``) serve the whole module; the tests run in file order and
-the kill test comes last but one (it leaves the cluster whole again)."""
+One Ray session and one cluster (as `vlora serve --replicas 2` starts it) serve the whole module; the tests run
+in file order (the kill test leaves the cluster whole again)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import pytest
 
 from tests.helpers import make_peft_adapter, make_tiny_model
 from vlora import LLM, SamplingParams
+from vlora.cluster.policy import Migration
 from vlora.engine.async_engine import Job
+from vlora.engine.engine import RequestError
 
 ray = pytest.importorskip("ray")
 
@@ -30,16 +32,27 @@ def greedy(n):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """(the cluster's blocking client, one engine for expected answers, adapter paths). The cluster is what
+    `vlora serve --replicas 2` starts."""
+    from vlora.cli import build_parser, serving_cluster
+    from vlora.cluster.front import ClusterClient
+
     root = tmp_path_factory.mktemp("cluster")
     path, hf = make_tiny_model(root)
     adapters = {"a": str(make_peft_adapter(hf, root / "a", 8, seed=1)),
                 "b": str(make_peft_adapter(hf, root / "b", 4, seed=2))}
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
-        cluster = LLM(str(path), adapters={"a": adapters["a"]}, replicas=2, **ENGINE)
+        args = build_parser().parse_args(
+            ["serve", "--model", str(path), "--adapter", f"a={adapters['a']}", "--replicas", "2",
+             "--num-blocks", str(ENGINE["num_blocks"]), "--block-size", str(ENGINE["block_size"]),
+             "--max-model-len", str(ENGINE["max_model_len"]), "--device", "cpu", "--dtype", "float32"])
+        front, _, served = serving_cluster(args)
+        assert served == {"a": adapters["a"]} and len(front.replicas) == 2
+        client = ClusterClient(front)
         one = LLM(str(path), adapters=adapters, **{**ENGINE, "num_blocks": 256})   # room for everyone: no preemption
-        yield cluster, one, adapters
-        cluster.close()
+        yield client, one, adapters
+        client.close()
     finally:
         ray.shutdown()
 
@@ -48,9 +61,9 @@ def expected(one, prompt, adapter, n):
     return one.generate(prompt, adapter, greedy(n))[0].token_ids
 
 
-def on_replica(cluster, replica_id, prompt, adapter, n):
+def on_replica(client, replica_id, prompt, adapter, n):
     """Greedy tokens of a request run on one replica directly (bypassing placement)."""
-    actor = cluster.cluster.front.replicas[replica_id].actor
+    actor = client.front.replicas[replica_id].actor
 
     async def go():
         tokens = []
@@ -59,13 +72,13 @@ def on_replica(cluster, replica_id, prompt, adapter, n):
             if isinstance(item, list):
                 tokens += [t for out in item for t in out.delta_token_ids]
         return tokens
-    return cluster.cluster.run(go())
+    return client.run(go())
 
 
-def stream_tokens(cluster, jobs, during=None):
+def stream_tokens(client, jobs, during=None):
     """Submit ``jobs`` as one group; the delta tokens each request streamed. ``during(front, flights)`` runs once
     every request has streamed 3 tokens."""
-    front = cluster.cluster.front
+    front = client.front
 
     async def go():
         group = await front.submit(jobs)
@@ -78,58 +91,74 @@ def stream_tokens(cluster, jobs, during=None):
                 done = True
                 await during(front, flights)
         return [got[j.request_id] for j in jobs]
-    return cluster.cluster.run(go())
+    return client.run(go())
 
 
 def test_two_replicas_answer_like_one_engine(setup):
-    cluster, one, _ = setup
-    adapters = [None, "a"] * len(PROMPTS)
-    prompts = [p for p in PROMPTS for _ in (0, 1)]
-    outs = cluster.generate(prompts, adapters, greedy(12))
-    assert [o.token_ids for o in outs] == [expected(one, p, a, 12) for p, a in zip(prompts, adapters)]
-    assert all(o.finish_reason == "length" and o.prompt_token_ids == p for o, p in zip(outs, prompts))
-    streamed = [t for o in cluster.stream(PROMPTS[0], "a", greedy(5)) for t in o.delta_token_ids]
+    client, one, _ = setup
+    jobs = [Job(p, a, greedy(12), f"same-{i}-{a}") for i, p in enumerate(PROMPTS) for a in (None, "a")]
+    outs = client.generate(jobs)
+    assert [o.token_ids for o in outs] == [expected(one, j.prompt, j.adapter, 12) for j in jobs]
+    assert all(o.finish_reason == "length" and o.prompt_token_ids == j.prompt for o, j in zip(outs, jobs))
+    streamed = [t for o in client.stream(Job(PROMPTS[0], "a", greedy(5), "s")) for t in o.delta_token_ids]
     assert streamed == expected(one, PROMPTS[0], "a", 5)
-    # both replicas served (round robin)
-    assert all(r.status.stats.num_blocks > 0 for r in cluster.cluster.front.replicas)
+    assert all(r.status.stats.num_blocks > 0 for r in client.front.replicas)
+    with pytest.raises(RequestError, match="adapter 'nope' is not registered"):
+        client.generate([Job(PROMPTS[0], "nope", greedy(2), "x")])
 
 
 def test_migration_mid_stream_keeps_the_stream(setup):
-    cluster, one, _ = setup
-    front = cluster.cluster.front
-    before = front.migrations
+    """The policy's rebalance moves a streaming request to the other replica: the stream goes on unchanged."""
+    client, one, _ = setup
+    front = client.front
+    before, policy = front.migrations, front.policy
     jobs = [Job(PROMPTS[1], "a", greedy(30), "mig-0"), Job(PROMPTS[2], None, greedy(30), "mig-1")]
 
-    async def migrate_first(front, flights):
-        f = flights[0]
-        await f.replica.actor.migrate.remote([f.engine_id])
-    got = stream_tokens(cluster, jobs, migrate_first)
+    class MoveOnce:
+        name = "move-once"
+        place, placed = policy.place, policy.placed
+
+        def __init__(self):
+            self.moved = None
+
+        def rebalance(self, reports, running):
+            if self.moved is None and front._flights.get("mig-0") is not None:
+                f = front._flights["mig-0"]
+                if f.replica is not None and len(f.tokens) >= 3:
+                    self.moved = (f.replica.replica_id, len(f.tokens))
+                    return [Migration("mig-0", f.replica.replica_id)]
+            return []
+    front.policy = mover = MoveOnce()
+    try:
+        got = stream_tokens(client, jobs)
+    finally:
+        front.policy = policy
     assert got == [expected(one, PROMPTS[1], "a", 30), expected(one, PROMPTS[2], None, 30)]
-    assert front.migrations == before + 1
+    assert mover.moved is not None and front.migrations == before + 1
 
 
 def test_replica_short_of_kv_hands_requests_back(setup):
     # 40 pages of 4 tokens per replica; six requests of 8 + 48 tokens (14 pages each) cannot all run on one
-    cluster, one, _ = setup
-    front = cluster.cluster.front
+    client, one, _ = setup
+    front = client.front
     before = front.migrations
     jobs = [Job(PROMPTS[i % 4], "a" if i % 2 else None, greedy(48), f"kv-{i}") for i in range(6)]
-    got = stream_tokens(cluster, jobs)
+    got = stream_tokens(client, jobs)
     assert got == [expected(one, j.prompt, j.adapter, 48) for j in jobs]
     assert front.migrations > before
 
 
 def test_adapter_loaded_at_run_time_reaches_every_replica(setup):
-    cluster, one, adapters = setup
-    cluster.register_adapter("b", adapters["b"])
-    assert cluster.list_adapters() == ["a", "b"]
+    client, one, adapters = setup
+    client.run(client.front.load_adapter("b", adapters["b"]))
+    assert client.front.adapter_names == {"a", "b"}
     want = expected(one, PROMPTS[3], "b", 8)
-    assert [on_replica(cluster, i, PROMPTS[3], "b", 8) for i in (0, 1)] == [want, want]
+    assert [on_replica(client, i, PROMPTS[3], "b", 8) for i in (0, 1)] == [want, want]
 
 
 def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
-    cluster, one, _ = setup
-    front = cluster.cluster.front
+    client, one, _ = setup
+    front = client.front
     victim = front.replicas[0]
     incarnation, failovers = victim.incarnation, front.failovers
     jobs = [Job(PROMPTS[i], ("a", "b", None, "a")[i], greedy(40), f"kill-{i}") for i in range(4)]
@@ -137,7 +166,7 @@ def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
     async def kill(front, flights):
         assert any(f.replica is victim for f in flights)
         ray.kill(victim.actor, no_restart=False)
-    got = stream_tokens(cluster, jobs, kill)
+    got = stream_tokens(client, jobs, kill)
     assert got == [expected(one, j.prompt, j.adapter, 40) for j in jobs]
     assert front.failovers > failovers
     deadline = time.monotonic() + 60
@@ -145,8 +174,8 @@ def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
         assert time.monotonic() < deadline, "the killed replica did not rejoin"
         time.sleep(0.1)
     # the restarted replica serves the adapter given at start and the one loaded at run time
-    assert on_replica(cluster, 0, PROMPTS[3], "b", 8) == expected(one, PROMPTS[3], "b", 8)
-    assert on_replica(cluster, 0, PROMPTS[0], "a", 8) == expected(one, PROMPTS[0], "a", 8)
+    assert on_replica(client, 0, PROMPTS[3], "b", 8) == expected(one, PROMPTS[3], "b", 8)
+    assert on_replica(client, 0, PROMPTS[0], "a", 8) == expected(one, PROMPTS[0], "a", 8)
 
 
 def test_server_streams_through_the_front(setup):
@@ -156,12 +185,12 @@ def test_server_streams_through_the_front(setup):
     from vlora.config import ServerConfig
     from vlora.server.app import build_app
 
-    cluster, one, _ = setup
-    app = build_app(cluster.cluster.front, ServerConfig())
+    client, one, _ = setup
+    app = build_app(client.front, ServerConfig())
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), cluster.cluster.loop)
+    task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), client.loop)
     try:
         deadline = time.monotonic() + 30
         while not server.started:
@@ -184,3 +213,33 @@ def test_server_streams_through_the_front(setup):
     finally:
         server.should_exit = True
         task.result(30)
+
+
+def test_llm_with_replicas_runs_on_the_cluster_front(tmp_path, monkeypatch):
+    """LLM(replicas=N) hands its config and adapters to a front and its requests to the front's client."""
+    from vlora.cluster import front as front_mod
+
+    made = {}
+
+    class Front:
+        def __init__(self, config, cluster, adapters):
+            made.update(config=config, cluster=cluster, adapters=adapters)
+            self.adapter_names = frozenset(adapters)
+
+    class Client:
+        def __init__(self, front):
+            self.front = front
+
+        def generate(self, jobs):
+            made["jobs"] = jobs
+            return ["out"] * len(jobs)
+    monkeypatch.setattr(front_mod, "ClusterFront", Front)
+    monkeypatch.setattr(front_mod, "ClusterClient", Client)
+    (tmp_path / "a").mkdir()
+    llm = LLM("m", adapters={"a": tmp_path / "a"}, replicas=3, cluster_policy="round_robin", max_model_len=64)
+    assert llm.engine is None and llm.list_adapters() == ["a"]
+    assert made["cluster"].replicas == 3 and made["config"].model.max_model_len == 64
+    assert made["adapters"] == {"a": str(tmp_path / "a")}
+    assert llm.generate([[1, 2], [3]], [None, "a"], greedy(4)) == ["out", "out"]
+    assert [(j.prompt, j.adapter, j.params.max_tokens) for j in made["jobs"]] == [([1, 2], None, 4), ([3], "a", 4)]
+    assert len({j.request_id for j in made["jobs"]}) == 2

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from vlora.cluster.config import ClusterConfig
 from vlora.cluster.policy import ReplicaReport, RequestInfo, make_policy
 from vlora.cluster.replica import ACCEPTED, REFUSALS, Refusal, Replica, ReplicaStatus, raise_refusal
 from vlora.config import ConfigError, EngineConfig
@@ -40,34 +41,6 @@ from vlora.engine.sequence import RequestOutput, Sequence as Seq, Status
 from vlora.lora.adapter import AdapterError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    replicas: int = 2
-    """Engine replicas, one Ray actor each."""
-    policy: str = "round_robin"
-    """Placement policy (vlora.cluster.policy.make_policy names)."""
-    ray_address: str | None = None
-    """Ray cluster to join (e.g. "auto" or "ray://host:10001"); None starts a local one."""
-    num_cpus: int | None = None
-    """CPUs of the local Ray cluster started when ray_address is None (None: Ray counts them)."""
-    gpus_per_replica: float | None = None
-    """GPUs each replica actor holds (None: tensor_parallel_size when CUDA is visible here, else 0)."""
-    cpus_per_replica: float = 1.0
-    """CPUs each replica actor holds (Ray sets the actor's thread count from it)."""
-    report_interval_s: float = 0.05
-    """How often each replica's report is pulled."""
-    max_restarts: int = 4
-    """Times Ray restarts a replica that dies (-1: without limit)."""
-    unreachable_s: float = 120.0
-    """The cluster fails when no replica has answered for this long."""
-
-    def __post_init__(self):
-        if self.replicas < 1:
-            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
-        if self.report_interval_s <= 0:
-            raise ConfigError(f"report_interval_s must be > 0, got {self.report_interval_s}")
 
 
 @dataclass(eq=False)
@@ -124,7 +97,7 @@ class ClusterFront:
         self.on_fatal = on_fatal
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=cluster.ray_address, num_cpus=cluster.num_cpus if cluster.ray_address is None else None,
+            ray.init(address=cluster.ray_address, num_cpus=cluster.ray_num_cpus if cluster.ray_address is None else None,
                      include_dashboard=False, logging_level="WARNING")
         gpus = cluster.gpus_per_replica
         if gpus is None:
@@ -134,6 +107,7 @@ class ClusterFront:
         actor = ray.remote(Replica).options(num_gpus=gpus, num_cpus=cluster.cpus_per_replica,
                                             max_restarts=cluster.max_restarts, max_task_retries=0,
                                             max_concurrency=4096)
+        self._started = False
         self.replicas = [_ReplicaHandle(i, actor.remote(i, config, max_queued_requests))
                          for i in range(cluster.replicas)]
         infos = ray.get([r.actor.info.remote() for r in self.replicas])
@@ -145,25 +119,37 @@ class ClusterFront:
         self.device = infos[0]["device"]
         for r, i in zip(self.replicas, infos):
             r.incarnation = i["incarnation"]
-        self.policy = make_policy(cluster.policy)
-        self._adapters: dict[str, str] = dict(adapters or {})
-        self._version = 1
+        self.policy = make_policy(cluster.cluster_policy)
+        self._adapters: dict[str, str] = {}
+        self._version = 0
         self._draining: set[str] = set()
-        synced = ray.get([r.actor.sync_adapters.remote(self._version, self._adapters) for r in self.replicas])
-        for failed in synced:
-            for name, why in failed.items():
-                self._kill_all()
-                raise AdapterError(f"adapter {name!r}: {why.message}")
+        try:
+            self.set_adapters(adapters or {})
+        except AdapterError:
+            self._kill_all()
+            raise
         self._detok = Detokenizer(self.info.tokenizer)
         self._flights: dict[str, _Flight] = {}
         self._tasks: set[asyncio.Task] = set()
         self._accepting = True
-        self._started = False
         self._stopped = False
         self._changed = None                 # asyncio.Event, set whenever a report arrives (made by start)
         self.failure: BaseException | None = None
         self.migrations = 0                  # requests moved off a replica (KV shortage or rebalance)
         self.failovers = 0                   # requests rerun after their replica died
+
+    def set_adapters(self, adapters: dict[str, str]) -> None:
+        """Make ``adapters`` (name -> directory) the adapter set of every replica, blocking; before ``start``
+        only (then use load_adapter / unload_adapter). Raises AdapterError if a replica refuses one."""
+        import ray
+
+        if self._started:
+            raise RuntimeError("set_adapters is for start-up; the running front takes load_adapter / unload_adapter")
+        self._adapters, self._version = dict(adapters), self._version + 1
+        synced = ray.get([r.actor.sync_adapters.remote(self._version, self._adapters) for r in self.replicas])
+        for failed in synced:
+            for name, why in failed.items():
+                raise AdapterError(f"adapter {name!r}: {why.message}")
 
     # -- the AsyncEngine interface --------------------------------------------------------------------
     @property
@@ -580,8 +566,8 @@ async def _awaitable(ref):
 class ClusterClient:
     """The front on an event loop of its own thread, for blocking callers (``LLM(replicas=N)``)."""
 
-    def __init__(self, config: EngineConfig, cluster: ClusterConfig, adapters: dict[str, str] | None = None):
-        self.front = ClusterFront(config, cluster, adapters)
+    def __init__(self, front: ClusterFront):
+        self.front = front
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vlora-cluster", daemon=True)
         self.thread.start()

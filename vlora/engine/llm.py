@@ -51,11 +51,12 @@ class LLM:
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
         self.cluster = None
         if replicas > 1 or ray_address is not None:
-            from vlora.cluster.front import ClusterClient, ClusterConfig
+            from vlora.cluster.config import ClusterConfig
+            from vlora.cluster.front import ClusterClient, ClusterFront
 
             self.engine = None
-            self.cluster = ClusterClient(config, ClusterConfig(replicas, cluster_policy, ray_address),
-                                         {name: str(resolve_adapter_dir(path)) for name, path in items})
+            self.cluster = ClusterClient(ClusterFront(config, ClusterConfig(replicas, cluster_policy, ray_address),
+                                                      {name: str(resolve_adapter_dir(p)) for name, p in items}))
             self._ids = itertools.count()
             return
         self.engine = Engine(config)
