@@ -23,7 +23,7 @@ from vlora.engine.engine import RequestError
 ray = pytest.importorskip("ray")
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8], [1, 1, 2, 3, 5, 8, 13], [9, 9, 8, 2, 4, 4, 3, 5]]
-ENGINE = dict(num_blocks=40, block_size=4, max_model_len=128, device="cpu", dtype="float32")
+ENGINE = dict(num_blocks=24, block_size=4, max_model_len=128, device="cpu", dtype="float32")
 
 
 def greedy(n):
@@ -138,13 +138,13 @@ def test_migration_mid_stream_keeps_the_stream(setup):
 
 
 def test_replica_short_of_kv_hands_requests_back(setup):
-    # 40 pages of 4 tokens per replica; six requests of 8 + 48 tokens (14 pages each) cannot all run on one
+    # 24 pages of 4 tokens per replica; six requests of up to 8 + 32 tokens (10 pages each), three per replica
     client, one, _ = setup
     front = client.front
     before = front.migrations
-    jobs = [Job(PROMPTS[i % 4], "a" if i % 2 else None, greedy(48), f"kv-{i}") for i in range(6)]
+    jobs = [Job(PROMPTS[i % 4], "a" if i % 2 else None, greedy(32), f"kv-{i}") for i in range(6)]
     got = stream_tokens(client, jobs)
-    assert got == [expected(one, j.prompt, j.adapter, 48) for j in jobs]
+    assert got == [expected(one, j.prompt, j.adapter, 32) for j in jobs]
     assert front.migrations > before
 
 
@@ -213,6 +213,29 @@ def test_server_streams_through_the_front(setup):
     finally:
         server.should_exit = True
         task.result(30)
+
+
+def test_bench_dry_run_writes_its_report(setup, tmp_path):
+    """benchmarks/bench_cluster.py's sweep and kill run on this cluster, in its CPU dry-run settings, shortened:
+    it writes results.json with per-request records in its trace format, and loses no request."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_cluster import TRACE_FORMAT, bench, parse_args
+
+    client, _, _ = setup
+    args = parse_args(["--dry-run", "--out", str(tmp_path), "--popularities", "zipf", "--max-points", "1", "--duration", "1",
+                       "--kill-duration", "2", "--rejoin-wait", "0"])
+    results = client.run(bench(client.front, args, tmp_path))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["trace_format"] == TRACE_FORMAT and (tmp_path / "summary.md").is_file()
+    assert [(p["replicas"], p["policy"]) for p in saved["peaks"]][:2] == [(1, "round_robin"), (2, "round_robin")]
+    run = saved["runs"][0]
+    assert run["records"] and set(run["records"][0]) == set(TRACE_FORMAT)
+    assert all(r["replicas"] == [0] for r in run["records"])         # the 1-replica run stays on replica 0
+    kill = results["kill"]
+    assert kill["requests"] > 0 and kill["lost"] == 0
 
 
 def test_llm_with_replicas_runs_on_the_cluster_front(tmp_path, monkeypatch):
