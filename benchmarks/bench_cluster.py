@@ -368,7 +368,8 @@ def write_summary(results: dict, out: Path) -> Path:
              f"Model {cfg['model']} ({cfg['dtype']}), {cfg['adapters']} adapters (ranks {cfg['ranks']}), "
              f"inputs {cfg['input_range']}, outputs {cfg['output_range']} tokens, {cfg['duration']} s of arrivals "
              f"per run; peak = highest rate tried whose mean TTFT <= {cfg['ttft_slo']} s with every request "
-             "complete (>=: no rate tried missed it).", "", "| popularity | replicas | policy | peak req/s | x one replica |", "|---|---|---|---|---|"]
+             "complete (>=: no rate tried missed it).", "",
+             "| popularity | replicas | policy | peak req/s | x one replica |", "|---|---|---|---|---|"]
     ones = {p["popularity"]: p["peak_rps"] for p in results["peaks"] if p["replicas"] == 1}
     for p in results["peaks"]:
         one = ones.get(p["popularity"])

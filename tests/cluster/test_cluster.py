@@ -225,8 +225,8 @@ def test_bench_dry_run_writes_its_report(setup, tmp_path):
     from bench_cluster import TRACE_FORMAT, bench, parse_args
 
     client, _, _ = setup
-    args = parse_args(["--dry-run", "--out", str(tmp_path), "--popularities", "zipf", "--max-points", "1", "--duration", "1",
-                       "--kill-duration", "2", "--rejoin-wait", "0"])
+    args = parse_args(["--dry-run", "--out", str(tmp_path), "--popularities", "zipf", "--max-points", "1",
+                       "--duration", "1", "--kill-duration", "2", "--rejoin-wait", "0"])
     results = client.run(bench(client.front, args, tmp_path))
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["trace_format"] == TRACE_FORMAT and (tmp_path / "summary.md").is_file()

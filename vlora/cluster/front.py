@@ -97,13 +97,15 @@ class ClusterFront:
         self.on_fatal = on_fatal
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=cluster.ray_address, num_cpus=cluster.ray_num_cpus if cluster.ray_address is None else None,
+            local = cluster.ray_address is None
+            ray.init(address=cluster.ray_address, num_cpus=cluster.ray_num_cpus if local else None,
                      include_dashboard=False, logging_level="WARNING")
         gpus = cluster.gpus_per_replica
         if gpus is None:
             import torch
 
-            gpus = config.model.tensor_parallel_size if config.model.device != "cpu" and torch.cuda.is_available() else 0
+            cuda = config.model.device != "cpu" and torch.cuda.is_available()
+            gpus = config.model.tensor_parallel_size if cuda else 0
         actor = ray.remote(Replica).options(num_gpus=gpus, num_cpus=cluster.cpus_per_replica,
                                             max_restarts=cluster.max_restarts, max_task_retries=0,
                                             max_concurrency=4096)
