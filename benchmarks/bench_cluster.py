@@ -9,9 +9,11 @@ two popularities: zipf (adapter i's share proportional to 1/(i+1)) and skewed (t
 
 One cluster of ``--replicas`` replicas (TP=1, one GPU each through Ray's num_gpus) serves every run; a
 "1 replica" run restricts placement to replica 0, so both sides pay the same front and Ray costs. For each
-(popularity, replicas, policy) the request rate is searched (x``--rate-step`` up from ``--start-rate`` per
-replica until the mean TTFT passes ``--ttft-slo``, or down until it meets it, at most ``--max-points`` runs);
-the peak is the highest rate that met it. 1-replica runs do not depend on the policy and run once per
+(popularity, replicas, policy) the request rate is searched: x or / ``--rate-step`` until one rate meets the
+mean-TTFT target ``--ttft-slo`` (with every request complete) and one misses it, then bisected (geometric
+mean), ``--max-points`` runs for one replica (from ``--start-rate``) and one fewer per policy with all
+replicas (from 0.95 x replicas x one replica's peak: a first run that meets the target shows the scaling).
+The peak is the highest rate that met it. 1-replica runs do not depend on the policy and run once per
 popularity. Last, the kill run: all replicas under ``--kill-policy`` at ``--kill-load`` of its peak rate, the
 last replica killed (ray.kill; Ray restarts it) ``--kill-at`` of the way in: requests lost (not finished with
 all their tokens), failovers, the latency of requests in flight at the kill against the others, and when
@@ -65,7 +67,8 @@ DRY_RUN = dict(model="random:tiny-llama", dtype="float32", device="cpu", adapter
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Expected duration on two H100s: about "
-                                "8 minutes (--budget-s bounds the sweep).")
+                                "8 minutes: start-up 1-2 min (weights, kernels, writing and loading the adapters), "
+                                "the sweep and kill run --budget-s, the killed replica's rejoin up to --rejoin-wait.")
     p.add_argument("--model", default="random:llama-2-7b", help="model of every replica")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto", help="replicas' device (auto: CUDA when the replica sees a GPU)")
@@ -80,20 +83,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default=None, help="placement policies (default: every one vlora.cluster knows)")
     p.add_argument("--input-range", default="8,256", help="MIN,MAX prompt tokens")
     p.add_argument("--output-range", default="8,128", help="MIN,MAX output tokens")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per run")
-    p.add_argument("--drain-s", type=float, default=30.0, help="after the arrivals, seconds a run waits for its "
+    p.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per run")
+    p.add_argument("--drain-s", type=float, default=15.0, help="after the arrivals, seconds a run waits for its "
                    "requests before aborting the rest (they count as not meeting the TTFT target)")
     p.add_argument("--ttft-slo", type=float, default=0.5, help="mean TTFT target (s) that defines the peak rate")
     p.add_argument("--start-rate", type=float, default=6.0, help="first rate tried, req/s per replica")
-    p.add_argument("--rate-step", type=float, default=1.3, help="factor between two rates tried")
-    p.add_argument("--max-points", type=int, default=4, help="most rates tried per (popularity, replicas, policy)")
+    p.add_argument("--rate-step", type=float, default=1.5, help="factor between two rates tried until the peak is "
+                   "bracketed (then bisected)")
+    p.add_argument("--max-points", type=int, default=4, help="most rates tried for one replica's peak (one fewer "
+                   "per policy with all replicas)")
     p.add_argument("--kill-policy", default="round_robin", help="policy of the kill run")
     p.add_argument("--kill-load", type=float, default=0.7, help="kill run rate, as a share of its peak rate")
-    p.add_argument("--kill-duration", type=float, default=30.0, help="seconds of arrivals of the kill run")
+    p.add_argument("--kill-duration", type=float, default=20.0, help="seconds of arrivals of the kill run")
     p.add_argument("--kill-at", type=float, default=0.4, help="when the replica is killed, as a share of the run")
-    p.add_argument("--rejoin-wait", type=float, default=60.0, help="after the kill run, seconds to wait for the "
+    p.add_argument("--rejoin-wait", type=float, default=45.0, help="after the kill run, seconds to wait for the "
                    "killed replica to rejoin (its restart time is reported)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="seconds the sweep may take after start-up")
+    p.add_argument("--budget-s", type=float, default=330.0, help="seconds the sweep and the kill run may take after "
+                   "start-up (runs that would not fit are skipped and listed)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pages per replica (default: sized to the GPU)")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
     p.add_argument("--seed", type=int, default=0)
@@ -279,10 +285,12 @@ class Bench:
         self.run_cost = max(self.run_cost, row["wall_s"])
         return row
 
-    async def peak(self, popularity: str, replicas: int, policy: str, start: float) -> float | None:
-        """The highest rate found whose mean TTFT meets the target (None: none did, or no time was left)."""
+    async def peak(self, popularity: str, replicas: int, policy: str, start: float, points: int) -> float | None:
+        """The highest rate found whose mean TTFT meets the target (None: none did, or no time was left): rates
+        x/÷ --rate-step from ``start`` until one meets it and one misses, then the geometric mean of the two
+        closest, up to ``points`` runs."""
         a, rate, best, worst = self.args, start, None, None
-        for k in range(a.max_points):
+        for k in range(points):
             if self.time_left() < self.run_cost:
                 self.results["skipped"].append(dict(popularity=popularity, replicas=replicas, policy=policy,
                                                     rate=rate))
@@ -291,14 +299,14 @@ class Bench:
             row = await self.run(popularity, replicas, policy, rate, a.seed + k)
             if row["meets_slo"]:
                 best = rate if best is None else max(best, rate)
-                if worst is not None:
-                    break
-                rate *= a.rate_step
             else:
                 worst = rate if worst is None else min(worst, rate)
-                if best is not None:
+            if best is not None and worst is not None:
+                if worst <= best:                 # noise: a lower rate missed where a higher one met
                     break
-                rate /= a.rate_step
+                rate = math.sqrt(best * worst)
+            else:
+                rate = rate * a.rate_step if worst is None else rate / a.rate_step
         # bounded: a rate above the peak was tried and missed (else the peak is only a lower bound)
         self.results["peaks"].append(dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=best,
                                           bounded=worst is not None))
@@ -306,14 +314,16 @@ class Bench:
         return best
 
     async def sweep(self) -> None:
+        """Per popularity: one replica's peak, then each policy's with all replicas, searched from the target
+        (replicas x 0.95 x one replica's peak) so that a first run meeting it already answers the question."""
         a, n = self.args, len(self.front.replicas)
         for popularity in a.popularities:
-            one = await self.peak(popularity, 1, "round_robin", a.start_rate)
+            one = await self.peak(popularity, 1, "round_robin", a.start_rate, a.max_points)
             if n == 1:
                 continue
             for policy in a.policies:
-                start = (one or a.start_rate) * n
-                await self.peak(popularity, n, policy, start)
+                start = 0.95 * n * (one or a.start_rate)
+                await self.peak(popularity, n, policy, start, max(1, a.max_points - 1))
 
     async def kill(self) -> None:
         """All replicas under --kill-policy; the last one killed --kill-at of the way through."""
