@@ -272,11 +272,11 @@ class Bench:
         base = make_policy(policy)
         self.front.policy = base if replicas == len(self.front.replicas) else Only(base, range(replicas))
         specs = workload(self.args, popularity, rate, self.args.duration, seed)
-        t = time.monotonic()
+        t, lists = time.monotonic(), self.front.output_lists
         records = await run_load(self.front, specs, self.front.info.vocab_size, seed, self.args.drain_s)
         summary = summarize(records, self.args.duration, self.args.ttft_slo)
         row = dict(popularity=popularity, replicas=replicas, policy=policy, rate=rate, wall_s=time.monotonic() - t,
-                   **summary, records=records)
+                   **summary, output_lists=self.front.output_lists - lists, records=records)
         self.results["runs"].append(row)
         self.save()
         log(f"{popularity:6s} {replicas} replica(s) {policy:14s} {rate:6.2f} req/s: mean TTFT "

@@ -61,18 +61,32 @@ def expected(one, prompt, adapter, n):
     return one.generate(prompt, adapter, greedy(n))[0].token_ids
 
 
-def on_replica(client, replica_id, prompt, adapter, n):
-    """Greedy tokens of a request run on one replica directly (bypassing placement)."""
-    actor = client.front.replicas[replica_id].actor
+class Pin:
+    """A policy that places every request on one replica (waiting while it is not ready)."""
 
-    async def go():
-        tokens = []
-        async for ref in actor.generate.remote(Job(prompt, adapter, greedy(n), f"direct-{time.monotonic_ns()}")):
-            item = await ref
-            if isinstance(item, list):
-                tokens += [t for out in item for t in out.delta_token_ids]
-        return tokens
-    return client.run(go())
+    name = "pin"
+
+    def __init__(self, replica_id):
+        self.replica_id = replica_id
+
+    def place(self, request, replicas):
+        return self.replica_id if any(r.replica_id == self.replica_id and r.alive for r in replicas) else None
+
+    def placed(self, request, replica_id):
+        pass
+
+    def rebalance(self, replicas, running):
+        return []
+
+
+def on_replica(client, replica_id, prompt, adapter, n):
+    """Greedy tokens of a request placed on one replica."""
+    front, policy = client.front, client.front.policy
+    front.policy = Pin(replica_id)
+    try:
+        return client.generate([Job(prompt, adapter, greedy(n), f"pinned-{time.monotonic_ns()}")])[0].token_ids
+    finally:
+        front.policy = policy
 
 
 def stream_tokens(client, jobs, during=None):

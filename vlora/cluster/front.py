@@ -6,7 +6,9 @@ The OpenAI server and ``LLM(replicas=N)`` use it as they use one engine (``submi
 - each replica is a Ray actor (:class:`vlora.cluster.replica.Replica`); one watcher task per replica pulls its
   ReplicaStatus every ``report_interval_s`` (one call per replica per interval, never one per request);
 - each request is a :class:`_Flight`: the placement policy (``policy.place``) picks a replica from the latest
-  reports, the replica's streaming method ``generate`` sends its outputs, the front forwards them to the group;
+  reports, the replica takes it (``submit``), and its outputs come back through the replica's one output
+  stream (``outputs``, shared by all its requests, about one Ray object per engine step); the front forwards
+  them to the request's group;
 - migration by recompute: a replica short of KV (or told by ``policy.rebalance``) finishes a request with
   "migrate"; the front places it again with its prompt plus the tokens already sent and ``max_tokens`` reduced
   by as many, so the client's stream goes on with no token lost or repeated;
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from vlora.cluster.config import ClusterConfig
 from vlora.cluster.policy import ReplicaReport, RequestInfo, make_policy
-from vlora.cluster.replica import ACCEPTED, REFUSALS, Refusal, Replica, ReplicaStatus, raise_refusal
+from vlora.cluster.replica import REFUSALS, Refusal, Replica, ReplicaStatus, raise_refusal
 from vlora.config import ConfigError, EngineConfig
 from vlora.engine.async_engine import (AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job, QueueFull,
                                        RequestFailed, RequestGroup, ShuttingDown, Timing)
@@ -78,6 +80,7 @@ class _Flight:
     moved: bool = False                                  # its replica handed it back: place it again
     moves: int = 0                                       # migrations and failovers
     detok: Seq | None = None                             # after a move: the text is detokenized here
+    inbox: asyncio.Queue | None = None                   # its replica's outputs (or _LOST), while on one
 
     def info(self) -> RequestInfo:
         return RequestInfo(self.job.request_id, self.job.adapter, len(self.prompt_ids or ()),
@@ -132,6 +135,7 @@ class ClusterFront:
             raise
         self._detok = Detokenizer(self.info.tokenizer)
         self._flights: dict[str, _Flight] = {}
+        self._by_engine: dict[str, _Flight] = {}     # request id on its replica -> flight
         self._tasks: set[asyncio.Task] = set()
         self._accepting = True
         self._stopped = False
@@ -139,6 +143,7 @@ class ClusterFront:
         self.failure: BaseException | None = None
         self.migrations = 0                  # requests moved off a replica (KV shortage or rebalance)
         self.failovers = 0                   # requests rerun after their replica died
+        self.output_lists = 0                # lists (Ray objects) read from the replicas' output streams
 
     def set_adapters(self, adapters: dict[str, str]) -> None:
         """Make ``adapters`` (name -> directory) the adapter set of every replica, blocking; before ``start``
@@ -187,6 +192,7 @@ class ClusterFront:
         self._changed = asyncio.Event()
         for r in self.replicas:
             self._spawn(self._watch(r))
+            self._spawn(self._listen(r))
         self._spawn(self._rebalance())
 
     def begin_shutdown(self) -> None:
@@ -364,11 +370,7 @@ class ClusterFront:
             if choice is not None and 0 <= choice < len(self.replicas) and self.replicas[choice].ready:
                 self.policy.placed(info, choice)
                 return self.replicas[choice]
-            event = self._changed
-            try:
-                await asyncio.wait_for(event.wait(), self.cluster.report_interval_s * 4)
-            except asyncio.TimeoutError:
-                pass
+            await self._next_change()
         return None
 
     def _resume_job(self, f: _Flight) -> Job:
@@ -387,7 +389,8 @@ class ClusterFront:
         return replace(f.job, request_id=engine_id, prompt=f.prompt_ids + f.tokens, params=params)
 
     async def _attempt(self, f: _Flight, r: _ReplicaHandle) -> None:
-        """Run ``f`` on replica ``r`` until it finishes, is handed back, or ``r`` dies."""
+        """Run ``f`` on replica ``r`` until it finishes, is handed back, or ``r`` dies. Its outputs come from
+        ``r``'s output stream (:meth:`_listen`) through ``f.inbox``."""
         import ray
 
         if f.tokens and len(f.tokens) >= f.job.params.max_tokens:    # nothing left to generate
@@ -395,35 +398,45 @@ class ClusterFront:
             self._deliver(f, self._output(f, [], "", True, "length"))
             return
         job = self._resume_job(f)
-        f.engine_id, f.replica = job.request_id, r
+        f.engine_id, f.replica, f.inbox = job.request_id, r, asyncio.Queue()
         f.attempt += 1
+        self._by_engine[job.request_id] = f
         try:
-            async for ref in r.actor.generate.remote(job):
-                item = await ref
-                if isinstance(item, str) and item == ACCEPTED:
-                    if not f.accepted.done():
-                        f.accepted.set_result(None)
-                    if f.aborted:
-                        _fire(r.actor.abort.remote([job.request_id]))
-                    continue
+            try:
+                refused = await r.actor.submit.remote(job)
+            except ray.exceptions.RayError as e:
+                self._failover(f, r, type(e).__name__)
+                return
+            if refused is not None:
+                if not r.ready:         # refused by a replica that has just restarted (adapters not synced yet)
+                    self._failover(f, r, "restarted")
+                else:
+                    self._refused(f, r, refused)
+                if not f.done:          # placed again after a pause (e.g. the replica's queue was full)
+                    await asyncio.sleep(self.cluster.report_interval_s)
+                return
+            if not f.accepted.done():
+                f.accepted.set_result(None)
+            if f.aborted:
+                _fire(r.actor.abort.remote([job.request_id]))
+            while not (f.done or f.moved):
+                item = await f.inbox.get()
+                if item is _LOST:
+                    self._failover(f, r, "its output stream broke")
+                    return
                 if isinstance(item, Refusal):
                     self._refused(f, r, item)
-                    if not f.done:              # placed again after a pause (the replica's queue was full)
-                        await asyncio.sleep(self.cluster.report_interval_s)
                     return
-                for out in item:
-                    self._forward(f, out)
-                if f.done or f.moved:
-                    break
-        except ray.exceptions.RayError as e:
-            log.warning("replica %d lost request %s (%s); placing it again", r.replica_id, f.job.request_id,
-                        type(e).__name__)
-            self._lost(r)
-            self.failovers += 1
-            f.moves += 1
+                self._forward(f, item)
         finally:
-            f.replica = None
-            f.moved = False
+            self._by_engine.pop(job.request_id, None)
+            f.replica, f.inbox, f.moved = None, None, False
+
+    def _failover(self, f: _Flight, r: _ReplicaHandle, why: str) -> None:
+        log.warning("replica %d lost request %s (%s); placing it again", r.replica_id, f.job.request_id, why)
+        self._lost(r)
+        self.failovers += 1
+        f.moves += 1
 
     def _refused(self, f: _Flight, r: _ReplicaHandle, item: Refusal) -> None:
         if item.kind == "EngineFailed":             # the replica's engine cannot go on: it restarts; run f elsewhere
@@ -525,6 +538,36 @@ class ClusterFront:
             self._wake()
             await asyncio.sleep(interval)
 
+    async def _listen(self, r: _ReplicaHandle) -> None:
+        """Read ``r``'s output stream (opened once ``r`` is ready, again after each restart) into the inboxes of
+        its requests; when the stream breaks, each of them is told it is lost."""
+        import ray
+
+        while not self._stopped:
+            if not r.ready:
+                await self._next_change()
+                continue
+            try:
+                async for ref in r.actor.outputs.remote():
+                    self.output_lists += 1
+                    for request_id, item in await ref:
+                        f = self._by_engine.get(request_id)
+                        if f is not None and f.inbox is not None:
+                            f.inbox.put_nowait(item)
+            except ray.exceptions.RayError as e:
+                log.warning("replica %d: its output stream broke (%s)", r.replica_id, type(e).__name__)
+            self._lost(r)
+            for f in list(self._by_engine.values()):
+                if f.replica is r and f.inbox is not None:
+                    f.inbox.put_nowait(_LOST)
+
+    async def _next_change(self) -> None:
+        """Until the next report (or a few report intervals, whichever comes first)."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), self.cluster.report_interval_s * 4)
+        except asyncio.TimeoutError:
+            pass
+
     def _check_unreachable(self) -> None:
         newest = max(r.last_seen for r in self.replicas)
         if self.failure is None and time.monotonic() - newest > self.cluster.unreachable_s:
@@ -554,6 +597,9 @@ class ClusterFront:
                 f = on.get(m.request_id)
                 if f is not None and f.replica is not None and f.replica.replica_id == m.source:
                     _fire(f.replica.actor.migrate.remote([f.engine_id]))
+
+
+_LOST = object()           # a flight's inbox item: its replica's output stream broke
 
 
 def _fire(ref) -> None:

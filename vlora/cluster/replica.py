@@ -4,7 +4,9 @@ The cluster front (:mod:`vlora.cluster.front`) talks to a replica through these 
 
     info()                      the model served (name, tokenizer, context, vocabulary), once at start
     status(adapters_version)    a ReplicaReport and the engine's stats, pulled every report interval
-    generate(job)               a streaming method: ACCEPTED or a Refusal first, then lists of RequestOutput deltas
+    submit(job)                 None (taken) or a Refusal
+    outputs()                   a streaming method: lists of (request id, RequestOutput delta or Refusal) of every
+                                request, about one list per engine step
     abort(ids) / migrate(ids)   stop requests; migrate finishes them "migrate" so the front resumes them elsewhere
     sync_adapters(version, {name: path})   make the registered adapters exactly these (idempotent)
 
@@ -15,6 +17,7 @@ adapters: the front syncs its adapter set before placing requests on it, also af
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from dataclasses import dataclass
@@ -26,9 +29,6 @@ from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFaile
 from vlora.engine.engine import Engine, RequestError
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingError
-
-ACCEPTED = "accepted"        # a stream's first item when the replica took the request
-
 
 @dataclass(frozen=True)
 class Refusal:
@@ -78,6 +78,8 @@ class Replica:
         self.incarnation = uuid.uuid4().hex
         self.adapters_version = 0
         self.adapter_paths: dict[str, str] = {}
+        self._outbox: asyncio.Queue = asyncio.Queue()    # (request id, output or refusal) for outputs()
+        self._pumps: set[asyncio.Task] = set()
 
     def _fatal(self, exc: BaseException) -> None:
         """The engine cannot go on: the process exits, so the front reruns its requests elsewhere (as for any
@@ -102,22 +104,36 @@ class Replica:
         return ReplicaStatus(report, stats, self.incarnation, self.adapters_version)
 
     # -- requests --------------------------------------------------------------------------------
-    async def generate(self, job: Job):
-        """Streaming: ACCEPTED (or a Refusal, then the end), then the request's outputs in lists, each list what
-        the engine produced since the consumer last asked; a failure ends the stream with a Refusal."""
+    async def submit(self, job: Job) -> Refusal | None:
+        """Add ``job``; None when taken (its outputs then come through :meth:`outputs`), else why not."""
         try:
             group = await self.engine.submit([job])
         except (QueueFull, ShuttingDown, RequestError, SamplingError) as e:
-            yield refusal(e)
-            return
-        yield ACCEPTED
+            return refusal(e)
+        self._pumps.add(asyncio.ensure_future(self._pump(job.request_id, group)))
+        return None
+
+    async def _pump(self, request_id: str, group) -> None:
         try:
             async for outs in group.batches():
-                yield outs
+                for out in outs:
+                    self._outbox.put_nowait((request_id, out))
         except EngineFailed as e:
-            yield refusal(e)
-        finally:            # the front stopped listening (cancelled) or the request failed: free it here
+            self._outbox.put_nowait((request_id, refusal(e)))
+        finally:
             group.abort()
+            self._pumps.discard(asyncio.current_task())
+
+    async def outputs(self):
+        """Streaming, for the front (one consumer): every request's outputs as ``[(request id, RequestOutput or
+        Refusal), ...]``, each list what arrived since the last one. One stream for all requests keeps the Ray
+        objects to about one per engine step, not one per request and token."""
+        while True:
+            items = [await self._outbox.get()]
+            await asyncio.sleep(0)          # let the other requests of the same engine step join this list
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            yield items
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine._abort(list(request_ids))
