@@ -96,9 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kill-load", type=float, default=0.7, help="kill run rate, as a share of its peak rate")
     p.add_argument("--kill-duration", type=float, default=20.0, help="seconds of arrivals of the kill run")
     p.add_argument("--kill-at", type=float, default=0.4, help="when the replica is killed, as a share of the run")
-    p.add_argument("--rejoin-wait", type=float, default=45.0, help="after the kill run, seconds to wait for the "
+    p.add_argument("--rejoin-wait", type=float, default=90.0, help="after the kill run, seconds to wait for the "
                    "killed replica to rejoin (its restart time is reported)")
-    p.add_argument("--budget-s", type=float, default=330.0, help="seconds the sweep and the kill run may take after "
+    p.add_argument("--budget-s", type=float, default=300.0, help="seconds the sweep and the kill run may take after "
                    "start-up (runs that would not fit are skipped and listed)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pages per replica (default: sized to the GPU)")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
@@ -314,16 +314,21 @@ class Bench:
         return best
 
     async def sweep(self) -> None:
-        """Per popularity: one replica's peak, then each policy's with all replicas, searched from the target
-        (replicas x 0.95 x one replica's peak) so that a first run meeting it already answers the question."""
+        """One replica's peak per popularity, then each policy's with all replicas, searched from the target
+        (replicas x 0.95 x one replica's peak) so that a first run meeting it already answers the question.
+        Order: for every popularity one replica and the first policy, then the other policies (what the budget
+        leaves out comes last)."""
         a, n = self.args, len(self.front.replicas)
+        ones = {}
         for popularity in a.popularities:
-            one = await self.peak(popularity, 1, "round_robin", a.start_rate, a.max_points)
-            if n == 1:
-                continue
-            for policy in a.policies:
-                start = 0.95 * n * (one or a.start_rate)
-                await self.peak(popularity, n, policy, start, max(1, a.max_points - 1))
+            ones[popularity] = await self.peak(popularity, 1, "round_robin", a.start_rate, a.max_points)
+            if n > 1:
+                await self.peak(popularity, n, a.policies[0], 0.95 * n * (ones[popularity] or a.start_rate),
+                                max(1, a.max_points - 1))
+        for policy in a.policies[1:] if n > 1 else ():
+            for popularity in a.popularities:
+                await self.peak(popularity, n, policy, 0.95 * n * (ones[popularity] or a.start_rate),
+                                max(1, a.max_points - 1))
 
     async def kill(self) -> None:
         """All replicas under --kill-policy; the last one killed --kill-at of the way through."""
@@ -413,9 +418,8 @@ def meta(front) -> dict:
     import ray
     import torch
 
-    device = front.device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device = f"{len(front.replicas)} x {torch.cuda.get_device_name(0)}"
+    names = sorted(set(front.device_names))
+    device = f"{len(front.replicas)} x {' / '.join(names)}"
     return dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=device,
                 ray=ray.__version__, torch=torch.__version__, replicas=len(front.replicas))
 

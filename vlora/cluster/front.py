@@ -122,6 +122,7 @@ class ClusterFront:
         self.info: EngineInfo = infos[0]["info"]
         self.adapter_shape = infos[0]["shape"]
         self.device = infos[0]["device"]
+        self.device_names = [i["device_name"] for i in infos]
         for r, i in zip(self.replicas, infos):
             r.incarnation = i["incarnation"]
         self.policy = make_policy(cluster.cluster_policy)

@@ -22,6 +22,8 @@ import os
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
 from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, EngineInfo, EngineStats, Job,
@@ -90,8 +92,10 @@ class Replica:
     def info(self) -> dict:
         e = self.engine.engine
         info = self.engine.info
+        cuda = e.device.type == "cuda"
         return dict(info=EngineInfo(info.model_name, info.tokenizer, info.context_len, info.vocab_size, None),
                     is_lmm=e.vision is not None, shape=e.adapters.shape, device=str(e.device),
+                    device_name=torch.cuda.get_device_name(e.device) if cuda else e.device.type,
                     incarnation=self.incarnation)
 
     def status(self) -> ReplicaStatus:
