@@ -101,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "killed replica to rejoin (its restart time is reported)")
     p.add_argument("--budget-s", type=float, default=300.0, help="seconds the sweep and the kill run may take after "
                    "start-up (runs that would not fit are skipped and listed)")
+    p.add_argument("--batch-cap", type=int, default=None, help="batch cap the replicas report to the policies "
+                   "(Punica's consolidation fills a replica up to it; default: the engine's max_num_seqs)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pages per replica (default: sized to the GPU)")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
     p.add_argument("--seed", type=int, default=0)
@@ -455,7 +457,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     t = time.monotonic()
     front = ClusterFront(engine_config(args), ClusterConfig(replicas=args.replicas, ray_num_cpus=args.ray_num_cpus,
-                                                            max_restarts=-1))
+                                                            batch_cap=args.batch_cap, max_restarts=-1))
     log(f"{args.replicas} replicas of {args.model} on {front.device} up in {time.monotonic() - t:.0f} s")
     try:
         front.set_adapters(write_adapters(args, front.adapter_shape))   # all at once, before serving

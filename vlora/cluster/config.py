@@ -23,6 +23,9 @@ class ClusterConfig:
     """GPUs each replica holds (default: tensor_parallel_size when CUDA is visible here, else 0)."""
     cpus_per_replica: float = 1.0
     """CPUs each replica holds (the replica's torch threads follow it)."""
+    batch_cap: int | None = None
+    """Batch size beyond which a replica's throughput stops growing, reported to the placement policy (Punica's
+    consolidation fills a replica up to it); default: the engine's max_num_seqs."""
     report_interval_s: float = 0.05
     """Seconds between two reports a replica gives the placement policy (load, free KV pages, adapters)."""
     max_restarts: int = 4
@@ -38,6 +41,8 @@ class ClusterConfig:
         for name in ("report_interval_s", "cpus_per_replica", "unreachable_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.batch_cap is not None and self.batch_cap < 1:
+            raise ConfigError(f"batch_cap must be >= 1, got {self.batch_cap}")
         if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
             raise ConfigError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
 

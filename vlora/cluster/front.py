@@ -113,7 +113,7 @@ class ClusterFront:
                                             max_restarts=cluster.max_restarts, max_task_retries=0,
                                             max_concurrency=4096)
         self._started = False
-        self.replicas = [_ReplicaHandle(i, actor.remote(i, config, max_queued_requests))
+        self.replicas = [_ReplicaHandle(i, actor.remote(i, config, max_queued_requests, cluster.batch_cap))
                          for i in range(cluster.replicas)]
         infos = ray.get([r.actor.info.remote() for r in self.replicas])
         if infos[0]["is_lmm"]:

@@ -71,8 +71,10 @@ class ReplicaStatus:
 class Replica:
     """The actor's body (Ray wraps it with ``ray.remote``; tests may also use it directly)."""
 
-    def __init__(self, replica_id: int, config: EngineConfig, max_queued_requests: int = 256):
+    def __init__(self, replica_id: int, config: EngineConfig, max_queued_requests: int = 256,
+                 batch_cap: int | None = None):
         self.replica_id = replica_id
+        self.batch_cap = batch_cap
         engine = Engine(config)
         engine.hand_back_preempted = True
         self.engine = AsyncEngine(engine, max_queued_requests, on_fatal=self._fatal)
@@ -104,7 +106,8 @@ class Replica:
         report = ReplicaReport(self.replica_id, stats.num_running, stats.num_waiting,
                                free_kv_pages=e.pool.num_free, total_kv_pages=e.pool.num_pages,
                                page_tokens=e.block_size, resident_adapters=resident,
-                               batch_cap=e.config.scheduler.max_num_seqs, alive=self.engine.accepting)
+                               batch_cap=self.batch_cap or e.config.scheduler.max_num_seqs,
+                               alive=self.engine.accepting)
         return ReplicaStatus(report, stats, self.incarnation, self.adapters_version)
 
     # -- requests --------------------------------------------------------------------------------
