@@ -53,7 +53,6 @@ class _ReplicaHandle:
     status: ReplicaStatus | None = None
     ready: bool = False                 # reported, in its current incarnation, with the adapter set synced
     last_seen: float = field(default_factory=time.monotonic)
-    deaths: int = 0                     # times the front saw it die or restart
 
     def report(self) -> ReplicaReport:
         if self.status is None:
@@ -211,8 +210,11 @@ class ClusterFront:
             self._abort_flight(f)
         await asyncio.sleep(0)
         self._stopped = True
-        for t in list(self._tasks):
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for t in tasks:
             t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
         self.close()
         return drained
 
@@ -265,9 +267,6 @@ class ClusterFront:
                 self._abort_flight(f, deliver=False)
             raise
         return group
-
-    async def call(self, fn):
-        raise NotImplementedError("a cluster runs no function on its engines; use load_adapter / unload_adapter")
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Register an adapter on every replica (and on each replica that starts later); all or none."""
@@ -504,8 +503,7 @@ class ClusterFront:
 
     # -- replicas -------------------------------------------------------------------------------------------
     def _lost(self, r: _ReplicaHandle) -> None:
-        if r.ready:
-            r.deaths += 1
+        """``r`` takes no new request until the watcher sees it answer (and synced, after a restart)."""
         r.ready = False
         self._wake()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,9 @@ class Replica:
         self.incarnation = uuid.uuid4().hex
         self.adapters_version = 0
         self.adapter_paths: dict[str, str] = {}
-        self._outbox: asyncio.Queue = asyncio.Queue()    # (request id, output or refusal) for outputs()
+        self._outbox: deque = deque()       # (request id, output or refusal) not yet sent by outputs()
+        self._arrived = asyncio.Event()      # set when the outbox gets an item (or a newer stream starts)
+        self._stream = 0                     # the newest outputs() call; older ones end
         self._pumps: set[asyncio.Task] = set()
 
     def _fatal(self, exc: BaseException) -> None:
@@ -124,23 +127,35 @@ class Replica:
         try:
             async for outs in group.batches():
                 for out in outs:
-                    self._outbox.put_nowait((request_id, out))
+                    self._send(request_id, out)
         except EngineFailed as e:
-            self._outbox.put_nowait((request_id, refusal(e)))
+            self._send(request_id, refusal(e))
         finally:
             group.abort()
             self._pumps.discard(asyncio.current_task())
 
+    def _send(self, request_id: str, item) -> None:
+        self._outbox.append((request_id, item))
+        self._arrived.set()
+
     async def outputs(self):
-        """Streaming, for the front (one consumer): every request's outputs as ``[(request id, RequestOutput or
-        Refusal), ...]``, each list what arrived since the last one. One stream for all requests keeps the Ray
-        objects to about one per engine step, not one per request and token."""
+        """Streaming, for the front: every request's outputs as ``[(request id, RequestOutput or Refusal), ...]``,
+        each list what arrived since the last one. One stream for all requests keeps the Ray objects to about one
+        per engine step, not one per request and token. A new call (the front reconnecting) ends the older one,
+        so no item goes to a stream nobody reads."""
+        self._stream += 1
+        me = self._stream
+        self._arrived.set()                 # an older stream wakes up and ends
         while True:
-            items = [await self._outbox.get()]
+            await self._arrived.wait()
+            if me != self._stream:
+                return
+            self._arrived.clear()
             await asyncio.sleep(0)          # let the other requests of the same engine step join this list
-            while not self._outbox.empty():
-                items.append(self._outbox.get_nowait())
-            yield items
+            if self._outbox:
+                items = list(self._outbox)
+                self._outbox.clear()
+                yield items
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine._abort(list(request_ids))
