@@ -432,10 +432,11 @@ def meta(front) -> dict:
 async def bench(front, args, out: Path) -> dict:
     """The sweep and the kill run on a started ``front``; the results (also written under ``out``)."""
     adapters = write_adapters(args, front.adapter_shape)
-    log(f"registering {len(adapters)} adapters on {len(front.replicas)} replicas")
-    for name, path in adapters.items():
-        if name not in front.adapter_names:
-            await front.load_adapter(name, path)
+    missing = {name: path for name, path in adapters.items() if name not in front.adapter_names}
+    if missing:
+        log(f"registering {len(missing)} adapters on {len(front.replicas)} replicas")
+    for name, path in missing.items():
+        await front.load_adapter(name, path)
     b = Bench(front, args, adapters, out, meta(front))
     policy = front.policy
     try:
