@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     """(the cluster's blocking client, one engine for expected answers, adapter paths). The cluster is what
     `vlora serve --replicas 2` starts."""
     from vlora.cli import build_parser, serving_cluster
-    from vlora.cluster.front import ClusterClient
+    from vlora.cluster.client import ClusterClient
 
     root = tmp_path_factory.mktemp("cluster")
     path, hf = make_tiny_model(root)
@@ -261,7 +261,7 @@ def test_bench_dry_run_writes_its_report(setup, tmp_path):
 
 def test_llm_with_replicas_runs_on_the_cluster_front(tmp_path, monkeypatch):
     """LLM(replicas=N) hands its config and adapters to a front and its requests to the front's client."""
-    from vlora.cluster import front as front_mod
+    from vlora.cluster import client as client_mod, front as front_mod
 
     made = {}
 
@@ -278,7 +278,7 @@ def test_llm_with_replicas_runs_on_the_cluster_front(tmp_path, monkeypatch):
             made["jobs"] = jobs
             return ["out"] * len(jobs)
     monkeypatch.setattr(front_mod, "ClusterFront", Front)
-    monkeypatch.setattr(front_mod, "ClusterClient", Client)
+    monkeypatch.setattr(client_mod, "ClusterClient", Client)
     (tmp_path / "a").mkdir()
     llm = LLM("m", adapters={"a": tmp_path / "a"}, replicas=3, cluster_policy="round_robin", max_model_len=64)
     assert llm.engine is None and llm.list_adapters() == ["a"]

@@ -52,7 +52,8 @@ class LLM:
         self.cluster = None
         if replicas > 1 or ray_address is not None:
             from vlora.cluster.config import ClusterConfig
-            from vlora.cluster.front import ClusterClient, ClusterFront
+            from vlora.cluster.client import ClusterClient
+            from vlora.cluster.front import ClusterFront
 
             self.engine = None
             self.cluster = ClusterClient(ClusterFront(config, ClusterConfig(replicas, cluster_policy, ray_address),
