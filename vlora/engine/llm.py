@@ -51,8 +51,8 @@ class LLM:
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
         self.cluster = None
         if replicas > 1 or ray_address is not None:
-            from vlora.cluster.config import ClusterConfig
             from vlora.cluster.client import ClusterClient
+            from vlora.cluster.config import ClusterConfig
             from vlora.cluster.front import ClusterFront
 
             self.engine = None
