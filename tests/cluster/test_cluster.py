@@ -119,6 +119,13 @@ def test_two_replicas_answer_like_one_engine(setup):
     assert all(r.status.stats.num_blocks > 0 for r in client.front.replicas)
     with pytest.raises(RequestError, match="adapter 'nope' is not registered"):
         client.generate([Job(PROMPTS[0], "nope", greedy(2), "x")])
+    # a replica's refusal is raised by the front as the same exception, and the group's other job is not run
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        client.generate([Job(PROMPTS[0], None, greedy(2), "ok-1"), Job([100000], None, greedy(2), "bad-1")])
+    deadline = time.monotonic() + 10
+    while client.front._flights:           # the other job's abort comes back from its replica
+        assert time.monotonic() < deadline, "the group's other job was not aborted"
+        time.sleep(0.02)
 
 
 def test_migration_mid_stream_keeps_the_stream(setup):
