@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from vlora.cluster.config import ClusterConfig
 from vlora.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServerConfig, field_help
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, LoRAConfig, SchedulerConfig)
@@ -130,6 +131,16 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from vlora.server.app import serve
 
+    if _pick(ClusterConfig, args).enabled:
+        front, server_config, adapters = serving_cluster(args)
+        print(f"serving {server_config.served_model_name or front.info.model_name} on {len(front.replicas)} "
+              f"replicas ({front.device}, policy {front.cluster.cluster_policy}) with adapters {', '.join(adapters)} "
+              f"at http://{server_config.host}:{server_config.port}/v1", file=sys.stderr)
+        try:
+            serve(front, server_config, log_level=args.log_level)
+        finally:
+            front.close()
+        return 0
     engine, server_config, adapters = serving_engine(args)
     print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
           f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1; {engine.sizing.describe()}",
@@ -138,16 +149,21 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _serve_args(args):
+    """(adapter name -> path, server config) of ``vlora serve``, checked before any model loads."""
+    if args.api_key is None:
+        args.api_key = os.environ.get("VLORA_API_KEY") or None
+    adapters = _check_paths(args)
+    return adapters, _pick(ServerConfig, args)
+
+
 def serving_engine(args):
     """What ``vlora serve`` serves for ``args``: (engine with its adapters registered, server config, adapter
     name -> path). The arguments are checked before the model loads."""
     from vlora.engine.engine import Engine
     from vlora.models.loader import cache_root
 
-    if args.api_key is None:
-        args.api_key = os.environ.get("VLORA_API_KEY") or None
-    adapters = _check_paths(args)
-    server_config = _pick(ServerConfig, args)          # fails before the model loads
+    adapters, server_config = _serve_args(args)
     engine = Engine(_engine_config(args))
     if not adapters:
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
@@ -156,19 +172,42 @@ def serving_engine(args):
     return engine, server_config, adapters
 
 
+def serving_cluster(args):
+    """``vlora serve --replicas N``: (the cluster front, its replicas started with their adapters, server config,
+    adapter name -> path)."""
+    from vlora.cluster.front import ClusterFront
+    from vlora.models.loader import cache_root
+
+    adapters, server_config = _serve_args(args)
+    front = ClusterFront(_engine_config(args), _pick(ClusterConfig, args),
+                         max_queued_requests=server_config.max_queued_requests)
+    try:
+        if not adapters:
+            adapters, _ = _demo_adapters_for(front.adapter_shape, False, cache_root() / "demo-adapters")
+        front.set_adapters(adapters)
+    except BaseException:
+        front.close()
+        raise
+    return front, server_config, adapters
+
+
 def _demo_adapters(engine, root) -> tuple[dict[str, str], bool]:
-    """The trained demo adapters for this model: built by ``vlora adapters demo`` (in ``root``), else shipped
-    with vlora (the embedded model's text tasks); else two random ones. And whether they are trained ones."""
+    """The demo adapters for ``engine``'s model (:func:`_demo_adapters_for`)."""
+    return _demo_adapters_for(engine.adapters.shape, getattr(engine, "vision", None) is not None, root)
+
+
+def _demo_adapters_for(shape, is_lmm: bool, root) -> tuple[dict[str, str], bool]:
+    """The trained demo adapters for a model of adapter ``shape``: built by ``vlora adapters demo`` (in
+    ``root``), else shipped with vlora (the embedded model's text tasks); else two random ones. And whether they
+    are trained ones."""
     from vlora.adapters.demo import SHIPPED, TRAINED, trained_adapters
     from vlora.lora.random_adapter import write_random_adapter
 
-    shape = engine.adapters.shape
     for folder in (root / shape.name / TRAINED, SHIPPED / shape.name):
         trained = trained_adapters(folder)
         if trained:
             ask = ("send an image with 'Is there a 3 in the picture?' and \"task_head\": true (LLM.classify)"
-                   if getattr(engine, "vision", None) is not None
-                   else "ask them e.g. 'Classify: The concert was wonderful.'")
+                   if is_lmm else "ask them e.g. 'Classify: The concert was wonderful.'")
             print(f"note: no --adapter given; serving the trained demo adapters {', '.join(trained)} (from "
                   f"{folder}; {ask})", file=sys.stderr)
             return trained, True
@@ -313,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler (default: random)")
     gen.set_defaults(func=cmd_generate)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, adapters, metrics)")
-    _add_config_args(srv, ENGINE_CONFIGS + (ServerConfig,))
+    _add_config_args(srv, ENGINE_CONFIGS + (ServerConfig, ClusterConfig))
     srv.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                      help="PEFT adapter to serve from the start: a directory or a Hub id org/name[@revision] "
                           "(repeatable); default: the demo adapters")

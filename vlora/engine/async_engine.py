@@ -71,6 +71,22 @@ class EngineStats:
     mode_switches: int = 0       # merges + unmerges so far
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of the model served, alike for one engine and a cluster of replicas."""
+
+    model_name: str
+    tokenizer: object | None
+    context_len: int             # longest prompt + output: the model's limit and what one sequence's KV can hold
+    vocab_size: int
+    vision: object | None = None  # LMMs: the vision tower (image placeholders, tokens per image)
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        context = min(engine.max_model_len, engine.pool.num_pages * engine.block_size)
+        return cls(engine.model_name, engine.tokenizer, context, engine.model.cfg.vocab_size, engine.vision)
+
+
 @dataclass
 class Timing:
     """Monotonic times of one request: submitted, first token delivered, finished."""
@@ -221,6 +237,7 @@ class AsyncEngine:
         self._busy = False
         self.stats = self._snapshot()
         self.adapter_names = frozenset(engine.adapters.names())   # servable adapters, published
+        self.info = EngineInfo.of(engine)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -284,6 +301,10 @@ class AsyncEngine:
         fut = loop.create_future()
         self._push(lambda: self._reply(loop, fut, lambda: fn(self.engine)))
         return await fut
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Register the PEFT adapter in directory ``path`` as ``name``; raises AdapterError if it is refused."""
+        await self.call(lambda e: e.adapters.register(name, path))
 
     async def unload_adapter(self, name: str, policy: str = "wait") -> int:
         """Unregister adapter ``name``; returns how many of its requests were waited for or aborted.

@@ -136,6 +136,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []       # outputs of aborts, flushed by the next step
         self._forward_failures = 0                    # iterations in a row whose forward failed
+        # cluster replicas: a request preempted for KV goes back to the cluster front (finish "migrate") to resume
+        # elsewhere by recompute, rather than wait here for pages this replica is short of
+        self.hand_back_preempted = False
         self._rng = torch.Generator(self.device).manual_seed(config.model.seed)
 
     @property
@@ -227,6 +230,16 @@ class Engine:
         self._pending.append(self._output(seq, []))
         return True
 
+    def hand_back(self, request_id: str) -> bool:
+        """Stop a request and free its memory, finishing it with ``finish_reason="migrate"``: its output holds the
+        tokens generated so far, from which the cluster front resumes it on another replica. False if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "migrate")
+        self._pending.append(self._output(seq, []))
+        return True
+
     def set_slo(self, adapter: str | None, slo: SLO | None) -> None:
         """Latency targets for every request of ``adapter`` (None: the base model); None clears them.
         Requests that can no longer meet them are rejected before they are served (finish "rejected")."""
@@ -314,6 +327,9 @@ class Engine:
             out = sched.schedule(ready)             # outputs never depend on the mode, only speed does
             preempted, truncated = preempted + out.preempted, truncated + out.truncated
         self.orchestrator.apply(decision, modes, self.adapters)
+        if self.hand_back_preempted:
+            for seq in preempted:
+                self.hand_back(seq.request_id)
         return StepPlan(out.scheduled, preempted, truncated, decision)
 
     def _run(self, plan: StepPlan) -> dict[str, int | TaskResult | RequestFailed]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,8 +35,11 @@ class LLM:
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
                  adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9,
                  lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
+                 replicas: int = 1, ray_address: str | None = None, cluster_policy: str = "round_robin",
                  config: EngineConfig | None = None):
-        self.engine = Engine(config or EngineConfig(
+        """``replicas`` > 1 (or a ``ray_address``): that many engine replicas on Ray, placed by
+        ``cluster_policy`` (docs/cluster.md); ``self.engine`` is then None."""
+        config = config or EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               kernels=kernels, cuda_graphs=cuda_graphs, max_images_per_request=max_images_per_request,
                               max_pixels_per_image=max_pixels_per_image,
@@ -43,33 +47,58 @@ class LLM:
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
                               adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras, lora_overlap, lora_pdl),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s)))
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
+        self.cluster = None
+        if replicas > 1 or ray_address is not None:
+            from vlora.cluster.client import ClusterClient
+            from vlora.cluster.config import ClusterConfig
+            from vlora.cluster.front import ClusterFront
+
+            self.engine = None
+            self.cluster = ClusterClient(ClusterFront(config, ClusterConfig(replicas, cluster_policy, ray_address),
+                                                      {name: str(resolve_adapter_dir(p)) for name, p in items}))
+            self._ids = itertools.count()
+            return
+        self.engine = Engine(config)
         for name, path in items:
             self.register_adapter(name, path)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any."""
-        self.engine.close()
+        """Stop the tensor-parallel workers, or the replicas, if any."""
+        if self.cluster is not None:
+            self.cluster.close()
+        else:
+            self.engine.close()
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.cluster.front.info.tokenizer if self.cluster is not None else self.engine.tokenizer
 
     def register_adapter(self, name: str, path: str | os.PathLike) -> None:
         """Validate and register a PEFT adapter (a directory, or a Hub id org/name[@revision]); a refused one
-        leaves the others untouched."""
-        self.engine.adapters.register(name, resolve_adapter_dir(path))
+        leaves the others untouched. With replicas: on every replica, and on each one that restarts."""
+        if self.cluster is not None:
+            self.cluster.run(self.cluster.front.load_adapter(name, str(resolve_adapter_dir(path))))
+        else:
+            self.engine.adapters.register(name, resolve_adapter_dir(path))
 
     def unregister_adapter(self, name: str) -> None:
-        self.engine.unregister_adapter(name)
+        if self.cluster is not None:
+            self.cluster.run(self.cluster.front.unload_adapter(name, "wait"))
+        else:
+            self.engine.unregister_adapter(name)
 
     def set_slo(self, adapter: str | None, slo) -> None:
         """Latency targets (``SLO(ttft_s=..., latency_s=...)``) for every request of ``adapter`` (None: the
         base model); requests that can no longer meet them finish early as "rejected", with the reason."""
+        if self.cluster is not None:
+            raise RequestError("latency targets are per engine; a cluster of replicas does not take them yet")
         self.engine.set_slo(adapter, slo)
 
     def list_adapters(self) -> list[str]:
+        if self.cluster is not None:
+            return sorted(self.cluster.front.adapter_names)
         return self.engine.adapters.names()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], adapters: str | None | Sequence[str | None] = None,
@@ -85,6 +114,10 @@ class LLM:
         images_ = [None] * len(prompts) if images is None else [images] if single else list(images)
         if len(images_) != len(prompts):
             raise RequestError(f"images has {len(images_)} entries for {len(prompts)} prompts")
+        if self.cluster is not None:
+            if any(images_):
+                raise RequestError("a cluster of replicas serves text models only")
+            return self.cluster.generate([self._job(p, a, s) for p, a, s in zip(prompts, adapters_, sampling_)])
         ids = []
         try:
             for p, a, s, im in zip(prompts, adapters_, sampling_, images_):
@@ -119,6 +152,9 @@ class LLM:
     def stream(self, prompt: Prompt, adapter: str | None = None,
                sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield this request's outputs as tokens arrive; closing the iterator aborts it."""
+        if self.cluster is not None:
+            yield from self.cluster.stream(self._job(prompt, adapter, sampling))
+            return
         rid = self.engine.add_request(prompt, adapter, sampling)
         done = False
         try:
@@ -130,6 +166,14 @@ class LLM:
         finally:
             if not done:
                 self.engine.abort(rid)
+
+
+    def _job(self, prompt: Prompt, adapter: str | None, sampling: SamplingParams | None):
+        from vlora.engine.async_engine import Job
+
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(sampling).__name__}")
+        return Job(prompt, adapter, sampling or SamplingParams(), f"llm-{next(self._ids)}")
 
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:

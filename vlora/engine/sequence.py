@@ -45,6 +45,7 @@ class Sequence:
     num_cached: int = 0                      # leading blocks that came from the prefix cache (pinned there)
     generator: torch.Generator | None = None
     finish_reason: str | None = None         # "stop" | "length" | "abort" | "rejected" (SLO early abort) | "error"
+    #                                          | "migrate" (handed back to the cluster front, resumed elsewhere)
     text: str = ""                           # detokenized output (stop string excluded)
     num_emitted_tokens: int = 0              # streamed so far
     num_emitted_chars: int = 0

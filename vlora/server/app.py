@@ -94,17 +94,18 @@ class OpenAIServer:
     """What the routes share: the engine thread, the config, the tokenizer copy, the metrics."""
 
     def __init__(self, engine: Engine | AsyncEngine, config: ServerConfig):
+        """``engine``: an Engine (served on an AsyncEngine of its own), an AsyncEngine, or anything with the
+        AsyncEngine's serving interface (a :class:`vlora.cluster.front.ClusterFront`)."""
         self.owns_engine = isinstance(engine, Engine)
         self.engine = AsyncEngine(engine, config.max_queued_requests) if self.owns_engine else engine
         self.config = config
-        e = self.engine.engine
+        e = self.engine.info          # one engine's or, for a cluster, its replicas'
         self.base_name = config.served_model_name or e.model_name
         # the workers tokenize with their own copies; the engine thread detokenizes with the original
         self.work = HeavyWork(e.tokenizer)
         self.has_tokenizer = e.tokenizer is not None
-        # longest prompt + output: the model's limit, and what one sequence can hold in the KV cache
-        self.context_len = min(e.max_model_len, e.pool.num_pages * e.block_size)
-        self.vocab_size = e.model.cfg.vocab_size
+        self.context_len = e.context_len
+        self.vocab_size = e.vocab_size
         # a text longer than this cannot fit the context whatever it holds: refused before it is tokenized
         chars = self.work.max_token_chars
         self.max_text_chars = None if chars is None else self.context_len * chars
@@ -184,7 +185,7 @@ class OpenAIServer:
 
     def image_tokens(self, images: list) -> int:
         """Prompt tokens the images add once their placeholders are expanded (one placeholder per image)."""
-        vision = self.engine.engine.vision
+        vision = self.engine.info.vision
         if vision is None or vision.tokens_per_image is None:   # Qwen2-VL: per image size, checked on admission
             return 0
         return len(images) * (vision.tokens_per_image - 1)
@@ -289,7 +290,7 @@ class OpenAIServer:
                 images.append(await self.work.run(load_image, url, self.image_limits))
             except ImageError as e:
                 raise APIError(e.status, f"image {i}: {e}", param="messages", code="invalid_image") from None
-        vision = self.engine.engine.vision
+        vision = self.engine.info.vision
         if images and vision is None:
             raise APIError(400, f"model {self.base_name!r} does not accept images (it is a text-only model)",
                            param="messages", code="images_not_supported")
@@ -371,7 +372,7 @@ class OpenAIServer:
             raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
         path = await self.adapter_source(req.lora_path)
         try:
-            await self.engine.call(lambda e: e.adapters.register(req.lora_name, path))
+            await self.engine.load_adapter(req.lora_name, path)
         except AdapterError as e:
             raise APIError(400, self.hide_paths(str(e), path, req.lora_path), param="lora_path",
                            code="invalid_adapter") from None

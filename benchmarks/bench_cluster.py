@@ -1,0 +1,481 @@
+"""A cluster of engine replicas on Ray: peak request rate per placement policy, 1 vs 2 replicas, and a replica
+killed mid-run.
+
+Setting (issue 32): random weights of a Llama-2-7B-shaped model in bf16, ``--adapters`` random adapters
+(ranks ``--ranks``, projections ``--targets``), requests of the synthetic workload of vlora/bench/workloads.py
+(Gamma arrivals, cv 1, lengths uniform in ``--input-range`` / ``--output-range``, greedy with ignore_eos) under
+two popularities: zipf (adapter i's share proportional to 1/(i+1)) and skewed (the most popular adapter gets
+``--skewness`` of the requests, the others share the rest).
+
+One cluster of ``--replicas`` replicas (TP=1, one GPU each through Ray's num_gpus) serves every run; a
+"1 replica" run restricts placement to replica 0, so both sides pay the same front and Ray costs. For each
+(popularity, replicas, policy) the request rate is searched: x or / ``--rate-step`` until one rate meets the
+mean-TTFT target ``--ttft-slo`` (with every request complete) and one misses it, then bisected (geometric
+mean), ``--max-points`` runs for one replica (from ``--start-rate``) and one fewer per policy with all
+replicas (from 0.95 x replicas x one replica's peak: a first run that meets the target shows the scaling).
+The peak is the highest rate that met it. 1-replica runs do not depend on the policy and run once per
+popularity. Last, the kill run: all replicas under ``--kill-policy`` at ``--kill-load`` of its peak rate, the
+last replica killed (ray.kill; Ray restarts it) ``--kill-at`` of the way in: requests lost (not finished with
+all their tokens), failovers, the latency of requests in flight at the kill against the others, and when
+the replica rejoined.
+
+Runs are ordered by importance and skipped once ``--budget-s`` would be exceeded (the kill run keeps its
+share). Writes ``--out``/results.json (config, every run with its per-request records, peaks, the kill run,
+the trace format) after each run, and summary.md at the end.
+
+    python benchmarks/bench_cluster.py --out benchmarks/results/cluster-h100x2     # two GPUs: about 8 minutes
+    python benchmarks/bench_cluster.py --dry-run --out /tmp/cluster-dry            # tiny model on CPUs: ~1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from vlora.bench.workloads import skewed_shares, synthetic  # noqa: E402
+from vlora.cluster.policy import POLICIES, make_policy  # noqa: E402
+from vlora.sampling_params import SamplingParams  # noqa: E402
+
+TRACE_FORMAT = {
+    "arrival_s": "when the request was due, seconds from the start of its run (open loop: sent then)",
+    "adapter": "adapter name (a0 the most popular)",
+    "input_len": "prompt tokens (random ids)",
+    "output_len": "tokens asked for (max_tokens, ignore_eos: every request generates them all)",
+    "ttft_s": "first token received at the front minus arrival_s (null: none came)",
+    "latency_s": "last token received minus arrival_s (null: it did not finish)",
+    "tokens": "tokens received",
+    "finish_reason": "length when complete; abort / error / null otherwise",
+    "replicas": "replica ids that served it, in order (more than one: it migrated or failed over)",
+    "moves": "migrations and failovers it went through",
+}
+DRY_RUN = dict(model="random:tiny-llama", dtype="float32", device="cpu", adapters=4, ranks="4,8",
+               input_range="4,24", output_range="4,16", duration=2.0, start_rate=4.0, max_points=2,
+               kill_duration=4.0, budget_s=120.0, num_blocks=64, ray_num_cpus=2, drain_s=20.0, rejoin_wait=0.0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Expected duration on two H100s: about "
+                                "8 minutes: start-up 1-2 min (weights, kernels, writing and loading the adapters), "
+                                "the sweep and kill run --budget-s, the killed replica's rejoin up to --rejoin-wait.")
+    p.add_argument("--model", default="random:llama-2-7b", help="model of every replica")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="auto", help="replicas' device (auto: CUDA when the replica sees a GPU)")
+    p.add_argument("--replicas", type=int, default=2, help="replicas of the cluster (one GPU each)")
+    p.add_argument("--adapters", type=int, default=100, help="random adapters")
+    p.add_argument("--ranks", default="8,16", help="adapter ranks, round-robin")
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="projections the adapters change")
+    p.add_argument("--adapter-dir", default="/tmp/vlora-bench-cluster-adapters",
+                   help="where the random adapters are written (reused when present)")
+    p.add_argument("--popularities", default="zipf,skewed", help="adapter popularities to run: zipf, skewed")
+    p.add_argument("--skewness", type=float, default=0.5, help="skewed: the most popular adapter's share")
+    p.add_argument("--policies", default=None, help="placement policies (default: every one vlora.cluster knows)")
+    p.add_argument("--input-range", default="8,256", help="MIN,MAX prompt tokens")
+    p.add_argument("--output-range", default="8,128", help="MIN,MAX output tokens")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per run")
+    p.add_argument("--drain-s", type=float, default=15.0, help="after the arrivals, seconds a run waits for its "
+                   "requests before aborting the rest (they count as not meeting the TTFT target)")
+    p.add_argument("--ttft-slo", type=float, default=0.5, help="mean TTFT target (s) that defines the peak rate")
+    p.add_argument("--start-rate", type=float, default=6.0, help="first rate tried, req/s per replica")
+    p.add_argument("--rate-step", type=float, default=1.5, help="factor between two rates tried until the peak is "
+                   "bracketed (then bisected)")
+    p.add_argument("--max-points", type=int, default=4, help="most rates tried for one replica's peak (one fewer "
+                   "per policy with all replicas)")
+    p.add_argument("--kill-policy", default="round_robin", help="policy of the kill run")
+    p.add_argument("--kill-load", type=float, default=0.5, help="kill run rate, as a share of its peak rate with "
+                   "all replicas (0.5 of two replicas' peak: what the survivor can carry alone)")
+    p.add_argument("--kill-duration", type=float, default=20.0, help="seconds of arrivals of the kill run")
+    p.add_argument("--kill-at", type=float, default=0.4, help="when the replica is killed, as a share of the run")
+    p.add_argument("--rejoin-wait", type=float, default=90.0, help="after the kill run, seconds to wait for the "
+                   "killed replica to rejoin (its restart time is reported)")
+    p.add_argument("--budget-s", type=float, default=300.0, help="seconds the sweep and the kill run may take after "
+                   "start-up (runs that would not fit are skipped and listed)")
+    p.add_argument("--batch-cap", type=int, default=None, help="batch cap the replicas report to the policies "
+                   "(Punica's consolidation fills a replica up to it; default: the engine's max_num_seqs)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pages per replica (default: sized to the GPU)")
+    p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true", help="a tiny random model on CPUs, a few short runs: checks "
+                   "the script end to end (defaults then: " + ", ".join(f"{k}={v}" for k, v in DRY_RUN.items()) + ")")
+    p.add_argument("--out", required=True, help="folder for results.json and summary.md")
+    if "--dry-run" in (sys.argv[1:] if argv is None else argv):     # its settings, unless given explicitly
+        p.set_defaults(**DRY_RUN)
+    args = p.parse_args(argv)
+    args.ranks = tuple(int(x) for x in args.ranks.split(","))
+    args.targets = tuple(args.targets.split(","))
+    args.input_range = tuple(int(x) for x in args.input_range.split(","))
+    args.output_range = tuple(int(x) for x in args.output_range.split(","))
+    args.popularities = tuple(args.popularities.split(","))
+    args.policies = tuple(args.policies.split(",")) if args.policies else tuple(POLICIES)
+    for name in args.policies + (args.kill_policy,):
+        if name not in POLICIES:
+            p.error(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    for pop in args.popularities:
+        if pop not in ("zipf", "skewed"):
+            p.error(f"unknown popularity {pop!r} (zipf, skewed)")
+    return args
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- set-up -----------------------------------------------------------------------------------------------
+def engine_config(args):
+    from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+
+    return EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed),
+                        cache=CacheConfig(num_blocks=args.num_blocks),
+                        lora=LoRAConfig(max_lora_rank=max(args.ranks)))
+
+
+def write_adapters(args, shape) -> dict[str, str]:
+    """``--adapters`` random adapters for ``shape`` under --adapter-dir/<model>/ (kept for the next run)."""
+    from vlora.lora.random_adapter import write_random_adapter
+
+    root = Path(args.adapter_dir) / shape.name / f"r{'-'.join(map(str, args.ranks))}-{'-'.join(args.targets)}"
+    out = {}
+    for j in range(args.adapters):
+        path = root / f"a{j}"
+        if not (path / "adapter_model.safetensors").is_file():
+            write_random_adapter(path, shape, args.ranks[j % len(args.ranks)], seed=j, std=0.01, targets=args.targets)
+        out[f"a{j}"] = str(path)
+    return out
+
+
+def workload(args, popularity: str, rate: float, duration: float, seed: int):
+    shares = skewed_shares(args.adapters, args.skewness) if popularity == "skewed" else None
+    return synthetic(args.adapters, alpha=1.0, cv=1.0, rate=rate, duration_s=duration, input_range=args.input_range,
+                     output_range=args.output_range, seed=seed, shares=shares)
+
+
+class Only:
+    """A policy that sees only some replicas (a 1-replica run on the 2-replica cluster)."""
+
+    def __init__(self, policy, replica_ids):
+        self.policy, self.ids = policy, set(replica_ids)
+        self.name = policy.name
+
+    def place(self, request, replicas):
+        return self.policy.place(request, [r for r in replicas if r.replica_id in self.ids])
+
+    def placed(self, request, replica_id):
+        self.policy.placed(request, replica_id)
+
+    def rebalance(self, replicas, running):
+        return self.policy.rebalance([r for r in replicas if r.replica_id in self.ids],
+                                     {k: v for k, v in running.items() if k in self.ids})
+
+
+# -- one run ----------------------------------------------------------------------------------------------
+async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None) -> list[dict]:
+    """Send ``specs`` open loop, each at its arrival; per-request records. ``at = (t, fn)``: ``await fn()``
+    ``t`` seconds in."""
+    from vlora.engine.async_engine import Job
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(s.input_len)] for s in specs]
+    records = [dict(arrival_s=s.arrival_s, adapter=s.adapter, input_len=s.input_len, output_len=s.output_len,
+                    ttft_s=None, latency_s=None, tokens=0, finish_reason=None, replicas=[], moves=0)
+               for s in specs]
+    start = time.monotonic()
+
+    async def one(i, spec):
+        rec, rid = records[i], f"bench-{seed}-{i}"
+        await asyncio.sleep(max(0.0, start + spec.arrival_s - time.monotonic()))
+        try:
+            group = await front.submit([Job(prompts[i], spec.adapter, SamplingParams(
+                max_tokens=spec.output_len, ignore_eos=True), rid)])
+        except Exception as e:
+            rec["finish_reason"] = f"refused: {type(e).__name__}"
+            return
+        try:
+            async for out in group:
+                now = time.monotonic() - start
+                f = front._flights.get(rid)
+                if f is not None and f.replica is not None and (not rec["replicas"] or
+                                                                 rec["replicas"][-1] != f.replica.replica_id):
+                    rec["replicas"].append(f.replica.replica_id)
+                if out.delta_token_ids and rec["ttft_s"] is None:
+                    rec["ttft_s"] = now - spec.arrival_s
+                rec["tokens"] = len(out.token_ids)
+                if f is not None:
+                    rec["moves"] = f.moves
+                if out.finished:
+                    rec["finish_reason"] = out.finish_reason
+                    rec["latency_s"] = now - spec.arrival_s
+        except Exception as e:
+            rec["finish_reason"] = f"error: {type(e).__name__}: {e}"[:200]
+        finally:
+            group.abort()
+
+    tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(specs)]
+    if at is not None:
+        async def trigger():
+            await asyncio.sleep(at[0])
+            await at[1]()
+        tasks.append(asyncio.ensure_future(trigger()))
+    horizon = (specs[-1].arrival_s if specs else 0.0) + drain_s
+    done, pending = await asyncio.wait(tasks, timeout=horizon + 1.0)
+    for t in pending:                 # overloaded: what has not finished by now is aborted (group.abort above)
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return records
+
+
+def summarize(records: list[dict], duration: float, slo: float) -> dict:
+    n = len(records)
+    complete = [r for r in records if r["finish_reason"] == "length" and r["tokens"] == r["output_len"]]
+    ttfts = [r["ttft_s"] if r["ttft_s"] is not None else math.inf for r in records]
+    lat = [r["latency_s"] for r in complete]
+    finite = sorted(t for t in ttfts if math.isfinite(t))
+    last = max((r["arrival_s"] + r["latency_s"] for r in complete), default=duration)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+    mean_ttft = statistics.fmean(ttfts) if n else None
+    return dict(requests=n, complete=len(complete), lost=n - len(complete), mean_ttft_s=mean_ttft,
+                p50_ttft_s=pct(finite, 0.5), p90_ttft_s=pct(finite, 0.9), p99_ttft_s=pct(finite, 0.99),
+                mean_latency_s=statistics.fmean(lat) if lat else None, p99_latency_s=pct(sorted(lat), 0.99),
+                throughput_rps=len(complete) / last if last > 0 else None,
+                output_tps=sum(r["tokens"] for r in complete) / last if last > 0 else None,
+                moves=sum(r["moves"] for r in records),
+                meets_slo=bool(n) and mean_ttft is not None and mean_ttft <= slo and len(complete) == n)
+
+
+# -- the sweep --------------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, front, args, adapters: dict[str, str], out: Path, meta: dict):
+        self.front, self.args, self.adapters, self.out = front, args, adapters, out
+        self.results = dict(meta=meta, config={k: v for k, v in vars(args).items()}, trace_format=TRACE_FORMAT,
+                            runs=[], peaks=[], kill=None, skipped=[])
+        self.t0 = time.monotonic()
+        self.run_cost = args.duration + 5.0          # a run at a sustainable rate: arrivals + the last requests
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    def time_left(self) -> float:
+        kill = 0.0 if self.results["kill"] is not None else self.args.kill_duration + 15.0
+        return self.args.budget_s - (time.monotonic() - self.t0) - kill
+
+    async def run(self, popularity: str, replicas: int, policy: str, rate: float, seed: int) -> dict:
+        base = make_policy(policy)
+        self.front.policy = base if replicas == len(self.front.replicas) else Only(base, range(replicas))
+        specs = workload(self.args, popularity, rate, self.args.duration, seed)
+        t, lists = time.monotonic(), self.front.output_lists
+        records = await run_load(self.front, specs, self.front.info.vocab_size, seed, self.args.drain_s)
+        summary = summarize(records, self.args.duration, self.args.ttft_slo)
+        row = dict(popularity=popularity, replicas=replicas, policy=policy, rate=rate, wall_s=time.monotonic() - t,
+                   **summary, output_lists=self.front.output_lists - lists, records=records)
+        self.results["runs"].append(row)
+        self.save()
+        log(f"{popularity:6s} {replicas} replica(s) {policy:14s} {rate:6.2f} req/s: mean TTFT "
+            f"{_fmt(summary['mean_ttft_s'])} s, {summary['complete']}/{summary['requests']} complete, "
+            f"{'meets' if summary['meets_slo'] else 'misses'} the target")
+        self.run_cost = max(self.run_cost, row["wall_s"])
+        return row
+
+    async def peak(self, popularity: str, replicas: int, policy: str, start: float, points: int) -> float | None:
+        """The highest rate found whose mean TTFT meets the target (None: none did, or no time was left): rates
+        x/÷ --rate-step from ``start`` until one meets it and one misses, then the geometric mean of the two
+        closest, up to ``points`` runs."""
+        a, rate, best, worst = self.args, start, None, None
+        for k in range(points):
+            if self.time_left() < self.run_cost:
+                self.results["skipped"].append(dict(popularity=popularity, replicas=replicas, policy=policy,
+                                                    rate=rate))
+                log(f"out of time: skipping {popularity} {replicas} replica(s) {policy} at {rate:.2f} req/s")
+                break
+            row = await self.run(popularity, replicas, policy, rate, a.seed + k)
+            if row["meets_slo"]:
+                best = rate if best is None else max(best, rate)
+            else:
+                worst = rate if worst is None else min(worst, rate)
+            if best is not None and worst is not None:
+                if worst <= best:                 # noise: a lower rate missed where a higher one met
+                    break
+                rate = math.sqrt(best * worst)
+            else:
+                rate = rate * a.rate_step if worst is None else rate / a.rate_step
+        # bounded: a rate above the peak was tried and missed (else the peak is only a lower bound)
+        self.results["peaks"].append(dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=best,
+                                          bounded=worst is not None))
+        self.save()
+        return best
+
+    async def sweep(self) -> None:
+        """One replica's peak per popularity, then each policy's with all replicas, searched from the target
+        (replicas x 0.95 x one replica's peak) so that a first run meeting it already answers the question.
+        Order: for every popularity one replica and the first policy, then the other policies (what the budget
+        leaves out comes last)."""
+        a, n = self.args, len(self.front.replicas)
+        ones = {}
+        for popularity in a.popularities:
+            ones[popularity] = await self.peak(popularity, 1, "round_robin", a.start_rate, a.max_points)
+            if n > 1:
+                await self.peak(popularity, n, a.policies[0], 0.95 * n * (ones[popularity] or a.start_rate),
+                                max(1, a.max_points - 1))
+        for policy in a.policies[1:] if n > 1 else ():
+            for popularity in a.popularities:
+                await self.peak(popularity, n, policy, 0.95 * n * (ones[popularity] or a.start_rate),
+                                max(1, a.max_points - 1))
+
+    async def kill(self) -> None:
+        """All replicas under --kill-policy; the last one killed --kill-at of the way through."""
+        import ray
+
+        a, front = self.args, self.front
+        victim = front.replicas[-1]
+        peaks = [p["peak_rps"] for p in self.results["peaks"] if p["replicas"] == len(front.replicas)
+                 and p["policy"] == a.kill_policy and p["peak_rps"]]
+        rate = a.kill_load * (max(peaks) if peaks else a.start_rate * len(front.replicas))
+        front.policy = make_policy(a.kill_policy)
+        specs = workload(self.args, a.popularities[0], rate, a.kill_duration, a.seed + 100)
+        kill_at = a.kill_at * a.kill_duration
+        incarnation, failovers = victim.incarnation, front.failovers
+        state = {}
+
+        async def kill_victim():
+            state["in_flight"] = {f.job.request_id for f in front._flights.values() if f.replica is victim}
+            state["killed_s"] = kill_at
+            log(f"killing replica {victim.replica_id} ({len(state['in_flight'])} requests on it)")
+            ray.kill(victim.actor, no_restart=False)
+        t = time.monotonic()
+        # the survivors carry the victim's load until it rejoins: a longer drain, so that slow is not counted lost
+        records = await run_load(front, specs, front.info.vocab_size, a.seed + 100, max(a.drain_s, 60.0),
+                                 (kill_at, kill_victim))
+        deadline = time.monotonic() + a.rejoin_wait
+        while not (victim.ready and victim.incarnation != incarnation) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        rejoined = victim.ready and victim.incarnation != incarnation
+        summary = summarize(records, a.kill_duration, a.ttft_slo)
+        hit = [r for i, r in enumerate(records)          # on the replica when it died, or placed on it after
+               if f"bench-{a.seed + 100}-{i}" in state.get("in_flight", ()) or r["moves"]]
+        before = [r for r in records if r["arrival_s"] + (r["latency_s"] or 0) < kill_at and r["latency_s"]]
+        lat = lambda rs: statistics.fmean(r["latency_s"] for r in rs if r["latency_s"] is not None) \
+            if any(r["latency_s"] is not None for r in rs) else None   # noqa: E731
+        self.results["kill"] = dict(
+            policy=a.kill_policy, rate=rate, killed_replica=victim.replica_id, killed_at_s=kill_at, **summary,
+            failovers=front.failovers - failovers, requests_hit=len(hit),
+            mean_latency_finished_before_kill_s=lat(before), mean_latency_on_killed_replica_s=lat(hit),
+            rejoined=rejoined, rejoined_after_s=(time.monotonic() - t - kill_at) if rejoined else None,
+            wall_s=time.monotonic() - t, records=records)
+        self.save()
+        log(f"kill run: {summary['lost']} of {summary['requests']} requests lost, {len(hit)} failed over; the "
+            f"replica {'rejoined' if rejoined else 'did not rejoin in time'}")
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def write_summary(results: dict, out: Path) -> Path:
+    cfg = results["config"]
+    lines = [f"# Cluster benchmark ({results['meta'].get('device')}, {results['meta'].get('date')})", "",
+             f"Model {cfg['model']} ({cfg['dtype']}), {cfg['adapters']} adapters (ranks {cfg['ranks']}), "
+             f"inputs {cfg['input_range']}, outputs {cfg['output_range']} tokens, {cfg['duration']} s of arrivals "
+             f"per run; peak = highest rate tried whose mean TTFT <= {cfg['ttft_slo']} s with every request "
+             "complete (>=: no rate tried missed it).", "",
+             "| popularity | replicas | policy | peak req/s | x one replica |", "|---|---|---|---|---|"]
+    ones = {p["popularity"]: p["peak_rps"] for p in results["peaks"] if p["replicas"] == 1}
+    for p in results["peaks"]:
+        one = ones.get(p["popularity"])
+        ratio = f"{p['peak_rps'] / one:.2f}" if p["peak_rps"] and one else "-"
+        peak = ("" if p["bounded"] or p["peak_rps"] is None else ">= ") + _fmt(p["peak_rps"])
+        lines.append(f"| {p['popularity']} | {p['replicas']} | {p['policy']} | {peak} | {ratio} |")
+    lines += ["", "| popularity | replicas | policy | rate | mean TTFT s | p99 TTFT s | mean latency s | complete | "
+              "moves |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        lines.append(f"| {r['popularity']} | {r['replicas']} | {r['policy']} | {r['rate']:.2f} | "
+                     f"{_fmt(r['mean_ttft_s'])} | {_fmt(r['p99_ttft_s'])} | {_fmt(r['mean_latency_s'])} | "
+                     f"{r['complete']}/{r['requests']} | {r['moves']} |")
+    k = results.get("kill")
+    if k:
+        lines += ["", f"Kill run ({k['policy']}, {k['rate']:.2f} req/s, replica {k['killed_replica']} killed at "
+                  f"{k['killed_at_s']:.1f} s): **{k['lost']} of {k['requests']} requests lost**, "
+                  f"{k['requests_hit']} were on the killed replica or sent to it before its death was seen "
+                  f"({k['failovers']} failovers); mean "
+                  f"latency {_fmt(k['mean_latency_finished_before_kill_s'])} s before the kill, "
+                  f"{_fmt(k['mean_latency_on_killed_replica_s'])} s for the requests it hit; the replica "
+                  + (f"rejoined {k['rejoined_after_s']:.1f} s after the kill." if k["rejoined"] else
+                     "had not rejoined when the run ended.")]
+    if results["skipped"]:
+        lines += ["", f"Skipped for time: {len(results['skipped'])} runs (see results.json)."]
+    path = out / "summary.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def meta(front) -> dict:
+    import ray
+    import torch
+
+    names = sorted(set(front.device_names))
+    device = f"{len(front.replicas)} x {' / '.join(names)}"
+    return dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=device,
+                ray=ray.__version__, torch=torch.__version__, replicas=len(front.replicas))
+
+
+async def bench(front, args, out: Path) -> dict:
+    """The sweep and the kill run on a started ``front``; the results (also written under ``out``)."""
+    adapters = write_adapters(args, front.adapter_shape)
+    missing = {name: path for name, path in adapters.items() if name not in front.adapter_names}
+    if missing:
+        log(f"registering {len(missing)} adapters on {len(front.replicas)} replicas")
+    for name, path in missing.items():
+        await front.load_adapter(name, path)
+    b = Bench(front, args, adapters, out, meta(front))
+    policy = front.policy
+    try:
+        await b.sweep()
+        if len(front.replicas) > 1:
+            await b.kill()
+    finally:
+        front.policy = policy
+        b.save()
+        log(f"summary: {write_summary(b.results, out)}")
+    return b.results
+
+
+def main(argv=None) -> int:
+    from vlora.cluster.config import ClusterConfig
+    from vlora.cluster.front import ClusterFront
+
+    args = parse_args(argv)
+    out = Path(args.out)
+    t = time.monotonic()
+    front = ClusterFront(engine_config(args), ClusterConfig(replicas=args.replicas, ray_num_cpus=args.ray_num_cpus,
+                                                            batch_cap=args.batch_cap, max_restarts=-1))
+    log(f"{args.replicas} replicas of {args.model} on {front.device} up in {time.monotonic() - t:.0f} s")
+    try:
+        front.set_adapters(write_adapters(args, front.adapter_shape))   # all at once, before serving
+    except BaseException:
+        front.close()
+        raise
+    log(f"{args.adapters} adapters registered on every replica; {time.monotonic() - t:.0f} s since start")
+
+    async def go():
+        front.start()
+        try:
+            return await bench(front, args, out)
+        finally:
+            await front.shutdown(5)
+    asyncio.run(go())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
