@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": _DECODER,
     "qwen2": _DECODER,
     "qwen3": _DECODER,
+    "qwen3_moe": _DECODER,
     "gemma3_text": _DECODER,
     "phi3": _DECODER,
     "llava": Architecture("lmm", "vlora.models.lmm", "build_llava"),
