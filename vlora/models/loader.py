@@ -8,6 +8,7 @@ directory's safetensors in about a second.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -182,6 +183,8 @@ def _mrope_section(hf_config) -> tuple[int, ...] | None:
         return None
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     section = params.get("mrope_section")
+    if section is None and hf_config.model_type == "qwen3_vl_text":
+        section = [24, 20, 20]               # transformers' default for Qwen3-VL
     if not isinstance(section, (list, tuple)) or len(section) != 3:
         raise ModelLoadError(f"a qwen2_vl language model needs rope_parameters.mrope_section = [t, h, w], got "
                              f"{section!r}")
@@ -224,13 +227,14 @@ def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None) -> 
 
 
 def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                  hf_config=None, weights=None) -> tuple[DecoderLM, int]:
+                  hf_config=None, weights=None, overrides: dict | None = None) -> tuple[DecoderLM, int]:
     """Build the decoder and load its weights. Returns (model, max_model_len). An LMM passes its text
-    config and ``weights``, a callable giving its language model's tensors under decoder-checkpoint names."""
+    config, ``weights``, a callable giving its language model's tensors under decoder-checkpoint names, and
+    ``overrides``, DecoderConfig fields its text config does not hold."""
     from transformers import AutoConfig
 
     hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
-    cfg = decoder_config(hf_config, name=display_name(model_dir))
+    cfg = dataclasses.replace(decoder_config(hf_config, name=display_name(model_dir)), **(overrides or {}))
     per_type = cfg.layer_windows is not None    # rotary tables per kind of layer: global and windowed
     inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim, "full_attention" if per_type else None)
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
