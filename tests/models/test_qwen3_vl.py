@@ -92,3 +92,20 @@ def test_a_video_is_refused_by_name(tiny):
     llm = LLM(str(path), num_blocks=32, block_size=4)
     with pytest.raises(RequestError, match="videos are not supported for Qwen3-VL"):
         llm.engine._images([VS, VID, VE, 4], [video(4, 2, 28, 28)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_cuda_engine_matches_transformers_peft(tiny, dtype, tol):
+    """The GPU path (Triton attention, fused layers with the deepstack adds, ATMM) against the CPU reference."""
+    path, paths, pm = tiny
+    llm = LLM(str(path), adapters=paths, num_blocks=96, block_size=4, device="cuda", dtype=dtype)
+    for (p, im, a), ours, ref in zip(CASES, our_logits(llm, CASES), ref_logits(pm, llm.engine, CASES)):
+        ours = ours.float().cpu()
+        assert (ours - ref).norm() / ref.norm() <= tol, f"prompt {p} adapter {a}"
+    sp = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True)
+    if dtype == "float32":
+        outs = llm.generate([CASES[0][0], CASES[2][0]], [CASES[0][2], CASES[2][2]], sp,
+                            images=[CASES[0][1], CASES[2][1]])
+        for (p, im, a), o in zip([CASES[0], CASES[2]], outs):
+            assert o.token_ids == hf_greedy(pm, llm.engine, p, im, a, 4), f"prompt {p} adapter {a}"
