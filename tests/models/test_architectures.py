@@ -160,3 +160,28 @@ def test_an_adapter_on_the_experts_of_a_mixture_is_refused_naming_them(tmp_path)
     with pytest.raises(AdapterError, match="targets gate_proj"):                                  # a dense MLP
         llm.register_adapter("d", adapter("d", "mlp.gate_proj", 32))
     llm.register_adapter("ok", adapter("ok", "self_attn.v_proj", 64))
+
+
+def test_a_mixture_checkpoint_with_all_experts_in_one_tensor_loads_the_same(tmp_path):
+    """Per-expert tensors (as checkpoints hold them) and [E, out, in] ones (as transformers keeps them) alike."""
+    from safetensors.torch import load_file, save_file
+
+    path, _, _ = build(tmp_path, "qwen3_moe")
+    tensors = load_file(str(path / "model.safetensors"))
+    fused = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for layer in range(TINY["num_hidden_layers"]):
+        e = f"model.layers.{layer}.mlp.experts"
+        fused[f"{e}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{e}.{j}.gate_proj.weight"],
+                                                             tensors[f"{e}.{j}.up_proj.weight"]]) for j in range(8)])
+        fused[f"{e}.down_proj"] = torch.stack([tensors[f"{e}.{j}.down_proj.weight"] for j in range(8)])
+    other = tmp_path / "fused"
+    other.mkdir()
+    (other / "config.json").write_text((path / "config.json").read_text())
+    save_file(fused, str(other / "model.safetensors"))
+    a, b = (LLM(str(p), num_blocks=16, block_size=4) for p in (path, other))
+    for x, y in zip(vlora_logits(a, PROMPTS, [None] * 4), vlora_logits(b, PROMPTS, [None] * 4)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    del fused[f"{e}.down_proj"]                  # a missing expert tensor is named
+    save_file(fused, str(other / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks 8 tensors.*experts_down"):
+        LLM(str(other), num_blocks=16)

@@ -336,7 +336,7 @@ def load_weights(model: DecoderLM, weights) -> None:
     """Copy HF-named tensors into the packed parameters; every parameter must be filled."""
     cfg = model.cfg
     sizes = {"qkv": [cfg.q_size, cfg.kv_size, cfg.kv_size], "gate_up": [cfg.intermediate_size] * 2,
-             # experts: gate and up of each expert in turn, then each expert's down
+             # a mixture's experts: [gate, up] of expert 0, of expert 1, ...; down of each expert
              "experts_gate_up": [cfg.intermediate_size] * (2 * cfg.num_experts),
              "experts_down": [cfg.hidden_size] * cfg.num_experts}
     filled: set[str] = set()
