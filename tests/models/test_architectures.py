@@ -46,10 +46,11 @@ ARCHS = {
 }
 
 
-def build(tmp_path, label: str):
+def build_base(tmp_path, label: str):
+    """The tiny checkpoint of ``label``, saved; returns (its path, the transformers model)."""
     import transformers
 
-    cfg_cls, model_cls, overrides, targets = ARCHS[label]
+    cfg_cls, model_cls, overrides, _ = ARCHS[label]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **overrides})
     hf = perturb_norms_and_biases(getattr(transformers, model_cls)(cfg).eval())
@@ -59,7 +60,12 @@ def build(tmp_path, label: str):
                 p.normal_(0.0, 0.5)
     path = tmp_path / f"tiny-{label}"
     hf.save_pretrained(path)
-    targets = targets or {"a4": ["q_proj", "v_proj"], "a8": ALL_TARGETS,
+    return path, hf
+
+
+def build(tmp_path, label: str):
+    path, hf = build_base(tmp_path, label)
+    targets = ARCHS[label][3] or {"a4": ["q_proj", "v_proj"], "a8": ALL_TARGETS,
                           "a16": ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
     paths = {name: make_peft_adapter(hf, tmp_path / name, r, seed=10 + i, targets=targets[name],
                                      use_rslora=(name == "a8"))
@@ -148,7 +154,7 @@ def test_an_adapter_on_the_experts_of_a_mixture_is_refused_naming_them(tmp_path)
                   str(d / "adapter_model.safetensors"))
         return d
 
-    path, _, _ = build(tmp_path, "qwen3_moe")
+    path, _ = build_base(tmp_path, "qwen3_moe")
     llm = LLM(str(path), num_blocks=16)
     assert llm.engine.model.cfg.num_experts == 8 and not llm.engine.model.graph_safe
     with pytest.raises(AdapterError, match=r"target_parameters.*mlp\.experts\.gate_up_proj"):   # PEFT on 3D weights
@@ -166,7 +172,7 @@ def test_a_mixture_checkpoint_with_all_experts_in_one_tensor_loads_the_same(tmp_
     """Per-expert tensors (as checkpoints hold them) and [E, out, in] ones (as transformers keeps them) alike."""
     from safetensors.torch import load_file, save_file
 
-    path, _, _ = build(tmp_path, "qwen3_moe")
+    path, _ = build_base(tmp_path, "qwen3_moe")
     tensors = load_file(str(path / "model.safetensors"))
     fused = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
     for layer in range(TINY["num_hidden_layers"]):
