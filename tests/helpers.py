@@ -34,7 +34,8 @@ def make_peft_adapter(base_model, path: Path, rank: int, seed: int, targets=ALL_
     import peft
 
     torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank,     # targets: module names, or one regex
+                          target_modules=targets if isinstance(targets, str) else list(targets),
                           init_lora_weights=False, use_rslora=use_rslora, **kw)
     pm = peft.get_peft_model(copy.deepcopy(base_model), cfg)
     with torch.no_grad():

@@ -16,10 +16,16 @@ FUSED_TARGETS = {"a4": ["qkv_proj"], "a8": ["qkv_proj", "o_proj", "gate_up_proj"
                  "a16": ["o_proj", "gate_up_proj", "down_proj"]}
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0,
                 short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+ATTENTION_TARGETS = {"a4": ["q_proj", "v_proj"], "a8": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                     "a16": ["k_proj", "o_proj"]}
 PHI_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # label -> (transformers config and model class names, config overrides, LoRA targets of each adapter)
 ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), None),   # q_size 128 != hidden 64
+    # 8 routed experts, 2 per token, renormalised; LoRA on attention only
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=True), ATTENTION_TARGETS),
     # windowed and global layers alternating, a window shorter than the prompts, a scaled global rotary table,
     # soft-capped logits
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
@@ -40,16 +46,26 @@ ARCHS = {
 }
 
 
-def build(tmp_path, label: str):
+def build_base(tmp_path, label: str):
+    """The tiny checkpoint of ``label``, saved; returns (its path, the transformers model)."""
     import transformers
 
-    cfg_cls, model_cls, overrides, targets = ARCHS[label]
+    cfg_cls, model_cls, overrides, _ = ARCHS[label]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **overrides})
     hf = perturb_norms_and_biases(getattr(transformers, model_cls)(cfg).eval())
+    with torch.no_grad():           # routers far from uniform: the top-k choice does not hinge on rounding
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     path = tmp_path / f"tiny-{label}"
     hf.save_pretrained(path)
-    targets = targets or {"a4": ["q_proj", "v_proj"], "a8": ALL_TARGETS,
+    return path, hf
+
+
+def build(tmp_path, label: str):
+    path, hf = build_base(tmp_path, label)
+    targets = ARCHS[label][3] or {"a4": ["q_proj", "v_proj"], "a8": ALL_TARGETS,
                           "a16": ["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
     paths = {name: make_peft_adapter(hf, tmp_path / name, r, seed=10 + i, targets=targets[name],
                                      use_rslora=(name == "a8"))
@@ -120,3 +136,58 @@ def test_a_fused_adapter_that_does_not_fit_names_its_tensor(tmp_path):
     llm.register_adapter("good", paths["a8"])
     with pytest.raises(AdapterError, match=r"qkv_proj\.lora_B.*expected \[128, r\]"):
         llm.register_adapter("bad", bad)
+
+
+def test_an_adapter_on_the_experts_of_a_mixture_is_refused_naming_them(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from vlora.lora.adapter import AdapterError
+
+    def adapter(name, module, out_rows, **config):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, **config}))
+        key = f"base_model.model.model.layers.1.{module}.lora_{{}}.weight"
+        save_file({key.format("A"): torch.zeros(4, 64), key.format("B"): torch.zeros(out_rows, 4)},
+                  str(d / "adapter_model.safetensors"))
+        return d
+
+    path, _ = build_base(tmp_path, "qwen3_moe")
+    llm = LLM(str(path), num_blocks=16)
+    assert llm.engine.model.cfg.num_experts == 8 and not llm.engine.model.graph_safe
+    with pytest.raises(AdapterError, match=r"target_parameters.*mlp\.experts\.gate_up_proj"):   # PEFT on 3D weights
+        llm.register_adapter("p", adapter("p", "mlp.experts", 64, target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(AdapterError, match=r"mlp\.experts\.3\.gate_proj.*attention only"):     # per-expert Linears
+        llm.register_adapter("e", adapter("e", "mlp.experts.3.gate_proj", 32))
+    with pytest.raises(AdapterError, match=r"mlp\.gate\.lora_A.*attention only"):               # the router
+        llm.register_adapter("r", adapter("r", "mlp.gate", 8))
+    with pytest.raises(AdapterError, match="targets gate_proj"):                                  # a dense MLP
+        llm.register_adapter("d", adapter("d", "mlp.gate_proj", 32))
+    llm.register_adapter("ok", adapter("ok", "self_attn.v_proj", 64))
+
+
+def test_a_mixture_checkpoint_with_all_experts_in_one_tensor_loads_the_same(tmp_path):
+    """Per-expert tensors (as checkpoints hold them) and [E, out, in] ones (as transformers keeps them) alike."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = build_base(tmp_path, "qwen3_moe")
+    tensors = load_file(str(path / "model.safetensors"))
+    fused = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for layer in range(TINY["num_hidden_layers"]):
+        e = f"model.layers.{layer}.mlp.experts"
+        fused[f"{e}.gate_up_proj"] = torch.stack([torch.cat([tensors[f"{e}.{j}.gate_proj.weight"],
+                                                             tensors[f"{e}.{j}.up_proj.weight"]]) for j in range(8)])
+        fused[f"{e}.down_proj"] = torch.stack([tensors[f"{e}.{j}.down_proj.weight"] for j in range(8)])
+    other = tmp_path / "fused"
+    other.mkdir()
+    (other / "config.json").write_text((path / "config.json").read_text())
+    save_file(fused, str(other / "model.safetensors"))
+    a, b = (LLM(str(p), num_blocks=16, block_size=4) for p in (path, other))
+    for x, y in zip(vlora_logits(a, PROMPTS, [None] * 4), vlora_logits(b, PROMPTS, [None] * 4)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    del fused[f"{e}.down_proj"]                  # a missing expert tensor is named
+    save_file(fused, str(other / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks 8 tensors.*experts_down"):
+        LLM(str(other), num_blocks=16)

@@ -109,7 +109,8 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
         use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda and tp == 1)
-        graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
+        graph_safe = getattr(self.model, "graph_safe", True)     # e.g. not a mixture of experts (routed shapes)
+        graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels and graph_safe else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision,
                                   LoRALaunch(lc.lora_overlap, lc.lora_pdl))
@@ -438,6 +439,7 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
 
     mc, tp = config.model, config.model.tensor_parallel_size
     why = ("an LMM (the vision tower is not split yet)" if vision is not None
+           else "a mixture of experts (the experts are not split yet)" if getattr(model.cfg, "num_experts", 0)
            else "lora_kernel triton (the adapter pool is not split yet)" if config.lora.lora_kernel == "triton"
            else "memory_policy fastlibra (the swapper copies rank 0's pages only)"
            if config.cache.memory_policy == "fastlibra" else None)

@@ -52,8 +52,9 @@ class ModelRunner:
             cfg = model.cfg
             ins, outs = cfg.lora_in_out()
             self.group_widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
-            self.group_in = {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins["gate_proj"],
-                             "down": ins["down_proj"]}
+            # a mixture of experts takes LoRA on attention only; its MLP groups get no kernel launches
+            self.group_in = {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins.get("gate_proj", cfg.hidden_size),
+                             "down": ins.get("down_proj", cfg.intermediate_size)}
         self.graphs = None
         if graph_batch > 0:
             self.enable_graphs(graph_batch, max_model_len)

@@ -91,6 +91,8 @@ def _read_config(path: Path) -> dict:
         ("rank_pattern", bool(config.get("rank_pattern")), "per-module ranks are not supported"),
         ("alpha_pattern", bool(config.get("alpha_pattern")), "per-module alphas are not supported"),
         ("fan_in_fan_out", bool(config.get("fan_in_fan_out")), "Conv1D-style (fan_in_fan_out) weights are not supported"),
+        ("target_parameters", bool(config.get("target_parameters")),
+         "LoRA on parameters (such as a mixture of experts' expert weights) is not supported"),
     ]
     for field, bad, why in unsupported:
         if bad:
@@ -121,6 +123,9 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
     """(layer, module, "A" | "B") for a PEFT weight key, or AdapterError."""
     m = _KEY_RE.fullmatch(key)
     if m is None or m[3] not in LORA_TARGETS or _PARENT[m[3]] != m[2]:
+        if ".mlp.experts." in key or ".mlp.gate.lora_" in key:
+            raise AdapterError(f"{_WEIGHTS}: tensor {key!r} adapts a mixture of experts (its experts or router); "
+                               f"on such a model LoRA is served on attention only ({list(LORA_TARGETS[:4])})")
         if "vision_tower." in key or "multi_modal_projector." in key:
             raise AdapterError(f"{_WEIGHTS}: tensor {key!r} adapts the vision tower or projector; LoRA is served "
                                f"only on the language model (target e.g. r'.*language_model.*\\.(q_proj|v_proj)')")

@@ -32,7 +32,7 @@ def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: 
                     a, b = per_module[module]
                     slices.append(SliceB(j, col, len(a_parts) * adapter.rank, b.to(device).contiguous()))
                     a_parts.append(a)
-                col += out_features[module]
+                col += out_features.get(module, 0)      # a module the model takes no LoRA on (MoE MLP)
             if a_parts:
                 groups[group] = GroupWeights(torch.cat(a_parts, dim=1).to(device).contiguous(), tuple(slices))
         layers.append(groups)

@@ -56,6 +56,12 @@ class DecoderConfig:
     attn_scale: float | None = None
     final_logit_softcap: float | None = None
     layer_windows: tuple[int | None, ...] | None = None
+    # Qwen3 MoE: every layer's MLP is num_experts routed experts of intermediate_size, experts_per_token per token
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False
+    mrope_interleaved: bool = False   # Qwen3-VL: M-RoPE frequencies cycle t, h, w instead of running in sections
+    deepstack_layers: int = 0         # Qwen3-VL: layers after which image rows add one more vision feature each
 
     def window(self, layer: int) -> int | None:
         """Attention window of ``layer`` (None: it sees the whole context)."""
@@ -76,6 +82,9 @@ class DecoderConfig:
                "gate_proj": h, "up_proj": h, "down_proj": i}
         outs = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size,
                 "o_proj": h, "gate_proj": i, "up_proj": i, "down_proj": h}
+        if self.num_experts:          # LoRA on a mixture of experts: attention only (the experts take none)
+            attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+            return {m: ins[m] for m in attention}, {m: outs[m] for m in attention}
         return ins, outs
 
 
@@ -102,10 +111,12 @@ class RotaryEmbedding(nn.Module):
     M-RoPE (Qwen2-VL, ``mrope_section`` = (s_t, s_h, s_w), summing to D/2): a token has three positions
     (temporal, height, width); rotary frequency j takes its angle from position ``j``'s section
     (``sections[j] = k`` for the k-th run of lengths s_t, s_h, s_w, repeated cyclically), in both halves.
+    ``interleaved`` (Qwen3-VL): frequency j takes height where j % 3 == 1 and j < 3 s_h, width where j % 3 == 2
+    and j < 3 s_w, and time otherwise.
     """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int,
-                 mrope_section: tuple[int, ...] | None = None):
+                 mrope_section: tuple[int, ...] | None = None, interleaved: bool = False):
         super().__init__()
         if inv_freq.is_meta:        # a model built on the meta device gets its tables later; computing them there
             cos = sin = torch.empty(max_len, 2 * inv_freq.shape[0], device="meta")   # would import torch._dynamo
@@ -120,7 +131,13 @@ class RotaryEmbedding(nn.Module):
         if mrope_section is not None:
             if sum(mrope_section) != inv_freq.shape[0]:
                 raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {inv_freq.shape[0]}")
-            half = torch.cat([torch.full((n,), k % 3) for k, n in enumerate(mrope_section)])
+            if interleaved:
+                j = torch.arange(inv_freq.shape[0])
+                half = torch.zeros_like(j)
+                half[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+                half[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+            else:
+                half = torch.cat([torch.full((n,), k % 3) for k, n in enumerate(mrope_section)])
             self.register_buffer("sections", torch.cat((half, half)).view(1, 1, -1), persistent=False)
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,10 +186,20 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.mlp_norm = norm(cfg.hidden_size)
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.make_mlp(cfg)
         self.scale = cfg.attn_scale or 1.0 / math.sqrt(cfg.head_dim)
         self.reduce = _whole      # tensor parallelism: sums the partial outputs of o and down over the ranks
+
+    def make_mlp(self, cfg: DecoderConfig) -> None:
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def mlp(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """The gated MLP of the normed residual ``x`` [T, hidden]."""
+        i = self.index
+        gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up")
+        gate, up = gu.chunk(2, dim=-1)
+        return self.reduce(lora_linear(self.act(gate) * up, self.down, fb.lora, i, "down"))
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -192,11 +219,7 @@ class DecoderLayer(nn.Module):
         o = self.reduce(lora_linear(o_in, self.o, fb.lora, i, "o"))
         h = h + (self.post_attn_norm(o) if cfg.sandwich_norms else o)
 
-        x = self.mlp_norm(h)
-        gu = lora_linear(x, self.gate_up, fb.lora, i, "gate_up")
-        gate, up = gu.chunk(2, dim=-1)
-        m = self.act(gate) * up
-        d = self.reduce(lora_linear(m, self.down, fb.lora, i, "down"))
+        d = self.mlp(self.mlp_norm(h), fb)
         return h + (self.post_mlp_norm(d) if cfg.sandwich_norms else d)
 
     def forward_fused(self, h: torch.Tensor, x: torch.Tensor, fb: ForwardBatch, rope: tuple, k_cache: torch.Tensor,
@@ -260,6 +283,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
+    layer_cls = DecoderLayer
+    projection_groups = ("qkv", "o", "gate_up", "down")    # the packed projections of every layer
+    graph_safe = True           # whether a decode iteration's shapes are fixed by its batch (CUDA graphs replay it)
+
     def __init__(self, cfg: DecoderConfig, inv_freq: torch.Tensor, attention_scaling: float, max_len: int):
         super().__init__()
         from transformers.activations import ACT2FN
@@ -269,17 +296,23 @@ class DecoderLM(nn.Module):
         # imports torch._dynamo (and Triton), about 175 MB of resident memory a CPU server never uses
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         act = ACT2FN[cfg.hidden_act]
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, act) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, act) for i in range(cfg.num_layers))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rope = RotaryEmbedding(inv_freq, attention_scaling, max_len, cfg.mrope_section)
+        self.rope = self.rotary(inv_freq, attention_scaling, max_len)
         self.rope_local: RotaryEmbedding | None = None    # the windowed layers' table where it differs (Gemma 3)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+
+    def rotary(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int) -> RotaryEmbedding:
+        """The global rotary table of this model's layout (plain or M-RoPE) for ``inv_freq``."""
+        return RotaryEmbedding(inv_freq, attention_scaling, max_len, self.cfg.mrope_section,
+                               self.cfg.mrope_interleaved)
 
     @property
     def fusable(self) -> bool:
         """Whether the fused kernels cover this model (Llama's norms, SwiGLU with SiLU, even head size)."""
         c = self.cfg
-        plain = not (c.norm_offset or c.sandwich_norms or c.embed_scale or c.layer_windows or c.rotary_dim)
+        plain = not (c.norm_offset or c.sandwich_norms or c.embed_scale or c.layer_windows or c.rotary_dim
+                     or c.num_experts)
         return plain and c.hidden_act == "silu" and c.head_dim % 2 == 0
 
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -287,8 +320,12 @@ class DecoderLM(nn.Module):
         h = self.embed(fb.input_ids)
         if self.cfg.embed_scale is not None:
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
+        deep = ()                            # Qwen3-VL: rows added to the image tokens after each early layer
         if fb.embed_rows is not None:        # image tokens: the vision tower's rows replace the lookup
-            h.index_copy_(0, fb.embed_rows, fb.embed_values.to(h.dtype))
+            values = fb.embed_values.to(h.dtype)
+            if self.cfg.deepstack_layers:    # the tower's rows carry the deepstack features after the input's
+                values, *deep = values.split(self.cfg.hidden_size, dim=-1)
+            h.index_copy_(0, fb.embed_rows, values)
         if fb.use_kernels and self.fusable:
             from vlora.kernels.fused import add_rmsnorm_
 
@@ -301,26 +338,31 @@ class DecoderLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
                 x = layer.forward_fused(h, x, fb, rope, kv_cache[:, i, 0], kv_cache[:, i, 1], nxt)
+                if i < len(deep):            # the fused layer returned next_norm(h): norm again after the add
+                    h.index_add_(0, fb.embed_rows, deep[i])
+                    x = nxt(h)
             return x
         cos, sin = self.rope(fb.positions, h.dtype)
         local = {}                   # window -> (batch with that window's masks, cos, sin), built once per forward
         for i, layer in enumerate(self.layers):
             if layer.window == self.cfg.sliding_window:
                 h = layer(h, fb, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1])
-                continue
-            if layer.window not in local:
-                rope = self.rope if self.rope_local is None else self.rope_local
-                local[layer.window] = (fb if fb.use_kernels else windowed(fb, layer.window),
-                                       *rope(fb.positions, h.dtype))
-            lfb, lcos, lsin = local[layer.window]
-            h = layer(h, lfb, lcos, lsin, kv_cache[:, i, 0], kv_cache[:, i, 1])
+            else:
+                if layer.window not in local:
+                    rope = self.rope if self.rope_local is None else self.rope_local
+                    local[layer.window] = (fb if fb.use_kernels else windowed(fb, layer.window),
+                                           *rope(fb.positions, h.dtype))
+                lfb, lcos, lsin = local[layer.window]
+                h = layer(h, lfb, lcos, lsin, kv_cache[:, i, 0], kv_cache[:, i, 1])
+            if i < len(deep):
+                h = h.index_add(0, fb.embed_rows, deep[i])
         return self.norm(h)
 
     def stack_projections(self) -> dict[str, torch.Tensor]:
         """Put each packed projection of all layers into one [L, out, in] tensor (the layers' weights
         become views of it), so an adapter merges into every layer with one batched op."""
         stacked = {}
-        for group in ("qkv", "o", "gate_up", "down"):
+        for group in self.projection_groups:
             mods = [getattr(layer, group) for layer in self.layers]
             big = torch.stack([m.weight.data for m in mods])
             for i, m in enumerate(mods):

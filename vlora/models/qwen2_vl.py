@@ -129,15 +129,15 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: Qwen2VisionConfig):
+    def __init__(self, cfg: Qwen2VisionConfig, bias: bool = False):
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, stride=kernel, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """patches [P, C*tp*p*p] -> [P, D]: a convolution over exactly one patch is a matmul."""
         w = self.proj.weight
-        return F.linear(patches.to(w.dtype), w.view(w.shape[0], -1))
+        return F.linear(patches.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -304,16 +304,16 @@ class Qwen2VLVision(VisionModel):
         return patches.contiguous(), h, w
 
 
-def image_processor(model_dir: Path, cfg: Qwen2VisionConfig):
+def image_processor(model_dir: Path, cfg: Qwen2VisionConfig, **defaults):
     """The checkpoint's Qwen2-VL preprocessing (PIL backend; no torchvision), or its defaults at the tower's
-    patch sizes."""
+    patch sizes (and ``defaults``, e.g. another normalisation)."""
     from transformers import Qwen2VLImageProcessorPil
 
     if (Path(model_dir) / "preprocessor_config.json").is_file():
         proc = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     else:
         proc = Qwen2VLImageProcessorPil(patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-                                        merge_size=cfg.merge_size)
+                                        merge_size=cfg.merge_size, **defaults)
     sizes = (proc.patch_size, proc.temporal_patch_size, proc.merge_size)
     if sizes != (cfg.patch_size, cfg.temporal_patch_size, cfg.merge_size):
         raise ModelLoadError(f"preprocessor patch/temporal/merge sizes {sizes} do not match the tower's "
@@ -356,13 +356,16 @@ def build_qwen2_vl(model_dir: Path, hf_config, dtype: torch.dtype, device: torch
 
 
 def build_with_tower(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                     max_images: int, max_pixels: int, vcfg, tower_cls, video_time_step: float = 1.0
+                     max_images: int, max_pixels: int, vcfg, tower_cls, video_time_step: float = 1.0,
+                     vision_cls=None, decoder_overrides: dict | None = None, processor_defaults: dict | None = None
                      ) -> tuple[DecoderLM, int, Qwen2VLVision]:
-    """A Qwen2-VL-family checkpoint with the vision tower ``tower_cls`` of config ``vcfg``."""
+    """A Qwen2-VL-family checkpoint with the vision tower ``tower_cls`` of config ``vcfg`` (``vision_cls``: the
+    request side, Qwen2VLVision by default; ``decoder_overrides``: DecoderConfig fields the text config does not
+    give)."""
     text = hf_config.text_config
     text.tie_word_embeddings = bool(hf_config.tie_word_embeddings)    # the family keeps it on the outer config
     model, max_len = build_decoder(model_dir, dtype, device, max_model_len, hf_config=text,
-                                   weights=lambda: _language_weights(model_dir))
+                                   weights=lambda: _language_weights(model_dir), overrides=decoder_overrides)
     for key in ("image_token_id", "video_token_id"):
         tid = getattr(hf_config, key)
         if not 0 <= tid < text.vocab_size:
@@ -375,7 +378,8 @@ def build_with_tower(model_dir: Path, hf_config, dtype: torch.dtype, device: tor
     load_vision_weights(tower, model_dir)
     tower = tower.to(dtype).eval().requires_grad_(False)
     tower.inv_freq = tower.inv_freq.float()
-    vision = Qwen2VLVision(tower, hf_config.image_token_id, hf_config.video_token_id,
-                           (hf_config.vision_start_token_id, hf_config.vision_end_token_id),
-                           image_processor(model_dir, vcfg), max_images, max_pixels, video_time_step=video_time_step)
+    vision = (vision_cls or Qwen2VLVision)(tower, hf_config.image_token_id, hf_config.video_token_id,
+                                           (hf_config.vision_start_token_id, hf_config.vision_end_token_id),
+                                           image_processor(model_dir, vcfg, **(processor_defaults or {})),
+                                           max_images, max_pixels, video_time_step=video_time_step)
     return model, max_len, vision

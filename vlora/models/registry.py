@@ -30,14 +30,17 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": _DECODER,
     "qwen2": _DECODER,
     "qwen3": _DECODER,
+    "qwen3_moe": _DECODER,
     "gemma3_text": _DECODER,
     "phi3": _DECODER,
     "llava": Architecture("lmm", "vlora.models.lmm", "build_llava"),
     "qwen2_vl": Architecture("lmm", "vlora.models.qwen2_vl", "build_qwen2_vl"),
     "qwen2_5_vl": Architecture("lmm", "vlora.models.qwen2_5_vl", "build_qwen2_5_vl"),
+    "qwen3_vl": Architecture("lmm", "vlora.models.qwen3_vl", "build_qwen3_vl"),
 }
-# language models that exist only inside an LMM's checkpoint (Qwen2-VL's, Qwen2.5-VL's: Qwen2 with M-RoPE)
-TEXT_ONLY_INSIDE = ("qwen2_vl_text", "qwen2_5_vl_text")
+# language models that exist only inside an LMM's checkpoint (Qwen2-VL's, Qwen2.5-VL's: Qwen2 with M-RoPE;
+# Qwen3-VL's: Qwen3 with interleaved M-RoPE)
+TEXT_ONLY_INSIDE = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 # model arguments that name a model vlora builds itself: name -> (module, function returning its directory)
 NAMED_MODELS = {"demo:smollm2-llava": ("vlora.models.demo_lmm", "demo_lmm_dir")}
 
