@@ -24,6 +24,11 @@ def test_outputs_are_identical_whatever_the_mode(tmp_path, kernel):
     eng.merge_adapter("a8")                      # NAMES mixes base, a4, a8, a16: mixed mode
     batch = [None if n is None else eng.adapters.get(n) for n in NAMES]
     assert eng.runner.modes.mode_for(batch) is Mode.MIXED
+    lora = eng.runner._lora_batch([(i, i + 1, a) for i, a in enumerate(batch)])     # one launch: pairs, no pass 2
+    assert lora.extra is None and [s.pair for s in lora.segments] == [None, batch[2], batch[2]]
+    assert [s.adapter.name for s in lora.segments] == ["a8", "a4", "a16"]          # base row: - a8 alone
+    assert lora.segments[0].scale == -batch[2].scaling
+    assert lora.kernel is None or lora.kernel["qkv"].pair is not None
     for a, b in zip(vlora_logits(llm, PROMPTS, NAMES), unmerged_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
     assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged
