@@ -87,10 +87,13 @@ def register_random_adapters(engine, cfg: SweepConfig, tmp: Path) -> list[str]:
 
 
 def _same_start(engine, names: list[str]) -> None:
-    """Every timed run starts from the same state: nothing merged, the sweep's adapters in the pool (in the
-    same order, when they all fit). Without this the first policy of a point paid the adapter loads the
-    later ones found done."""
+    """Every timed run starts from the same state: nothing merged, no restore record kept (a merge of the
+    adapter a previous run unmerged last would reuse its record and cost a fraction of a first merge), the
+    sweep's adapters in the pool (in the same order, when they all fit). Without this the first policy of a
+    point paid the adapter loads the later ones found done."""
     engine.unmerge_adapter()
+    for name in names:
+        engine.runner.modes.forget(name)
     store = engine.adapters.store
     if store is not None:
         store.ensure([engine.adapters.get(n) for n in names], set())
