@@ -106,3 +106,23 @@ def test_switching_back_reuses_the_restore_record(tmp_path, monkeypatch):
     llm.unregister_adapter("a8")
     assert modes.kept is None
     assert all(torch.equal(t, base[g]) for g, t in eng.model.stacked.items())
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_mode_in_one_launch_gives_the_two_launch_and_unmerged_tokens(tmp_path):
+    """On a GPU (Triton kernels, CUDA-graph decode, fp32): with a8 merged, a batch of base, a4, a8 and a16 rows
+    gives the unmerged tokens whether mixed mode runs in one launch or two, and both graph kinds replayed."""
+    from dataclasses import replace
+
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, device="cuda", dtype="float32")
+    eng = llm.engine
+    unmerged = [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)]
+    eng.merge_adapter("a8")
+    for launches in ("one", "two"):
+        eng.runner.lora_launch = replace(eng.runner.lora_launch, mixed=launches)
+        eng.runner.graphs.launch = eng.runner.lora_launch
+        assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged, launches
+    from vlora.engine.cuda_graphs import MIXED, PAIRED
+
+    assert {MIXED, PAIRED} <= {kind for _, kind in eng.runner.graphs.graphs}
