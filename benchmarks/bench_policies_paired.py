@@ -5,7 +5,8 @@ One invocation:
 1. builds the engine (every engine option of ``vlora serve`` is accepted), registers random adapters of ranks
    ``--ranks`` (as many as the largest ``--adapters``), captures every decode graph (the mixed kind too), serves
    ``--warmup-requests`` requests under each policy (compiles, captures, first merges happen there) and profiles
-   the modes, all before anything is timed;
+   the modes, all before anything is timed; then times a decode iteration per batch bucket merged, unmerged and
+   mixed, in one launch and in two (GPU only);
 2. the spread check (``--repeat K``): ``--repeat-policy`` K times on one trace (``--repeat-setting``, seed 0),
    each run with what can explain its spread (kernel builds, GC pauses, allocator retries, adapter loads,
    switches, preemptions, how late requests were sent against their trace arrival);
@@ -35,8 +36,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from vlora.bench.harness import run_workload
-from vlora.bench.paired import (Clock, Setting, TraceShape, make_trace, repeat_runs, rotation, run_policy,
-                                write_report)
+from vlora.bench.paired import (Clock, Setting, TraceShape, make_trace, mixed_launch_costs, repeat_runs, rotation,
+                                run_policy, write_report)
 from vlora.bench.sweep import POLICIES, SweepConfig, register_random_adapters, same_start
 from vlora.cli import _add_config_args, _engine_config
 from vlora.engine.orchestrator import Orchestrator
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["warmup_s"] = round(time.monotonic() - t_warm, 1)
         meta["mode_costs"] = None if costs is None else costs.as_dict()
         log(f"warm-up and mode profile: {meta['warmup_s']} s; mode costs {meta['mode_costs']}")
+        meta["mixed_launch_ms"] = mixed_launch_costs(engine)
+        if meta["mixed_launch_ms"]:
+            log(f"decode iteration per mode, ms: {meta['mixed_launch_ms']}")
 
         spread = None
         if args.repeat:

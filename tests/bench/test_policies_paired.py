@@ -73,3 +73,27 @@ def test_dry_run_replays_one_trace_per_seed_for_every_policy(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "vs unmerged" in report and "Spread of one policy" in report
     assert (tmp_path / "paired.png").stat().st_size > 0
+
+
+def test_mixed_launch_costs_time_both_launch_kinds_and_restore_the_graphs_launch():
+    from types import SimpleNamespace
+
+    from tests.engine.test_mode_costs import FakeGraphs, adapter
+    from vlora.bench.paired import mixed_launch_costs
+
+    graphs = FakeGraphs("one")
+    graphs.buckets = [1, 4, 8]
+    launch = graphs.launch
+    pool = {a.name: a for a in (adapter(0, 64), adapter(1, 16), adapter(2, 8))}
+    engine = SimpleNamespace(
+        runner=SimpleNamespace(graphs=graphs),
+        adapters=SimpleNamespace(store=SimpleNamespace(ensure=lambda adapters, keep: adapters),
+                                 names=lambda: list(pool), get=pool.get),
+        config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=4)))
+    costs = mixed_launch_costs(engine, reps=1)
+    assert set(costs) == {"merged", "unmerged", "mixed-one", "mixed-two"}
+    assert all(set(t) == {1, 4} for t in costs.values())
+    assert graphs.launch is launch
+    paired = [c for c in graphs.calls if any(s.pair is not None for s in c[2])]
+    second = [c for c in graphs.calls if c[3]]
+    assert paired and second and all(s.pair.name == "a0" for c in paired for s in c[2] if s.pair)   # largest rank

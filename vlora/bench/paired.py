@@ -123,6 +123,30 @@ class _Probe:
         return {k: round(after[k] - self.before[k], 3) for k in after}
 
 
+def mixed_launch_costs(engine, reps: int = 10) -> dict | None:
+    """Decode iterations replayed from the CUDA graphs per batch bucket (ms): merged, unmerged, and mixed in one
+    launch and in two (``LoRALaunch.mixed``), as the start-up profile times them. None without graphs."""
+    from vlora.engine.mode_costs import profile_steps
+
+    graphs, store = engine.runner.graphs, engine.adapters.store
+    if graphs is None or store is None or len(engine.adapters.names()) < 2:
+        return None
+    adapters = sorted((engine.adapters.get(n) for n in engine.adapters.names()[:9]), key=lambda a: -a.rank)
+    store.ensure(adapters, set())
+    buckets = [b for b in graphs.buckets if b <= engine.config.scheduler.max_num_seqs] or graphs.buckets[:1]
+    saved, out = graphs.launch, {}
+    try:
+        for launches in ("one", "two"):
+            graphs.launch = replace(saved, mixed=launches)
+            steps = profile_steps(graphs, adapters, buckets, reps)
+            for mode, table in steps.items():
+                name = f"mixed-{launches}" if mode.value == "mixed" else mode.value
+                out.setdefault(name, {}).update({b: round(1e3 * t, 4) for b, t in table.items()})
+    finally:
+        graphs.launch = saved
+    return out
+
+
 def run_policy(engine, names: list[str], policy: str, specs: list[W.RequestSpec], seed: int, costs,
                max_wall_s: float) -> dict:
     """One timed run of ``policy`` on ``specs`` from the same start as every other (nothing merged, no restore
@@ -202,6 +226,16 @@ def write_report(out: Path, meta: dict, spread: dict | None, rows: list[dict], p
     lines = [f"# Paired policy comparison ({meta.get('device')}, {meta.get('model')})", "",
              f"{meta.get('date')}; traces of {meta['shape']['duration_s']:g} s; policies {', '.join(policies)}, "
              "interleaved (the order rotates with the seed); every policy replays the same trace per seed.", ""]
+    costs = meta.get("mixed_launch_ms")
+    if costs:
+        sizes = sorted({int(b) for t in costs.values() for b in t})
+        lines += ["## A decode iteration per mode (CUDA-graph replay, ms)", "",
+                  "| batch | " + " | ".join(costs) + " |", "|" + "---|" * (len(costs) + 1)]
+        for b in sizes:
+            lines.append(f"| {b} | " + " | ".join(f"{t[b]:.3f}" if b in t else "-"
+                                                  for t in ({int(k): v for k, v in c.items()}
+                                                            for c in costs.values())) + " |")
+        lines.append("")
     if spread:
         s = spread.get("spread") or {}
         lines += [f"## Spread of one policy on one trace ({spread['policy']}, {spread['setting']}, "
