@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-setting", default="skew0.7/8", help="the spread check's setting/adapters (seed 0)")
     p.add_argument("--no-grid", action="store_true", help="the spread check only")
     p.add_argument("--warmup-requests", type=int, default=16, help="requests served per policy before any timing")
-    p.add_argument("--mixed-launch", choices=("one", "two"), default="one",
-                   help="mixed mode's LoRA: segments paired with the merged adapter in one launch, or a second pass")
+    p.add_argument("--mixed-launch", choices=("one", "two"), default=None,
+                   help="mixed mode's LoRA: segments paired with the merged adapter in one launch, or a second pass "
+                        "(default: the engine's, one launch on one GPU)")
     p.add_argument("--max-wall-s", type=float, default=None,
                    help="stop before a seed's runs would end past this many seconds of the invocation")
     _add_config_args(p)
@@ -114,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)              # noqa: E731
 
     engine = Engine(_engine_config(args))
-    engine.runner.lora_launch = replace(engine.runner.lora_launch, mixed=args.mixed_launch)
-    if engine.runner.graphs is not None:
-        engine.runner.graphs.launch = engine.runner.lora_launch
+    if args.mixed_launch:
+        engine.runner.lora_launch = replace(engine.runner.lora_launch, mixed=args.mixed_launch)
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.launch = engine.runner.lora_launch
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": args.model,
             "device": _device_name(engine), "policies": policies, "shape": asdict(shape), "argv": sys.argv[1:],
             "kernel_build": getattr(engine, "kernel_build", None), "mixed_launch": engine.runner.lora_launch.mixed}
