@@ -9,7 +9,8 @@ One invocation:
    mixed, in one launch and in two (GPU only);
 2. the spread check (``--repeat K``): ``--repeat-policy`` K times on one trace (``--repeat-setting``, seed 0),
    each run with what can explain its spread (kernel builds, GC pauses, allocator retries, adapter loads,
-   switches, preemptions, how late requests were sent against their trace arrival);
+   switches, preemptions, how late requests were sent against their trace arrival); ``--spread-before`` first
+   repeats it as runs were made before, and both report the latency timed from the send as well;
 3. the grid: for each seed, each setting of ``--settings`` x ``--adapters``, every policy of ``--policies`` on
    that seed's trace (the same arrivals, lengths and adapters for every policy), the order rotating with the
    seed. Seeds are the outer loop, so a run stopped by ``--max-wall-s`` leaves every setting with the seeds done.
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=0, help="spread check: runs of one policy on one trace (0: none)")
     p.add_argument("--repeat-policy", default="unmerged", help="the policy of the spread check")
     p.add_argument("--repeat-setting", default="skew0.7/8", help="the spread check's setting/adapters (seed 0)")
+    p.add_argument("--spread-before", action="store_true",
+                   help="run the spread check first as runs were made before (restore records kept across runs, "
+                        "the collector not frozen), then as now")
     p.add_argument("--no-grid", action="store_true", help="the spread check only")
     p.add_argument("--warmup-requests", type=int, default=16, help="requests served per policy before any timing")
     p.add_argument("--mixed-launch", choices=("one", "two"), default=None,
@@ -143,13 +147,15 @@ def main(argv: list[str] | None = None) -> int:
         if meta["mixed_launch_ms"]:
             log(f"decode iteration per mode, ms: {meta['mixed_launch_ms']}")
 
-        spread = None
+        spread = []
         if args.repeat:
             rs = _setting(args.repeat_setting, 8)
-            log(f"spread check: {args.repeat_policy} x{args.repeat} on {rs.label}, seed 0")
-            spread = repeat_runs(engine, names[:rs.adapters], args.repeat_policy, make_trace(rs, 0, shape), 0, costs,
-                                 args.repeat, max_wall, log) | {"setting": rs.label}
-            write_report(out, meta, spread, [], policies)
+            for legacy in (True, False) if args.spread_before else (False,):
+                log(f"spread check: {args.repeat_policy} x{args.repeat} on {rs.label}, seed 0"
+                    + (" (as runs were made before)" if legacy else ""))
+                spread.append(repeat_runs(engine, names[:rs.adapters], args.repeat_policy, make_trace(rs, 0, shape), 0,
+                                          costs, args.repeat, max_wall, log, legacy) | {"setting": rs.label})
+                write_report(out, meta, spread, [], policies)
         rows: list[dict] = []
         if not args.no_grid:
             clock = Clock(args.seeds * len(settings) * len(policies))

@@ -54,7 +54,7 @@ def test_traces_are_seeded_per_setting():
 
 def test_dry_run_replays_one_trace_per_seed_for_every_policy(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
-    assert main(["--dry-run", "--out", str(tmp_path), "--policies", "vlora,unmerged"]) == 0
+    assert main(["--dry-run", "--out", str(tmp_path), "--policies", "vlora,unmerged", "--spread-before"]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     runs = res["runs"]
     assert len(runs) == 4 and {(r["seed"], r["policy"]) for r in runs} == {(s, p) for s in (0, 1)
@@ -64,14 +64,18 @@ def test_dry_run_replays_one_trace_per_seed_for_every_policy(tmp_path):
         assert len({r["trace"] for r in mine}) == 1 and len({r["requests"] for r in mine}) == 1   # common trace
         assert [r["policy"] for r in mine] == list(rotation(("vlora", "unmerged"), seed))           # interleaved
         assert all(r["finished"] == r["requests"] for r in mine)
-    spread = res["spread"]
-    assert len(spread["runs"]) == 2 and len({r["trace"] for r in spread["runs"]}) == 1
-    for key in ("gc_pause_s", "late_p99_s", "compiles", "preemptions", "avg_token_latency_s"):
-        assert all(key in r for r in spread["runs"])
+    before, now = res["spread"]                         # as runs were made before, then as now
+    assert before["legacy"] and not now["legacy"]
+    for check in (before, now):
+        assert len(check["runs"]) == 2 and len({r["trace"] for r in check["runs"]}) == 1
+        for key in ("gc_pause_s", "late_p99_s", "compiles", "preemptions", "avg_token_latency_s",
+                    "avg_token_latency_from_send_s"):
+            assert all(key in r for r in check["runs"])
+        assert {"cv", "cv_from_send"} <= set(check["spread"])
     (entry,) = res["paired"]
     assert entry["setting"] == "skew0.9/4" and entry["vs"]["unmerged"]["ci"] is not None
     report = (tmp_path / "report.md").read_text()
-    assert "vs unmerged" in report and "Spread of one policy" in report
+    assert "vs unmerged" in report and report.count("Spread of one policy") == 2
     assert (tmp_path / "paired.png").stat().st_size > 0
 
 

@@ -148,14 +148,21 @@ def mixed_launch_costs(engine, reps: int = 10) -> dict | None:
 
 
 def run_policy(engine, names: list[str], policy: str, specs: list[W.RequestSpec], seed: int, costs,
-               max_wall_s: float) -> dict:
+               max_wall_s: float, legacy: bool = False) -> dict:
     """One timed run of ``policy`` on ``specs`` from the same start as every other (nothing merged, no restore
-    record kept, the setting's adapters in the pool); its metrics and what explains its spread."""
+    record kept, the setting's adapters in the pool); its metrics and what explains its spread. ``legacy``: as
+    runs were made before (restore records kept from earlier runs, the collector not frozen), to measure the
+    difference."""
     sc = engine.config.scheduler
-    same_start(engine, names)
+    if legacy:
+        engine.unmerge_adapter()
+        if engine.adapters.store is not None:
+            engine.adapters.store.ensure([engine.adapters.get(n) for n in names], set())
+    else:
+        same_start(engine, names)
     engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs, costs)
     probe, mark = _Probe(engine), compiles.snapshot()
-    res = run_workload(engine, specs, seed=seed, max_wall_s=max_wall_s)
+    res = run_workload(engine, specs, seed=seed, max_wall_s=max_wall_s, freeze_gc=not legacy)
     m = res.metrics()
     built = compiles.since(mark)
     m |= {"policy": policy, "seed": seed, "trace": trace_digest(specs), "compiles": built["compiles"],
@@ -163,21 +170,24 @@ def run_policy(engine, names: list[str], policy: str, specs: list[W.RequestSpec]
     return m
 
 
-def repeat_runs(engine, names, policy, specs, seed, costs, k, max_wall_s, log=print) -> dict:
+def repeat_runs(engine, names, policy, specs, seed, costs, k, max_wall_s, log=print, legacy: bool = False) -> dict:
     """``policy`` ``k`` times on one trace: each run's metrics and counters, and the spread of the average token
-    latency (coefficient of variation, max/min)."""
+    latency (coefficient of variation, max/min), timed from when requests were due and from when they were sent.
+    ``legacy``: runs as they were made before (:func:`run_policy`)."""
     runs = []
     for i in range(k):
-        runs.append(run_policy(engine, names, policy, specs, seed, costs, max_wall_s))
-        log(f"  repeat {i + 1}/{k}: {policy} avg token latency {1e3 * (runs[-1]['avg_token_latency_s'] or 0):.2f} ms"
-            f", GC {runs[-1]['gc_pause_s'] * 1e3:.1f} ms, late p99 {1e3 * (runs[-1]['late_p99_s'] or 0):.1f} ms, "
-            f"builds {runs[-1]['compiles']}")
-    lat = [r["avg_token_latency_s"] for r in runs if r["avg_token_latency_s"]]
+        runs.append(run_policy(engine, names, policy, specs, seed, costs, max_wall_s, legacy))
+        log(f"  repeat {i + 1}/{k}{' (legacy)' if legacy else ''}: {policy} avg token latency "
+            f"{1e3 * (runs[-1]['avg_token_latency_s'] or 0):.2f} ms, GC {runs[-1]['gc_pause_s'] * 1e3:.1f} ms, "
+            f"late p99 {1e3 * (runs[-1]['late_p99_s'] or 0):.1f} ms, builds {runs[-1]['compiles']}")
     spread = {}
-    if len(lat) >= 2:
-        spread = {"mean_ms": 1e3 * statistics.fmean(lat), "sd_ms": 1e3 * statistics.stdev(lat),
-                  "cv": statistics.stdev(lat) / statistics.fmean(lat), "max_over_min": max(lat) / min(lat) - 1}
-    return {"policy": policy, "trace": trace_digest(specs), "runs": runs, "spread": spread}
+    for key, suffix in (("avg_token_latency_s", ""), ("avg_token_latency_from_send_s", "_from_send")):
+        lat = [r[key] for r in runs if r[key]]
+        if len(lat) >= 2:
+            spread |= {f"mean_ms{suffix}": 1e3 * statistics.fmean(lat), f"sd_ms{suffix}": 1e3 * statistics.stdev(lat),
+                       f"cv{suffix}": statistics.stdev(lat) / statistics.fmean(lat),
+                       f"max_over_min{suffix}": max(lat) / min(lat) - 1}
+    return {"policy": policy, "trace": trace_digest(specs), "runs": runs, "spread": spread, "legacy": legacy}
 
 
 def paired_table(rows: list[dict], policies: tuple[str, ...]) -> list[dict]:
@@ -217,8 +227,8 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.1f}%"
 
 
-def write_report(out: Path, meta: dict, spread: dict | None, rows: list[dict], policies: tuple[str, ...]) -> None:
-    """results.json (every run), report.md (spread check, paired table) and paired.png."""
+def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], policies: tuple[str, ...]) -> None:
+    """results.json (every run), report.md (spread checks, paired table) and paired.png."""
     out.mkdir(parents=True, exist_ok=True)
     table = paired_table(rows, policies) if rows else []
     (out / "results.json").write_text(json.dumps({"meta": meta, "spread": spread, "runs": rows, "paired": table},
@@ -236,21 +246,25 @@ def write_report(out: Path, meta: dict, spread: dict | None, rows: list[dict], p
                                                   for t in ({int(k): v for k, v in c.items()}
                                                             for c in costs.values())) + " |")
         lines.append("")
-    if spread:
-        s = spread.get("spread") or {}
-        lines += [f"## Spread of one policy on one trace ({spread['policy']}, {spread['setting']}, "
-                  f"{len(spread['runs'])} runs)", ""]
+    for check in spread or []:
+        s = check.get("spread") or {}
+        how = ("as runs were made before: records kept across runs, collector not frozen" if check.get("legacy")
+               else "each run from the same start, collector frozen")
+        lines += [f"## Spread of one policy on one trace ({check['policy']}, {check['setting']}, "
+                  f"{len(check['runs'])} runs; {how})", ""]
         if s:
             lines += [f"Average token latency {s['mean_ms']:.2f} ms, sd {s['sd_ms']:.2f} ms (CV {100 * s['cv']:.1f}%), "
-                      f"max/min {_pct(s['max_over_min'])}.", ""]
-        lines += ["| run | avg token latency ms | kernel builds | GC pauses (full) ms | late mean / p99 ms | "
-                  "alloc retries | switches | adapter loads | preemptions |", "|" + "---|" * 9]
-        for i, r in enumerate(spread["runs"]):
-            lines.append(f"| {i} | {1e3 * (r['avg_token_latency_s'] or 0):.2f} | {r['compiles']} | "
+                      f"max/min {_pct(s['max_over_min'])}; timed from when requests were sent (as before): CV "
+                      f"{100 * s.get('cv_from_send', 0):.1f}%, max/min {_pct(s.get('max_over_min_from_send'))}.", ""]
+        lines += ["| run | avg token latency ms (from send) | kernel builds | GC pauses (full) ms | late mean / p99 ms | "
+                  "alloc retries / new segments | switches | adapter loads | preemptions |", "|" + "---|" * 9]
+        for i, r in enumerate(check["runs"]):
+            lines.append(f"| {i} | {1e3 * (r['avg_token_latency_s'] or 0):.2f} "
+                         f"({1e3 * (r['avg_token_latency_from_send_s'] or 0):.2f}) | {r['compiles']} | "
                          f"{1e3 * r['gc_pause_s']:.1f} ({r['gc_full_collections']}) | "
                          f"{1e3 * (r['late_mean_s'] or 0):.1f} / {1e3 * (r['late_p99_s'] or 0):.1f} | "
-                         f"{r.get('alloc_retries', '-')} | {r['switches']} | {r.get('adapter_loads', '-')} | "
-                         f"{r['preemptions']} |")
+                         f"{r.get('alloc_retries', '-')} / {r.get('alloc_segments', '-')} | {r['switches']} | "
+                         f"{r.get('adapter_loads', '-')} | {r['preemptions']} |")
         lines.append("")
     if table:
         bases = [p for p in policies if p != "vlora"]
