@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="directory for results.json, report.md and paired.png")
     p.add_argument("--dry-run", action="store_true",
-                   help="a tiny random model on the CPU, short traces, two seeds: checks the pipeline, measures nothing")
+                   help="a tiny random model on the CPU, short traces, two seeds: checks the pipeline, measures "
+                        "nothing")
     p.add_argument("--settings", default="skew0.3,skew0.5,skew0.7,skew0.9,retrieval,video",
                    help="comma-separated: skew<share of the top adapter>, retrieval, video")
     p.add_argument("--adapters", default="8,32", help="comma-separated adapter counts; each setting runs with each")

@@ -114,7 +114,8 @@ class _Probe:
             import torch
 
             st = torch.cuda.memory_stats(e.device)
-            out |= {"alloc_retries": st.get("num_alloc_retries", 0), "alloc_segments": st.get("segment.all.allocated", 0),
+            out |= {"alloc_retries": st.get("num_alloc_retries", 0),
+                    "alloc_segments": st.get("segment.all.allocated", 0),
                     "reserved_mb": st.get("reserved_bytes.all.current", 0) / 2**20}
         return out
 
@@ -256,8 +257,9 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
             lines += [f"Average token latency {s['mean_ms']:.2f} ms, sd {s['sd_ms']:.2f} ms (CV {100 * s['cv']:.1f}%), "
                       f"max/min {_pct(s['max_over_min'])}; timed from when requests were sent (as before): CV "
                       f"{100 * s.get('cv_from_send', 0):.1f}%, max/min {_pct(s.get('max_over_min_from_send'))}.", ""]
-        lines += ["| run | avg token latency ms (from send) | kernel builds | GC pauses (full) ms | late mean / p99 ms | "
-                  "alloc retries / new segments | switches | adapter loads | preemptions |", "|" + "---|" * 9]
+        lines += ["| run | avg token latency ms (from send) | kernel builds | GC pauses (full) ms | "
+                  "late mean / p99 ms | alloc retries / new segments | switches | adapter loads | preemptions |",
+                  "|" + "---|" * 9]
         for i, r in enumerate(check["runs"]):
             lines.append(f"| {i} | {1e3 * (r['avg_token_latency_s'] or 0):.2f} "
                          f"({1e3 * (r['avg_token_latency_from_send_s'] or 0):.2f}) | {r['compiles']} | "
@@ -272,7 +274,8 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
                   "Relative difference of the average token latency, vlora / baseline - 1, mean over seeds with its "
                   "95% t-interval (negative: V-LoRA faster).", "",
                   "| setting | seeds | " + " | ".join(f"{p} ms" for p in policies) + " | "
-                  + " | ".join(f"vs {b}" for b in bases) + " | best fixed | V-LoRA modes | V-LoRA switches (median / max ms) |",
+                  + " | ".join(f"vs {b}" for b in bases)
+                  + " | best fixed | V-LoRA modes | V-LoRA switches (median / max ms) |",
                   "|" + "---|" * (2 + len(policies) + len(bases) + 3)]
         for e in table:
             cells = []

@@ -16,10 +16,10 @@ empty launches), ``1`` with them (some row has an adapter), and for mixed mode
 (rows not of the merged adapter subtract it) ``3``, segments that carry the
 merged adapter as a second pair in the same launches (its rank, column and
 scale per segment slot in a second set of static buffers), or ``2``, a second
-LoRA pass whose segments live in those buffers (``LoRALaunch.mixed="two"``). LoRA graphs read the adapter
-buffer and the offset tables at the addresses they had at capture; when the
-buffer grows (an adapter registered) or the tables fill up, they are dropped
-and captured again on next use. The LoRA graph's kernel grid
+LoRA pass whose segments live in those buffers (``LoRALaunch.mixed="two"``).
+LoRA graphs read the adapter buffer and the offset tables at the addresses
+they had at capture; when the buffer grows (an adapter registered) or the
+tables fill up, they are dropped and captured again on next use. The LoRA graph's kernel grid
 is fixed at capture: one program row per segment, so segments are split into
 pieces of at most ``seg_cap`` rows (the tile height), which gives the same
 result; unused segment slots have length 0 and exit at once. An iteration with
@@ -61,8 +61,8 @@ class DecodeGraphs:
         self.meta = torch.zeros(8, b, dtype=torch.long, device=dev)
         self.meta[_SLOTS] = scratch_slot
         self.scales = torch.zeros(b, dtype=torch.float32, device=dev)
-        self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)    # mixed mode's second pass: start/len/rank/
-        #                                                                  column; or, paired, rows 2-3: pair rank/column
+        # mixed mode's second pass: start/len/rank/column; or, paired, rows 2-3: each slot's pair rank/column
+        self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)
         self.scales2 = torch.zeros(b, dtype=torch.float32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)

@@ -130,7 +130,8 @@ def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = 
     """Whether the adapter merged now may stay merged while ``others`` (other adapters' and the base model's
     requests) run beside its requests ``merged``, i.e. in MIXED mode. A mixed iteration gives the other rows
     their adapter and the merged one subtracted (one launch: docs/decisions.md, 'Mixed mode in one launch') and
-    may cost more than an unmerged one (docs/decisions.md, 'Mixed mode counted as a cost'). Staying pays that extra for as long as the others run
+    may cost more than an unmerged one (docs/decisions.md, 'Mixed mode counted as a cost'). Staying pays that
+    extra for as long as the others run
     (the most tokens one of them may still produce); leaving pays an unmerge now and, if the merged adapter's
     requests outlive the others, the merge back (its record reused). Stay when the first is no more than the
     second; a mixed iteration no slower than an unmerged one always stays. Unknown lengths weigh nothing but the
