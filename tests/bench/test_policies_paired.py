@@ -24,7 +24,7 @@ def test_t_interval_and_rotation():
 
 def _row(setting, policy, seed, lat):
     return {"setting": setting, "policy": policy, "seed": seed, "avg_token_latency_s": lat, "mode_share": {},
-            "switches": 0, "switch_times": []}
+            "switches": 1, "switch_times": [(0.5, 0.01)], "duration_s": 2.0}
 
 
 def test_paired_table_decides_only_beyond_the_interval():
@@ -39,6 +39,7 @@ def test_paired_table_decides_only_beyond_the_interval():
     assert entry["vs"]["unmerged"]["ci"][0] == pytest.approx(0.1015, abs=1e-3)
     assert entry["vs"]["dlora"]["verdict"] == "no difference resolved"
     assert entry["best_fixed"] == "unmerged" and entry["seeds"] == 4
+    assert entry["vlora_switch_share"] == pytest.approx(0.005) and entry["vlora_switch_ms"] == (10.0, 10.0)
 
 
 def test_traces_are_seeded_per_setting():

@@ -220,6 +220,9 @@ def paired_table(rows: list[dict], policies: tuple[str, ...]) -> list[dict]:
         entry["vlora_switches"] = statistics.fmean(r["switches"] for r in mine) if mine else None
         times = [1e3 * s for r in mine for _, s in r["switch_times"]]
         entry["vlora_switch_ms"] = ((statistics.median(times), max(times)) if times else None)
+        # what cheaper switches (a merged copy kept: a pointer change) could save at most, as a share of the run
+        entry["vlora_switch_share"] = (statistics.fmean(sum(s for _, s in r["switch_times"]) / r["duration_s"]
+                                                        for r in mine) if mine else None)
         out.append(entry)
     return out
 
@@ -275,8 +278,8 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
                   "95% t-interval (negative: V-LoRA faster).", "",
                   "| setting | seeds | " + " | ".join(f"{p} ms" for p in policies) + " | "
                   + " | ".join(f"vs {b}" for b in bases)
-                  + " | best fixed | V-LoRA modes | V-LoRA switches (median / max ms) |",
-                  "|" + "---|" * (2 + len(policies) + len(bases) + 3)]
+                  + " | best fixed | V-LoRA modes | V-LoRA switches (median / max ms) | switch time, share of run |",
+                  "|" + "---|" * (2 + len(policies) + len(bases) + 4)]
         for e in table:
             cells = []
             for b in bases:
@@ -288,7 +291,8 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
             lines.append(f"| {e['setting']} | {e['seeds']} | "
                          + " | ".join(f"{e['mean_ms'].get(p, float('nan')):.2f}" for p in policies) + " | "
                          + " | ".join(cells) + f" | {e['best_fixed']} | {modes} | "
-                         + f"{_fmt_n(e['vlora_switches'])} ({'-' if sw is None else f'{sw[0]:.1f} / {sw[1]:.1f}'}) |")
+                         + f"{_fmt_n(e['vlora_switches'])} ({'-' if sw is None else f'{sw[0]:.1f} / {sw[1]:.1f}'}) | "
+                         + ("-" if e["vlora_switch_share"] is None else f"{100 * e['vlora_switch_share']:.2f}%") + " |")
         if _plot(table, bases, out / "paired.png"):
             lines += ["", "![paired differences](paired.png)"]
     if meta.get("stopped"):
