@@ -34,7 +34,8 @@ def test_harness_times_every_request_and_follows_sessions(tmp_path):
     assert len(res.records) == len(specs)
     for r in res.records:
         assert r.finish_reason == "length" and r.tokens == r.spec.output_len
-        assert r.arrival <= r.admitted <= r.first_token <= r.finish
+        assert r.arrival <= r.sent <= r.admitted <= r.first_token <= r.finish
+        assert r.spec.turn > 0 or r.arrival == r.spec.arrival_s        # timed from the trace, not from the send
     turns = sorted((r for r in res.records if r.spec.session == 0), key=lambda r: r.spec.turn)
     for a, b in zip(turns, turns[1:]):
         assert b.arrival >= a.finish + b.spec.after_s - 1e-6          # sent after the previous answer
@@ -48,6 +49,8 @@ def test_harness_times_every_request_and_follows_sessions(tmp_path):
     assert m["ttft_scheduled_mean_s"] == pytest.approx(sum(r.first_token - r.admitted for r in res.records)
                                                        / len(specs))
     assert m["queued_first_turn_p90_s"] is not None and m["queued_later_turns_mean_s"] is not None
+    assert m["late_mean_s"] == pytest.approx(sum(r.sent - r.arrival for r in res.records) / len(specs))
+    assert m["gc_collections"] == len(res.gc_pauses) and m["gc_pause_s"] >= 0
     assert eng.allocator.num_free == 512
 
 
@@ -76,7 +79,7 @@ def test_harness_admission_is_the_first_chunk_not_the_last():
     (rec,) = res.records
     chunks = [t for t, _, _ in res.iterations if rec.admitted < t <= rec.first_token]
     assert len(chunks) == 4                                 # 32 prompt tokens, 8 a step
-    assert rec.queued == 0.0                                # sent at once, scheduled by the first step
+    assert rec.admitted == rec.sent and rec.late >= 0.0    # sent at once, scheduled by the first step
 
 
 def test_harness_reports_early_aborts(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from vlora.engine.mode_costs import ModeCosts, profile_steps
 from vlora.engine.modes import Mode
 from vlora.engine.orchestrator import Orchestrator
-from vlora.lora.batch import PackedAdapter
+from vlora.lora.batch import LoRALaunch, PackedAdapter
 
 
 class FakeGraphs:
@@ -17,8 +17,9 @@ class FakeGraphs:
     scratch_slot = 4095
     device = torch.device("cpu")
 
-    def __init__(self):
+    def __init__(self, mixed: str = "one"):
         self.calls = []
+        self.launch = LoRALaunch(mixed=mixed)
 
     def run(self, ids, positions, slots, tables, lens, segments, minus=()):
         self.calls.append((len(ids), set(slots), list(segments), list(minus)))
@@ -28,24 +29,33 @@ def adapter(slot: int, rank: int) -> PackedAdapter:
     return PackedAdapter(slot, f"a{slot}", rank, 2.0, ())
 
 
-def test_profile_times_each_mode_per_bucket_on_the_scratch_slot():
-    graphs = FakeGraphs()
+@pytest.mark.parametrize("launches", ["one", "two"])
+def test_profile_times_each_mode_per_bucket_on_the_scratch_slot(launches):
+    """Mixed iterations are timed as the engine launches them: segments paired with the merged adapter, or a
+    second pass."""
+    graphs = FakeGraphs(launches)
     merged, others = adapter(0, 64), [adapter(i, 16) for i in range(1, 4)]
     steps = profile_steps(graphs, [merged] + others, [1, 4], reps=2)
     assert set(steps) == set(Mode) and all(set(t) == {1, 4} and min(t.values()) >= 0 for t in steps.values())
     assert all(slots == {FakeGraphs.scratch_slot} for _, slots, _, _ in graphs.calls)   # no sequence's KV
     at4 = [c for c in graphs.calls if c[0] == 4]
+    is_mixed = lambda c: c[3] or any(s.pair is not None for s in c[2])     # noqa: E731
     base = [c for c in at4 if not c[2] and not c[3]]
-    unmerged = [c for c in at4 if c[2] and not c[3]]
-    mixed = [c for c in at4 if c[3]]
+    unmerged = [c for c in at4 if c[2] and not is_mixed(c)]
+    mixed = [c for c in at4 if is_mixed(c)]
     assert base and unmerged and mixed
     segs = unmerged[0][2]
     assert [(s.start, s.end) for s in segs] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert {s.adapter.name for s in segs} == {"a1", "a2", "a3"} and merged not in [s.adapter for s in segs]
     own, minus = mixed[0][2], mixed[0][3]
     assert [(s.start, s.end) for s in own] == [(1, 2), (2, 3), (3, 4)]     # row 0 is the merged adapter's
-    assert len(minus) == 1 and (minus[0].start, minus[0].end, minus[0].adapter) == (1, 4, merged)
-    assert minus[0].scale == -merged.scaling
+    assert merged not in [s.adapter for s in own]
+    if launches == "one":
+        assert not minus and all((s.pair, s.pair_scale) == (merged, -merged.scaling) for s in own)
+    else:
+        assert all(s.pair is None for s in own)
+        assert len(minus) == 1 and (minus[0].start, minus[0].end, minus[0].adapter) == (1, 4, merged)
+        assert minus[0].scale == -merged.scaling
     with pytest.raises(ValueError, match="two resident adapters"):
         profile_steps(graphs, [merged], [1])
 

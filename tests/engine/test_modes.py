@@ -24,6 +24,11 @@ def test_outputs_are_identical_whatever_the_mode(tmp_path, kernel):
     eng.merge_adapter("a8")                      # NAMES mixes base, a4, a8, a16: mixed mode
     batch = [None if n is None else eng.adapters.get(n) for n in NAMES]
     assert eng.runner.modes.mode_for(batch) is Mode.MIXED
+    lora = eng.runner._lora_batch([(i, i + 1, a) for i, a in enumerate(batch)])     # one launch: pairs, no pass 2
+    assert lora.extra is None and [s.pair for s in lora.segments] == [None, batch[2], batch[2]]
+    assert [s.adapter.name for s in lora.segments] == ["a8", "a4", "a16"]          # base row: - a8 alone
+    assert lora.segments[0].scale == -batch[2].scaling
+    assert lora.kernel is None or lora.kernel["qkv"].pair is not None
     for a, b in zip(vlora_logits(llm, PROMPTS, NAMES), unmerged_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
     assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged
@@ -101,3 +106,23 @@ def test_switching_back_reuses_the_restore_record(tmp_path, monkeypatch):
     llm.unregister_adapter("a8")
     assert modes.kept is None
     assert all(torch.equal(t, base[g]) for g, t in eng.model.stacked.items())
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_mode_in_one_launch_gives_the_two_launch_and_unmerged_tokens(tmp_path):
+    """On a GPU (Triton kernels, CUDA-graph decode, fp32): with a8 merged, a batch of base, a4, a8 and a16 rows
+    gives the unmerged tokens whether mixed mode runs in one launch or two, and both graph kinds replayed."""
+    from dataclasses import replace
+
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, device="cuda", dtype="float32")
+    eng = llm.engine
+    unmerged = [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)]
+    eng.merge_adapter("a8")
+    for launches in ("one", "two"):
+        eng.runner.lora_launch = replace(eng.runner.lora_launch, mixed=launches)
+        eng.runner.graphs.launch = eng.runner.lora_launch
+        assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged, launches
+    from vlora.engine.cuda_graphs import MIXED, PAIRED
+
+    assert {MIXED, PAIRED} <= {kind for _, kind in eng.runner.graphs.graphs}

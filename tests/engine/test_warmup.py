@@ -1,5 +1,6 @@
 """Start-up kernel builds: the variants walked cover every config the runner can pick, and they launch."""
 
+import functools
 import json
 import os
 import subprocess
@@ -21,21 +22,29 @@ WIDTHS = group_widths(4096, 4096, 4096, 11008)
 TABLES = {"shipped-h100": TilingTable.load("nvidia-h100-80gb-hbm3"), "empty": TilingTable()}
 
 
+@functools.cache
+def _variants(name: str, max_rank: int, max_tokens: int, max_seqs: int) -> dict:
+    return lora_variants(TABLES[name], SHAPES, WIDTHS, max_rank, max_tokens, max_seqs, pairs=True)
+
+
 @pytest.mark.parametrize("name", list(TABLES))
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_every_config_the_runner_picks_is_built(name, data):
-    """What device_store.build_kernel_batch picks for any batch within the limits is among the variants."""
+    """What device_store.build_kernel_batch picks for any batch within the limits is among the variants, also for
+    mixed mode in one launch (segments of rank r paired with the merged adapter's rank r2)."""
     table = TABLES[name]
     max_tokens, max_seqs, max_rank = 2048, 64, 64
-    variants = lora_variants(table, SHAPES, WIDTHS, max_rank, max_tokens, max_seqs)
+    variants = _variants(name, max_rank, max_tokens, max_seqs)
     t = data.draw(st.integers(1, max_tokens))
     s = data.draw(st.integers(1, min(t, max_seqs)))
     r = data.draw(st.integers(1, max_rank))
+    r2 = data.draw(st.integers(1, max_rank))
     for g, modules in GROUPS.items():
-        shrink = table.get("shrink", t, s, SHAPES[g], len(modules) * r)
-        expand = table.get("expand", t, s, sum(WIDTHS[g]), r)
-        assert (g, shrink, expand, expand_hoisted(fit_shared(expand, 4, 2), r)) in variants
+        for total, rank, paired in ((r, r, False), (r + r2, max(r, r2), True)):
+            shrink = table.get("shrink", t, s, SHAPES[g], len(modules) * total)
+            expand = table.get("expand", t, s, sum(WIDTHS[g]), rank)
+            assert (g, shrink, expand, expand_hoisted(fit_shared(expand, 4, 2), rank), paired) in variants
 
 
 def test_variants_are_finite_and_shared_across_counts():
@@ -50,8 +59,9 @@ def test_worker_builds_its_share(tmp_path):
     interpreter, on a small model shape."""
     shapes = {"qkv": 64, "o": 64, "gate_up": 64, "down": 128}
     widths = group_widths(64, 32, 64, 128)
-    items = lora_items(TilingTable(), shapes, widths, 16, 64, 4, 4)
-    rows = [[g, r, sh.as_list(), ex.as_list(), k, list(w)] for g, r, sh, ex, k, w in items]
+    items = lora_items(TilingTable(), shapes, widths, 16, 64, 4, 4, pairs=True)
+    assert any(i[-1] for i in items) and not all(i[-1] for i in items)
+    rows = [[g, r, sh.as_list(), ex.as_list(), k, list(w), p] for g, r, sh, ex, k, w, p in items]
     path = tmp_path / "variants.json"
     path.write_text(json.dumps(rows))
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -8,6 +8,12 @@ its wait to be scheduled, TPOT, end-to-end latency) and per iteration the infere
 every mode switch with its measured time. :class:`RunResult` turns that into
 the metrics of ``../shared/BENCHMARKS.md``.
 
+A request's clock starts when it is due (its trace arrival; a follow-up turn: the previous answer plus its think
+time), not when the loop gets to send it: the engine steps in this thread, so a request due during a long
+iteration is sent after it, and that wait is the user's too. How late each was sent is recorded (``late``), as
+are the run's garbage-collector pauses; the collector runs over a frozen heap (everything alive before the run is
+moved out of its generations), so that a full collection's cost does not depend on what earlier runs left.
+
 Outputs have fixed lengths (``ignore_eos``), so every policy does the same work.
 Prompts are seeded random token ids; a session's later turn is its previous
 prompt and answer plus new tokens, so it shares their prefix.
@@ -15,6 +21,7 @@ prompt and answer plus new tokens, so it shares their prefix.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import statistics
@@ -31,7 +38,8 @@ from vlora.sampling_params import SamplingParams
 class RequestRecord:
     spec: RequestSpec
     request_id: str
-    arrival: float                    # seconds from the start of the run, when it was sent
+    arrival: float                    # seconds from the start of the run, when it was due
+    sent: float | None = None         # when the harness handed it to the engine (>= arrival)
     first_token: float | None = None
     admitted: float | None = None     # start of the first iteration that scheduled it (its wait ends there)
     finish: float | None = None
@@ -47,6 +55,11 @@ class RequestRecord:
     def queued(self) -> float | None:
         """Seconds from arrival to the iteration that first scheduled it (a prefix copy it waited for counts)."""
         return None if self.admitted is None else self.admitted - self.arrival
+
+    @property
+    def late(self) -> float | None:
+        """Seconds it was sent after it was due (the iteration in progress when it came due)."""
+        return None if self.sent is None else self.sent - self.arrival
 
     @property
     def latency(self) -> float | None:
@@ -66,6 +79,7 @@ class RunResult:
     switches: list[tuple[float, float]] = field(default_factory=list)        # (time, seconds taken)
     duration_s: float = 0.0
     label: dict = field(default_factory=dict)
+    gc_pauses: list[tuple[int, float]] = field(default_factory=list)     # (generation, seconds) of each collection
 
     def metrics(self, ttft_slo_s: float | None = None) -> dict:
         done = [r for r in self.records if r.finish_reason in ("length", "stop")]
@@ -80,6 +94,9 @@ class RunResult:
             rejected=sum(r.finish_reason == "rejected" for r in self.records),
             unfinished=sum(r.finish is None for r in self.records),
             avg_token_latency_s=sum(lats) / tokens if tokens else None,
+            # timed from when the loop sent each request instead of when it was due (what runs measured before)
+            avg_token_latency_from_send_s=(sum(r.finish - r.sent for r in done if r.sent is not None) / tokens
+                                           if tokens else None),
             throughput_req_s=len(done) / self.duration_s if self.duration_s else None,
             throughput_tok_s=tokens / self.duration_s if self.duration_s else None,
             duration_s=self.duration_s, iterations=len(modes),
@@ -92,6 +109,9 @@ class RunResult:
             out.update(_stats(name, xs))
         # TTFT = the wait to be scheduled + the iterations from then to the first token (the prompt's chunks)
         out.update(_stats("queued", [r.queued for r in done if r.queued is not None]))
+        out.update(_stats("late", [r.late for r in self.records if r.late is not None]))
+        out.update(gc_collections=len(self.gc_pauses), gc_pause_s=sum(p for _, p in self.gc_pauses),
+                   gc_full_collections=sum(g == 2 for g, _ in self.gc_pauses))
         out.update(_stats("ttft_scheduled", [r.first_token - r.admitted for r in done
                                              if r.first_token is not None and r.admitted is not None]))
         if any(r.spec.session is not None for r in done):    # multi-turn: a first turn has no history to reuse
@@ -115,9 +135,41 @@ def _stats(name: str, xs: list[float]) -> dict:
 
 
 def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: SLO | None = None,
-                 max_wall_s: float | None = None, progress: bool = False) -> RunResult:
+                 max_wall_s: float | None = None, progress: bool = False, freeze_gc: bool = True) -> RunResult:
     """Serve ``specs`` on ``engine`` in real time; returns the records. ``slo`` applies to every request;
-    ``max_wall_s`` stops sending and serving after that long (unfinished requests are counted as such)."""
+    ``max_wall_s`` stops sending and serving after that long (unfinished requests are counted as such);
+    ``freeze_gc``: collect and freeze the heap first (False: the collector as it is, to measure its effect)."""
+    if freeze_gc:
+        gc.collect()
+        gc.freeze()
+    watch = _GCWatch()
+    gc.callbacks.append(watch)
+    try:
+        result = _serve(engine, specs, seed, slo, max_wall_s, progress)
+    finally:
+        gc.callbacks.remove(watch)
+        if freeze_gc:
+            gc.unfreeze()
+    result.gc_pauses = watch.pauses
+    return result
+
+
+class _GCWatch:
+    """gc.callbacks hook: the generation and duration of every collection."""
+
+    def __init__(self):
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info.get("generation", -1), time.perf_counter() - self._t0))
+
+
+def _serve(engine: Engine, specs: list[RequestSpec], seed: int, slo: SLO | None, max_wall_s: float | None,
+           progress: bool) -> RunResult:
     rng = random.Random(seed)
     vocab = engine.model.cfg.vocab_size
     limit = engine.max_model_len - 1
@@ -141,14 +193,14 @@ def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: S
         bar = tqdm(total=len(specs), desc="requests", unit="req")
     t0 = time.monotonic()
 
-    def send(spec: RequestSpec, now: float) -> None:
+    def send(spec: RequestSpec, due: float, now: float) -> None:
         prev = history.get(spec.session, []) if spec.session is not None else []
         n_in = max(1, min(spec.input_len, limit - spec.output_len))
         prompt = (prev + [rng.randrange(3, vocab) for _ in range(max(0, n_in - len(prev)))])[-n_in:]
         out_len = max(1, min(spec.output_len, limit - len(prompt)))
         sp = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=rng.randrange(2**31))
         rid = engine.add_request(prompt, spec.adapter, sp, slo=slo)
-        records[rid] = RequestRecord(spec, rid, now)
+        records[rid] = RequestRecord(spec, rid, due, sent=now)
         if spec.session is not None:
             history[spec.session] = prompt
 
@@ -158,7 +210,8 @@ def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: S
             break
         upcoming.sort(key=lambda x: x[0])
         while upcoming and upcoming[0][0] <= now:
-            send(upcoming.pop(0)[1], now)
+            due, spec = upcoming.pop(0)
+            send(spec, due, now)
         if not engine.has_unfinished():
             if not upcoming:
                 break

@@ -86,11 +86,14 @@ def register_random_adapters(engine, cfg: SweepConfig, tmp: Path) -> list[str]:
     return names
 
 
-def _same_start(engine, names: list[str]) -> None:
-    """Every timed run starts from the same state: nothing merged, the sweep's adapters in the pool (in the
-    same order, when they all fit). Without this the first policy of a point paid the adapter loads the
-    later ones found done."""
+def same_start(engine, names: list[str]) -> None:
+    """Every timed run starts from the same state: nothing merged, no restore record kept (a merge of the
+    adapter a previous run unmerged last would reuse its record and cost a fraction of a first merge), the
+    sweep's adapters in the pool (in the same order, when they all fit). Without this the first policy of a
+    point paid the adapter loads the later ones found done."""
     engine.unmerge_adapter()
+    for name in names:
+        engine.runner.modes.forget(name)
     store = engine.adapters.store
     if store is not None:
         store.ensure([engine.adapters.get(n) for n in names], set())
@@ -109,10 +112,10 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> lis
             warm = [dataclasses.replace(s, arrival_s=0.0) for s in make_workload(cfg, cfg.points[0])
                     if math.isfinite(s.arrival_s)][:cfg.warmup_requests]
             for policy in cfg.policies:
-                _same_start(engine, names)
+                same_start(engine, names)
                 engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
                 run_workload(engine, warm, seed=cfg.seed)
-        _same_start(engine, names)
+        same_start(engine, names)
         costs = engine.profile_modes() if {"vlora", "dlora"} & set(cfg.policies) else None
         if costs is not None:
             log(f"mode costs measured on this GPU: {costs.as_dict()}")
@@ -122,7 +125,7 @@ def run_sweep(engine, cfg: SweepConfig, progress: bool = True, log=print) -> lis
                 specs = make_workload(dataclasses.replace(cfg, seed=seed), point)
                 k = rep % len(cfg.policies)             # each repeat starts with another policy
                 for policy in cfg.policies[k:] + cfg.policies[:k]:
-                    _same_start(engine, names)
+                    same_start(engine, names)
                     engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs, costs)
                     mark = compiles.snapshot()
                     res: RunResult = run_workload(engine, specs, seed=seed, slo=slo,

@@ -11,13 +11,15 @@ assembles per-layer offsets.
 Rows ``n..B`` are padding: context length 0 (attention writes zeros), their
 KV goes to a scratch slot no sequence owns, and no LoRA segment covers them.
 
-Up to three graphs per bucket, by kind: ``0`` without LoRA kernels (base model
-only, no empty launches), ``1`` with them (some row has an adapter), ``2`` with
-a second LoRA pass (mixed mode: rows not of the merged adapter subtract it),
-whose segments live in a second set of static buffers. LoRA graphs read the adapter
-buffer and the offset tables at the addresses they had at capture; when the
-buffer grows (an adapter registered) or the tables fill up, they are dropped
-and captured again on next use. The LoRA graph's kernel grid
+Graphs per bucket, by kind: ``0`` without LoRA kernels (base model only, no
+empty launches), ``1`` with them (some row has an adapter), and for mixed mode
+(rows not of the merged adapter subtract it) ``3``, segments that carry the
+merged adapter as a second pair in the same launches (its rank, column and
+scale per segment slot in a second set of static buffers), or ``2``, a second
+LoRA pass whose segments live in those buffers (``LoRALaunch.mixed="two"``).
+LoRA graphs read the adapter buffer and the offset tables at the addresses
+they had at capture; when the buffer grows (an adapter registered) or the
+tables fill up, they are dropped and captured again on next use. The LoRA graph's kernel grid
 is fixed at capture: one program row per segment, so segments are split into
 pieces of at most ``seg_cap`` rows (the tile height), which gives the same
 result; unused segment slots have length 0 and exit at once. An iteration with
@@ -28,11 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from vlora.lora.batch import GROUPS, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter, SegmentMeta
+from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter,
+                              SegmentMeta)
 from vlora.models.forward_batch import ForwardBatch
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL = range(8)
-BASE, LORA, MIXED = 0, 1, 2          # graph kinds (0 and 1 also read as False / True: "with LoRA")
+BASE, LORA, MIXED, PAIRED = 0, 1, 2, 3    # graph kinds (0 and 1 also read as False / True: "with LoRA")
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -58,7 +61,8 @@ class DecodeGraphs:
         self.meta = torch.zeros(8, b, dtype=torch.long, device=dev)
         self.meta[_SLOTS] = scratch_slot
         self.scales = torch.zeros(b, dtype=torch.float32, device=dev)
-        self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)    # mixed mode's pass: start/len/rank/column
+        # mixed mode's second pass: start/len/rank/column; or, paired, rows 2-3: each slot's pair rank/column
+        self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)
         self.scales2 = torch.zeros(b, dtype=torch.float32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(b, device=dev)
@@ -131,21 +135,29 @@ class DecodeGraphs:
         lora, cap = None, b
         if kind:
             buffer, widths, group_in, table, max_rank = self.lora_setup
+            paired = kind == PAIRED
             configs = {}
             for g, modules in GROUPS.items():
-                r_max = len(modules) * max_rank
+                r_max = len(modules) * max_rank * (2 if paired else 1)     # paired: the pair's columns of v too
                 shrink = table.get("shrink", b, b, group_in[g], r_max)
                 expand = table.get("expand", b, b, sum(widths[g]), max_rank)
                 cap = min(cap, shrink.block_m, expand.block_m * expand.m_loop)
                 configs[g] = (r_max, shrink, expand)
 
+            def offsets(g: str, cols: torch.Tensor) -> list[torch.Tensor]:
+                return [t.index_select(1, cols) for t in self.col_tables[g]]
+
             def lora_pass(seg_rows: torch.Tensor, cols: torch.Tensor, scales: torch.Tensor, extra=None) -> LoRABatch:
                 kernel = {}
                 for g, (r_max, shrink, expand) in configs.items():
-                    a_off, rtot, b_off, vcol = (t.index_select(1, cols) for t in self.col_tables[g])
-                    kernel[g] = KernelGroupMeta(a_off, rtot, b_off, vcol, r_max, widths[g], shrink, expand)
+                    pair = GroupOffsets(*offsets(g, self.meta2[3, :b])) if paired else None
+                    kernel[g] = KernelGroupMeta(*offsets(g, cols), r_max, widths[g], shrink, expand, pair=pair,
+                                                max_rank=max_rank)
                 seg = seg_rows.to(torch.int32)
-                return LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], scales, max_len=cap, num_rows=b),
+                pair_meta = (dict(pair_ranks=self.meta2[2, :b].to(torch.int32), pair_scales=self.scales2[:b])
+                             if paired else {})
+                return LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], scales, max_len=cap, num_rows=b,
+                                                 **pair_meta),
                                  kernel, buffer.buf, extra=extra, launch=self.launch)
 
             minus = lora_pass(self.meta2[:3, :b], self.meta2[3, :b], self.scales2[:b]) if kind == MIXED else None
@@ -182,8 +194,14 @@ class DecodeGraphs:
         self.pool = graph.pool()
         self.graphs[(b, kind)] = (graph, logits, cap)
 
+    @property
+    def mixed_kind(self) -> int:
+        """The kind of graph mixed-mode iterations replay."""
+        return PAIRED if self.launch.mixed == "one" else MIXED
+
     def capture_all(self, with_lora: bool = True, mixed: bool = False) -> None:
-        kinds = (BASE,) + ((LORA,) + ((MIXED,) if mixed else ()) if with_lora and self.lora_setup is not None else ())
+        kinds = (BASE,) + ((LORA,) + ((self.mixed_kind,) if mixed else ())
+                           if with_lora and self.lora_setup is not None else ())
         for b in reversed(self.buckets):           # largest first: smaller graphs reuse its pool memory
             for kind in kinds:
                 if (b, kind) not in self.graphs:
@@ -192,11 +210,13 @@ class DecodeGraphs:
     # -- replay --------------------------------------------------------------------------------
     def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             lens: list[int], segments: list[LoRASegment], minus: list[LoRASegment] = ()) -> torch.Tensor | None:
-        """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph. ``minus``: mixed
-        mode's second pass (the merged adapter subtracted from the rows of the others)."""
+        """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph. Mixed mode:
+        ``segments`` that carry the merged adapter as their pair, or ``minus``, a second pass (the merged adapter
+        subtracted from the rows of the others)."""
         n = len(ids)
         b = self.bucket(n)
-        kind = MIXED if minus else LORA if segments else BASE
+        paired = any(seg.pair is not None for seg in segments)
+        kind = MIXED if minus else PAIRED if paired else LORA if segments else BASE
         if b is None or (kind and self.lora_setup is None):
             return None
         if kind:
@@ -205,6 +225,7 @@ class DecodeGraphs:
                 self._buf_ptr = self.lora_setup[0].buf.data_ptr()
             cols = [self._column(seg.adapter) for seg in segments]      # before the lookup: may drop graphs
             cols2 = [self._column(seg.adapter) for seg in minus]       # resident adapters' columns never recycle
+            pair_cols = [0 if seg.pair is None else self._column(seg.pair) for seg in segments] if paired else None
         if (b, kind) not in self.graphs:
             self.capture(b, kind)
         graph, logits, cap = self.graphs[(b, kind)]
@@ -221,6 +242,13 @@ class DecodeGraphs:
             seg_rows, scales = self._pieces(minus, cols2, cap, b)
             self.meta2[:, :b].copy_(torch.tensor(seg_rows, dtype=torch.long), non_blocking=True)
             self.scales2[:b].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
+        elif kind == PAIRED:                    # the pieces' pairs: rank (0: none), column, scale
+            pairs = [(0, 0, 0.0) if seg.pair is None else (seg.pair.rank, c, seg.pair_scale)
+                     for seg, c in zip(segments, pair_cols) for _ in range(seg.start, seg.end, cap)]
+            pairs += [(0, 0, 0.0)] * (b - len(pairs))
+            self.meta2[2:, :b].copy_(torch.tensor([[p[0] for p in pairs], [p[1] for p in pairs]],
+                                                  dtype=torch.long), non_blocking=True)
+            self.scales2[:b].copy_(torch.tensor([p[2] for p in pairs], dtype=torch.float32), non_blocking=True)
         nb = max(len(t) for t in tables)
         self.tables[:n, :nb].copy_(torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
                                    non_blocking=True)

@@ -113,7 +113,8 @@ class Engine:
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels and graph_safe else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision,
-                                  LoRALaunch(lc.lora_overlap, lc.lora_pdl))
+                                  # tensor-parallel workers take segments as (rows, adapter, scale): two passes
+                                  LoRALaunch(lc.lora_overlap, lc.lora_pdl, mixed="two" if tp > 1 else "one"))
         if tp > 1:                                    # merges fold each rank's slices into its shard
             from vlora.parallel.group import ShardModes
 

@@ -10,9 +10,10 @@ replay:
 
 * one decode iteration per batch-size bucket and graph kind: no LoRA kernels
   (MERGED: the merged adapter's requests alone), one LoRA pass over rows of
-  distinct adapters (UNMERGED), and that pass plus the second one that subtracts
-  the merged adapter (MIXED: one row of the merged adapter, the others of
-  distinct adapters);
+  distinct adapters (UNMERGED), and that pass with the merged adapter
+  subtracted from the rows of the others, in the same launch or in a second
+  pass as the engine runs it (MIXED: one row of the merged adapter, the others
+  of distinct adapters);
 * the switches: a first merge (restore record written), an unmerge, and a
   merge of the adapter unmerged last (its record reused).
 
@@ -28,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlora.engine.modes import Mode, ModeSwitcher
-from vlora.lora.batch import LoRASegment, PackedAdapter
+from vlora.engine.modes import Mode, ModeSwitcher, mode_segments
+from vlora.lora.batch import PackedAdapter
 
 
 @dataclass
@@ -84,13 +85,14 @@ def profile_steps(graphs, adapters: list[PackedAdapter], buckets: list[int], rep
     out: dict[Mode, dict[int, float]] = {m: {} for m in Mode}
     for b in buckets:
         rows = dict(ids=[0] * b, positions=[0] * b, slots=[graphs.scratch_slot] * b, tables=[[0]] * b, lens=[1] * b)
-        own = [LoRASegment(i, i + 1, others[i % len(others)], others[i % len(others)].scaling) for i in range(b)]
-        foreign = own[1:] if b > 1 else own              # MIXED: row 0 is the merged adapter's (when b > 1)
-        first = 1 if b > 1 else 0
-        minus = [LoRASegment(first, b, merged, -merged.scaling)]
+        runs = [(i, i + 1, others[i % len(others)]) for i in range(b)]
+        own, _ = mode_segments(runs, None)
+        if b > 1:                                        # MIXED: row 0 is the merged adapter's (when b > 1)
+            runs[0] = (0, 1, merged)
+        mixed, minus = mode_segments(runs, merged, graphs.launch.mixed)
         out[Mode.MERGED][b] = _time(lambda: graphs.run(**rows, segments=[]), graphs.device, reps)
         out[Mode.UNMERGED][b] = _time(lambda: graphs.run(**rows, segments=own), graphs.device, reps)
-        out[Mode.MIXED][b] = _time(lambda: graphs.run(**rows, segments=foreign, minus=minus), graphs.device, reps)
+        out[Mode.MIXED][b] = _time(lambda: graphs.run(**rows, segments=mixed, minus=minus), graphs.device, reps)
     return out
 
 

@@ -6,7 +6,9 @@
   requests cost nothing extra.
 * mixed: an adapter is merged while requests of other adapters (and of the base
   model) are in the batch: they add their own adapter and subtract the merged
-  one in a second LoRA pass over their rows.
+  one, in the same LoRA launch (each of their segments carries the merged
+  adapter as a second pair, at minus its scaling), or, with
+  ``LoRALaunch.mixed="two"``, in a second LoRA pass over their rows.
 
 The outputs of a request are the same whatever mode serves it (tested); which
 mode to use is the scheduler's decision (Alg. 1), the mechanics live here.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import enum
 import time
 
-from vlora.lora.batch import PackedAdapter
+from vlora.lora.batch import LoRABatch, LoRASegment, PackedAdapter
 from vlora.lora.merge import MergeRecord, group_widths, merge_, stage_factors, stage_from_pool, unmerge_
 from vlora.models.decoder import DecoderLM
 
@@ -114,11 +116,22 @@ class ModeSwitcher:
             return Mode.UNMERGED
         return Mode.MERGED if all(a is self.merged for a in adapters) else Mode.MIXED
 
-    def lora_runs(self, runs: list[tuple[int, int, PackedAdapter | None]]):
-        """Row runs for the LoRA op: (own-adapter runs, runs that subtract the merged adapter)."""
-        merged = self.merged
-        if merged is None:
-            return runs, []
-        own = [(s, e, None if a is merged else a) for s, e, a in runs]
-        minus = [(s, e, merged) for s, e, a in runs if a is not merged]
-        return own, minus
+    def segments(self, runs: list[tuple[int, int, PackedAdapter | None]], launches: str = "one"):
+        """The iteration's LoRA segments from its (start, end, adapter-or-None) row runs: (segments, segments
+        of a second pass). See :func:`mode_segments`."""
+        return mode_segments(runs, self.merged, launches)
+
+
+def mode_segments(runs: list[tuple[int, int, PackedAdapter | None]], merged: PackedAdapter | None,
+                  launches: str = "one") -> tuple[list[LoRASegment], list[LoRASegment]]:
+    """(segments, segments of a second pass) for rows ``runs`` with ``merged`` in the base weights. Unmerged:
+    every row its adapter. Mixed, ``launches="one"``: rows of another adapter carry the merged one as a second
+    pair at minus its scaling, base-model rows subtract it alone, its own rows get nothing; ``"two"``: the same
+    sums as a first pass of the own adapters and a second that subtracts the merged one."""
+    if merged is None:
+        return LoRABatch.segments_of(runs), []
+    if launches == "one":
+        return LoRABatch.mixed_segments_of(runs, merged), []
+    own = [(s, e, None if a is merged else a) for s, e, a in runs]
+    minus = [(s, e, merged) for s, e, a in runs if a is not merged]
+    return LoRABatch.segments_of(own), LoRABatch.segments_of(minus, scale=-merged.scaling)

@@ -24,16 +24,16 @@ rule (:func:`_light_load`):
   adapter comes and goes cost two switches each time), unless that means
   MIXED iterations slower than unmerged ones, for longer than leaving and
   merging back would cost (:func:`stay_pays`: in decode a mixed iteration
-  reads the same adapter bytes as an unmerged one and launches a second LoRA
-  pass, so it costs more);
+  reads the adapter bytes of an unmerged one plus the merged adapter's, in
+  the same launches, so it may cost more);
 * else the most requested adapter has more than ``merge_share`` of them: it
   is merged, if the switch pays for itself (the iterations its requests may
   still run times the measured per-iteration saving of the mode it would
   run in over unmerged must exceed a merge plus the later unmerge);
 * the mode is MERGED when all requests are that adapter's, else MIXED (the
   others add their adapter and subtract the merged one: on prefill rows that
-  saves the merged adapter's LoRA work; on decode rows it reads the same
-  bytes as unmerged, so the measured costs decide);
+  saves the merged adapter's LoRA work; on decode rows it reads as many
+  bytes as unmerged or a little more, so the measured costs decide);
 * otherwise -> UNMERGED.
 
 Heavy load is Alg. 1 as written, with the same pay-for-itself test on a
@@ -128,9 +128,10 @@ def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) 
 
 def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = ()) -> bool:
     """Whether the adapter merged now may stay merged while ``others`` (other adapters' and the base model's
-    requests) run beside its requests ``merged``, i.e. in MIXED mode. A mixed iteration runs a second LoRA pass
-    over the other rows (their adapter, minus the merged one) and may cost more than an unmerged one
-    (docs/decisions.md, 'Mixed mode counted as a cost'). Staying pays that extra for as long as the others run
+    requests) run beside its requests ``merged``, i.e. in MIXED mode. A mixed iteration gives the other rows
+    their adapter and the merged one subtracted (one launch: docs/decisions.md, 'Mixed mode in one launch') and
+    may cost more than an unmerged one (docs/decisions.md, 'Mixed mode counted as a cost'). Staying pays that
+    extra for as long as the others run
     (the most tokens one of them may still produce); leaving pays an unmerge now and, if the merged adapter's
     requests outlive the others, the merge back (its record reused). Stay when the first is no more than the
     second; a mixed iteration no slower than an unmerged one always stays. Unknown lengths weigh nothing but the

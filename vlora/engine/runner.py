@@ -153,9 +153,9 @@ class ModelRunner:
         )
 
     def _lora_batch(self, runs) -> LoRABatch | None:
-        own, minus = self.modes.lora_runs(runs)
-        main = self._lora_pass(LoRABatch.segments_of(own))
-        extra = self._lora_pass(LoRABatch.segments_of(minus, scale=-self.modes.merged.scaling) if minus else [])
+        own, minus = self.modes.segments(runs, self.lora_launch.mixed)
+        main = self._lora_pass(own)
+        extra = self._lora_pass(minus)
         if main is None:
             return extra
         return replace(main, extra=extra) if extra is not None else main
@@ -241,7 +241,8 @@ class ModelRunner:
         """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
         if len(ordered) > self.graphs.max_batch or not all(s.num_tokens == 1 and s.samples for s in ordered):
             return None
-        own, minus = self.modes.lora_runs([(i, i + 1, s.seq.adapter) for i, s in enumerate(ordered)])
+        own, minus = self.modes.segments([(i, i + 1, s.seq.adapter) for i, s in enumerate(ordered)],
+                                         self.lora_launch.mixed)
         bs = self.block_size
         ids, positions, slots, tables, lens = [], [], [], [], []
         for s in ordered:
@@ -251,8 +252,7 @@ class ModelRunner:
             slots.append(seq.blocks[p // bs] * bs + p % bs)
             tables.append(seq.blocks[:p // bs + 1])
             lens.append(p + 1)
-        minus = LoRABatch.segments_of(minus, scale=-self.modes.merged.scaling) if minus else []
-        return self.graphs.run(ids, positions, slots, tables, lens, LoRABatch.segments_of(own), minus)
+        return self.graphs.run(ids, positions, slots, tables, lens, own, minus)
 
 
 def _one_head(hidden: torch.Tensor, head) -> TaskResult | RequestFailed:

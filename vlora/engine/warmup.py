@@ -36,10 +36,24 @@ def _buckets_upto(buckets: tuple[int, ...], limit: int) -> list[int]:
     return out
 
 
+def _pair_totals(r: int, slices: int) -> list[int]:
+    """Shrink widths R = slices * (r1 + r2) of segments whose larger rank is ``r`` (r2 <= r1 = r), one per power
+    of two they fall in (the tuning table's rank buckets)."""
+    from vlora.kernels.tuning import pow2_bucket
+
+    lo, hi = slices * (r + 1), slices * 2 * r
+    out, b = [], pow2_bucket(lo)
+    while b <= pow2_bucket(hi):
+        out.append(min(b, hi))
+        b *= 2
+    return out
+
+
 def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...]], max_rank: int,
-                  max_tokens: int, max_segments: int, elem_bytes: int = 2) -> dict[tuple, tuple]:
-    """Every distinct (group, shrink config, expand config, hoisted or not) the runner can pick under these
-    limits: key -> (group, a rank that picks it, shrink config, expand config)."""
+                  max_tokens: int, max_segments: int, elem_bytes: int = 2, pairs: bool = False) -> dict[tuple, tuple]:
+    """Every distinct (group, shrink config, expand config, hoisted or not, paired or not) the runner can pick
+    under these limits: key -> (group, a rank that picks it, shrink config, expand config, paired). ``pairs``:
+    the one-launch mixed mode's variants too (segments with a second adapter: the shrink's width covers both)."""
     from vlora.kernels.atmm import expand_hoisted, fit_shared
 
     variants: dict[tuple, tuple] = {}
@@ -47,31 +61,37 @@ def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, 
         for s in _buckets_upto(SEGMENT_BUCKETS, min(t, max_segments)):
             for g, modules in GROUPS.items():
                 for r in range(1, max_rank + 1):
-                    shrink = table.get("shrink", t, s, group_in[g], len(modules) * r)
                     expand = table.get("expand", t, s, sum(widths[g]), r)
-                    key = (g, shrink, expand, expand_hoisted(fit_shared(expand, 4, elem_bytes), r))
-                    variants.setdefault(key, (g, r, shrink, expand))
+                    hoisted = expand_hoisted(fit_shared(expand, 4, elem_bytes), r)
+                    widths_r = [(len(modules) * r, False)] + [(w, True) for w in _pair_totals(r, len(modules))
+                                                              if pairs]
+                    for width, paired in widths_r:
+                        shrink = table.get("shrink", t, s, group_in[g], width)
+                        variants.setdefault((g, shrink, expand, hoisted, paired), (g, r, shrink, expand, paired))
     return variants
 
 
 def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...], dtype, device,
-                 pdl: bool = True) -> None:
+                 pdl: bool = True, paired: bool = False) -> None:
+    """One segment of one row at rank ``r`` through ``shrink`` and ``expand``; ``paired``: with a second adapter
+    of rank ``r`` (the same weights) in the same launches."""
     from vlora.kernels.atmm import lora_expand, lora_shrink
 
     ns = len(GROUPS[g])
     w = torch.zeros(max(ns * r * k, r * sum(widths)) + 16, dtype=dtype, device=device)
-    meta = SegmentMeta(starts=torch.zeros(1, dtype=torch.int32, device=device),
-                       lens=torch.ones(1, dtype=torch.int32, device=device),
-                       ranks=torch.full((1,), r, dtype=torch.int32, device=device),
-                       scales=torch.zeros(1, dtype=torch.float32, device=device), max_len=1, num_rows=1)
+    one = lambda value, dt=torch.int32: torch.full((1,), value, dtype=dt, device=device)     # noqa: E731
+    meta = SegmentMeta(starts=one(0), lens=one(1), ranks=one(r), scales=one(0.0, torch.float32), max_len=1,
+                       num_rows=1, pair_ranks=one(r) if paired else None,
+                       pair_scales=one(0.0, torch.float32) if paired else None)
     x = torch.zeros(1, k, dtype=dtype, device=device)
     y = torch.zeros(1, sum(widths), dtype=dtype, device=device)
-    v = lora_shrink(x, w, torch.zeros(1, dtype=torch.int64, device=device),
-                    torch.full((1,), ns * r, dtype=torch.int32, device=device), meta, ns * r, shrink, aligned=True,
-                    pdl=pdl)
-    lora_expand(y, v, w, torch.zeros(1, ns, dtype=torch.int64, device=device),
-                torch.tensor([[j * r for j in range(ns)]], dtype=torch.int32, device=device), widths, meta, expand,
-                aligned=True, max_rank=r, pdl=pdl)
+    a_off, rtot = one(0, torch.int64), one(ns * r)
+    b_off = torch.zeros(1, ns, dtype=torch.int64, device=device)
+    vcol = torch.tensor([[j * r for j in range(ns)]], dtype=torch.int32, device=device)
+    v = lora_shrink(x, w, a_off, rtot, meta, ns * r * (2 if paired else 1), shrink, aligned=True, pdl=pdl,
+                    pair=(a_off, rtot) if paired else None)
+    lora_expand(y, v, w, b_off, vcol, widths, meta, expand, aligned=True, max_rank=r, pdl=pdl,
+                pair=(b_off, vcol, rtot) if paired else None)
 
 
 def _launch_attention(runner) -> int:
@@ -96,8 +116,8 @@ def _launch_attention(runner) -> int:
 
 
 def _launch_items(items: list[tuple], dtype: torch.dtype, device: torch.device, pdl: bool = True) -> None:
-    for g, r, shrink, expand, k, widths in items:
-        _launch_lora(g, r, shrink, expand, k, widths, dtype, device, pdl)
+    for g, r, shrink, expand, k, widths, paired in items:
+        _launch_lora(g, r, shrink, expand, k, widths, dtype, device, pdl, paired)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -111,7 +131,8 @@ def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, 
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "variants.json"
-        path.write_text(json.dumps([[g, r, sh.as_list(), ex.as_list(), k, list(w)] for g, r, sh, ex, k, w in items]))
+        path.write_text(json.dumps([[g, r, sh.as_list(), ex.as_list(), k, list(w), p]
+                                    for g, r, sh, ex, k, w, p in items]))
         procs = [subprocess.Popen([sys.executable, "-m", "vlora.engine.warmup", str(path), str(i), str(workers),
                                    str(dtype).removeprefix("torch."), str(device), "pdl" if pdl else "no-pdl"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
@@ -129,16 +150,17 @@ def _main(argv: list[str]) -> None:
 
     path, index, workers, dtype, device, pdl = argv
     rows = json.loads(Path(path).read_text())[int(index)::int(workers)]
-    items = [(g, r, TileConfig(*sh), TileConfig(*ex), k, tuple(w)) for g, r, sh, ex, k, w in rows]
+    items = [(g, r, TileConfig(*sh), TileConfig(*ex), k, tuple(w), p) for g, r, sh, ex, k, w, p in rows]
     with torch.inference_mode():
         _launch_items(items, getattr(torch, dtype), torch.device(device), pdl == "pdl")
 
 
 def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...]], max_rank: int,
-               max_tokens: int, max_segments: int, elem_bytes: int) -> list[tuple]:
-    """(group, rank, shrink, expand, in features, widths) of every variant, ready to launch."""
-    return [(g, r, sh, ex, group_in[g], widths[g]) for g, r, sh, ex in
-            lora_variants(table, group_in, widths, max_rank, max_tokens, max_segments, elem_bytes).values()]
+               max_tokens: int, max_segments: int, elem_bytes: int, pairs: bool = False) -> list[tuple]:
+    """(group, rank, shrink, expand, in features, widths, paired) of every variant, ready to launch."""
+    return [(g, r, sh, ex, group_in[g], widths[g], p) for g, r, sh, ex, p in
+            lora_variants(table, group_in, widths, max_rank, max_tokens, max_segments, elem_bytes,
+                          pairs).values()]
 
 
 def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
@@ -168,8 +190,8 @@ def build_merge(dtype: torch.dtype, device: torch.device, max_rank: int) -> int:
 def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, log=None,
                   merges: bool = False) -> dict:
     """Launch every kernel variant the runner can pick under these limits (LoRA variants compiled by
-    ``workers`` processes first; the merge kernels too when the mode policy ``merges``); returns counts and
-    seconds."""
+    ``workers`` processes first; the merge kernels and the mixed mode's paired LoRA variants too when the mode
+    policy ``merges``); returns counts and seconds."""
     from vlora.kernels import compiles
 
     if not (runner.use_kernels and runner.device.type == "cuda"):
@@ -179,8 +201,9 @@ def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, 
     launches = _launch_attention(runner)
     if runner.tiling is not None:
         dtype = runner.adapters.store.buf.dtype
+        pairs = merges and runner.lora_launch.mixed == "one"         # mixed mode's one-launch variants
         items = lora_items(runner.tiling, runner.group_in, runner.group_widths, runner.adapters.max_rank,
-                           max_tokens, max_segments, dtype.itemsize)
+                           max_tokens, max_segments, dtype.itemsize, pairs)
         pdl = runner.lora_launch.pdl              # the variants the engine launches: GDC is a compile-time flag
         prebuild_lora(items, dtype, runner.device, workers, pdl)
         _launch_items(items, dtype, runner.device, pdl)

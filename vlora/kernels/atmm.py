@@ -16,6 +16,13 @@ the memory pool may place every adapter (and every layer) anywhere:
   (``b_off_sj < 0``: the adapter does not target slice ``j``);
   ``y[rows_s, col_j : col_j + width_j] += scale_s * v[rows_s, vcol_sj : vcol_sj + r_s] @ B_sj``.
 
+A segment may carry a second (adapter, scale) pair on the same rows (mixed mode: the merged adapter with
+``-scale``; ``pair`` arguments, ``SegmentMeta.pair_ranks/pair_scales``, rank 0 = none): the shrink stacks the
+second adapter's A rows after the first's (``v[rows_s, R_s : R_s + R2_s]``, the A rows picked per column from
+either adapter's offset), and each expand program adds both products, ``scale_s * v1 @ B1 + scale2_s * v2 @ B2``,
+to its tile of y in one read-modify-write. Two segments over the same rows in one launch would race on y; one
+segment with two adapters does not, and a mixed iteration costs one shrink and one expand per group.
+
 Tile sizes come from :mod:`vlora.kernels.tuning` (one table lookup per call).
 
 On Hopper and later the expand is launched as a programmatic dependent of the shrink (PDL): the shrink lets
@@ -70,12 +77,13 @@ class TileConfig:
 # Arguments that change with the batch are not specialised on (v's strides follow T and the batch's largest rank,
 # the row-tile count its longest segment, the offset rows are views [layer] of [L, S] tables): the variants left
 # are the tile configs', which vlora.engine.warmup builds at start-up.
-@compiles.jit(ints=("stride_vk", "stride_vm", "m_tiles"), pointers=("a_off_ptr", "rtot_ptr", "count_ptr"))
+@compiles.jit(ints=("stride_vk", "stride_vm", "m_tiles"),
+              pointers=("a_off_ptr", "rtot_ptr", "count_ptr", "a_off2_ptr", "rtot2_ptr", "pranks_ptr"))
 def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_ptr, count_ptr,
-                   K, stride_xm, stride_vk, stride_vm, m_tiles,
+                   K, stride_xm, stride_vk, stride_vm, m_tiles, a_off2_ptr, rtot2_ptr, pranks_ptr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-                   ALIGNED: tl.constexpr, GDC: tl.constexpr = False):
+                   ALIGNED: tl.constexpr, GDC: tl.constexpr = False, PAIR: tl.constexpr = False):
     if GDC:                                     # the expand may launch now; it waits for this grid before reading v
         tl.extra.cuda.gdc_launch_dependents()
     pid0 = tl.program_id(0)
@@ -85,6 +93,9 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
     m0 = (pid0 % m_tiles) * BLOCK_M
     seg_len = tl.load(lens_ptr + seg)
     rtot = tl.load(rtot_ptr + seg)
+    rtot1 = rtot
+    if PAIR:                                    # the second adapter's A rows follow the first's
+        rtot = rtot1 + tl.where(tl.load(pranks_ptr + seg) > 0, tl.load(rtot2_ptr + seg), 0)
     n0 = pid_n * BLOCK_N
     if (m0 < seg_len) & (n0 < rtot):
         start = tl.load(starts_ptr + seg).to(tl.int64)
@@ -97,7 +108,15 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
         m_mask = offs_m < seg_len
         n_mask = offs_n < rtot
         x_ptrs = x_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        a_ptrs = w_ptr + a_off + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        if PAIR:                                # each column's A row from whichever adapter owns it
+            a_off2 = tl.load(a_off2_ptr + seg)
+            rows = offs_n.to(tl.int64)
+            a_rows = tl.where(rows < rtot1, a_off + rows * K, a_off2 + (rows - rtot1) * K)
+            if ALIGNED:
+                a_rows = tl.multiple_of(a_rows, 16)
+            a_ptrs = w_ptr + a_rows[None, :] + offs_k[:, None]
+        else:
+            a_ptrs = w_ptr + a_off + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
         k_span = tl.cdiv(K, BLOCK_K * SPLIT_K) * BLOCK_K
         k_begin = pid_k * k_span
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -130,12 +149,16 @@ def _shrink_kernel(x_ptr, w_ptr, v_ptr, a_off_ptr, rtot_ptr, starts_ptr, lens_pt
                 tl.atomic_xchg(count_ptr + tile, 0)                  # ready for the next launch
 
 
-@compiles.jit(ints=("stride_vk", "stride_vm", "m_progs"), pointers=("b_off_ptr", "vcol_ptr"))
+@compiles.jit(ints=("stride_vk", "stride_vm", "m_progs"),
+              pointers=("b_off_ptr", "vcol_ptr", "b_off2_ptr", "vcol2_ptr", "rtot1_ptr", "pranks_ptr",
+                        "pscales_ptr"))
 def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_ptr, cols_ptr,
                    starts_ptr, lens_ptr, ranks_ptr, scales_ptr, stride_vk, stride_vm, stride_ym, m_progs,
+                   b_off2_ptr, vcol2_ptr, rtot1_ptr, pranks_ptr, pscales_ptr,
                    NS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    M_LOOP: tl.constexpr, N_LOOP: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr,
-                   ALIGNED: tl.constexpr, HOIST: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr = False):
+                   ALIGNED: tl.constexpr, HOIST: tl.constexpr, STAGES: tl.constexpr, GDC: tl.constexpr = False,
+                   PAIR: tl.constexpr = False):
     pid0 = tl.program_id(0)
     pid_t = tl.program_id(1)
     seg = pid0 // m_progs
@@ -150,6 +173,18 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
     vcol = tl.load(vcol_ptr + seg * NS + sl)
     scale = tl.load(scales_ptr + seg)
     start = tl.load(starts_ptr + seg).to(tl.int64)
+    if PAIR:                                    # the segment's second adapter on this slice (rank 0: none)
+        r2 = tl.load(pranks_ptr + seg)
+        b_off2 = tl.where(r2 > 0, tl.load(b_off2_ptr + seg * NS + sl), -1)
+        work = (b_off >= 0) | (b_off2 >= 0)
+        r = tl.where(b_off >= 0, r, 0)          # an adapter that skips this slice adds nothing: rank 0, and a
+        r2 = tl.where(b_off2 >= 0, r2, 0)       # valid, aligned offset that is never read
+        b_off = tl.maximum(b_off, 0)
+        b_off2 = tl.maximum(b_off2, 0)
+        vcol2 = tl.load(rtot1_ptr + seg) + tl.load(vcol2_ptr + seg * NS + sl)
+        scale2 = tl.load(pscales_ptr + seg)
+    else:
+        work = b_off >= 0
     if GDC:
         # launched early (PDL): the metadata above was written before the shrink (a plain launch) started, so it
         # may be read before the wait; from here on every grid this one depends on is complete and its writes
@@ -158,62 +193,92 @@ def _expand_kernel(v_ptr, w_ptr, y_ptr, b_off_ptr, vcol_ptr, tiles_ptr, widths_p
         # never completes before them: a later launch ordered after it alone (the next PDL expand) then finds
         # them done as well. No program may leave before this line.
         tl.extra.cuda.gdc_wait()
-    if (m_first < seg_len) & (b_off >= 0):
+    if (m_first < seg_len) & work:
         if ALIGNED:                             # see the shrink kernel
             n0 = tl.multiple_of(n0, BLOCK_N)
             width = tl.multiple_of(width, 16)
             col0 = tl.multiple_of(col0, 16)
             b_off = tl.multiple_of(b_off, 16)
             vcol = tl.multiple_of(vcol, 8)
+            if PAIR:
+                b_off2 = tl.multiple_of(b_off2, 16)
+                vcol2 = tl.multiple_of(vcol2, 8)
         offs_k = tl.arange(0, BLOCK_K)
         if HOIST:                               # one M tile, rank <= BLOCK_K: v once, then a pipelined strip of B
             offs_m = m_first + tl.arange(0, BLOCK_M)
             m_mask = offs_m < seg_len
             k_mask = offs_k < r
-            vmask = m_mask[:, None] & k_mask[None, :]
-            v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
-            vt = tl.load(v_ptrs, mask=vmask, other=0.0)
-            for p in tl.static_range(1, SPLIT_V):
-                vt += tl.load(v_ptrs + p * stride_vk, mask=vmask, other=0.0)
+            v_rows = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + offs_k[None, :]
+            vt = _planes(v_rows + vcol, m_mask[:, None] & k_mask[None, :], stride_vk, SPLIT_V)
             vt = vt.to(w_ptr.dtype.element_ty)
             y_rows = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0
             b_rows = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width
+            if PAIR:
+                k_mask2 = offs_k < r2
+                vt2 = _planes(v_rows + vcol2, m_mask[:, None] & k_mask2[None, :], stride_vk, SPLIT_V)
+                vt2 = vt2.to(w_ptr.dtype.element_ty)
+                b_rows2 = w_ptr + b_off2 + offs_k[:, None].to(tl.int64) * width
             for ni in tl.range(0, N_LOOP, num_stages=STAGES):
                 offs_n = n0 + ni * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < width
                 bt = tl.load(b_rows + offs_n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 mask = m_mask[:, None] & n_mask[None, :]
                 y = tl.load(y_rows + offs_n[None, :], mask=mask, other=0.0)
-                if IEEE:
-                    acc = tl.dot(vt, bt, input_precision="ieee")
-                else:
-                    acc = tl.dot(vt, bt)
-                tl.store(y_rows + offs_n[None, :], (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+                out = y.to(tl.float32) + scale * _mma(vt, bt, IEEE)
+                if PAIR:
+                    bt2 = tl.load(b_rows2 + offs_n[None, :], mask=k_mask2[:, None] & n_mask[None, :], other=0.0)
+                    out += scale2 * _mma(vt2, bt2, IEEE)
+                tl.store(y_rows + offs_n[None, :], out.to(y.dtype), mask=mask)
         else:
             for ni in range(N_LOOP):                # a strip of N_LOOP column tiles of one slice
                 offs_n = n0 + ni * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < width
                 b_ptrs = w_ptr + b_off + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
+                if PAIR:
+                    b_ptrs2 = w_ptr + b_off2 + offs_k[:, None].to(tl.int64) * width + offs_n[None, :]
                 for mi in range(M_LOOP):            # this program's M tiles share metadata and B (cached)
                     offs_m = m_first + mi * BLOCK_M + tl.arange(0, BLOCK_M)
                     m_mask = offs_m < seg_len
-                    v_ptrs = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + vcol + offs_k[None, :]
+                    v_rows = v_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_vm + offs_k[None, :]
                     y_ptrs = y_ptr + (start + offs_m)[:, None].to(tl.int64) * stride_ym + col0 + offs_n[None, :]
                     mask = m_mask[:, None] & n_mask[None, :]
                     y = tl.load(y_ptrs, mask=mask, other=0.0)    # issued before the K loop: overlaps it
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for k in range(0, r, BLOCK_K):
-                        k_mask = (k + offs_k) < r
-                        vmask = m_mask[:, None] & k_mask[None, :]
-                        vt = tl.load(v_ptrs + k, mask=vmask, other=0.0)
-                        for p in tl.static_range(1, SPLIT_V):   # split-K planes of the shrink
-                            vt += tl.load(v_ptrs + p * stride_vk + k, mask=vmask, other=0.0)
-                        bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                        if IEEE:
-                            acc += tl.dot(vt.to(bt.dtype), bt, input_precision="ieee")
-                        else:
-                            acc += tl.dot(vt.to(bt.dtype), bt)
-                    tl.store(y_ptrs, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
+                    out = y.to(tl.float32) + scale * _k_loop(v_rows + vcol, b_ptrs, r, width, stride_vk, m_mask,
+                                                             n_mask, offs_k, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_V, IEEE)
+                    if PAIR:
+                        out += scale2 * _k_loop(v_rows + vcol2, b_ptrs2, r2, width, stride_vk, m_mask, n_mask,
+                                                offs_k, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_V, IEEE)
+                    tl.store(y_ptrs, out.to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _mma(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _planes(v_ptrs, mask, stride_vk, SPLIT_V: tl.constexpr):
+    """A tile of v: the sum of the shrink's split-K planes."""
+    vt = tl.load(v_ptrs, mask=mask, other=0.0)
+    for p in tl.static_range(1, SPLIT_V):
+        vt += tl.load(v_ptrs + p * stride_vk, mask=mask, other=0.0)
+    return vt
+
+
+@triton.jit
+def _k_loop(v_ptrs, b_ptrs, r, width, stride_vk, m_mask, n_mask, offs_k, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_V: tl.constexpr, IEEE: tl.constexpr):
+    """v[rows, :r] @ B[:r, cols] in fp32, over K tiles of the rank (v's planes summed as they are read)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, r, BLOCK_K):
+        k_mask = (k + offs_k) < r
+        vt = _planes(v_ptrs + k, m_mask[:, None] & k_mask[None, :], stride_vk, SPLIT_V)
+        bt = tl.load(b_ptrs + k * width, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += _mma(vt.to(bt.dtype), bt, IEEE)
+    return acc
 
 
 @lru_cache(maxsize=256)
@@ -329,7 +394,8 @@ def tile_counts(device: torch.device, tiles: int, lane: int = 0) -> torch.Tensor
 
 def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: torch.Tensor, meta: SegmentMeta,
                 r_max: int, cfg: TileConfig, out: torch.Tensor | None = None, aligned: bool = False,
-                lane: int = 0, pdl: bool = True) -> torch.Tensor:
+                lane: int = 0, pdl: bool = True,
+                pair: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """v[p, rows_s, :R_s] = x[rows_s, K_p] @ A_s[:, K_p]^T for every segment and split-K part p.
 
     Shape: x [T, K]; w [N_w] flat; a_off [S] int64; rtot [S] int32 (R_s); ``out`` (or a fresh
@@ -342,6 +408,9 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
     ``aligned``: the caller guarantees every a_off and K are multiples of 16 (vectorised loads). ``lane``: the
     split-K counters to use (:func:`tile_counts`), distinct for shrinks that may run concurrently. ``pdl``: let a
     programmatic dependent expand start early, where the GPU can (:func:`pdl`); its expand must say the same.
+    ``pair``: (a_off2 [S] int64, rtot2 [S] int32) of each segment's second adapter, present where
+    ``meta.pair_ranks`` is positive: v[p, rows_s, R_s : R_s + R2_s] = x @ A2_s^T as well (``r_max`` covers
+    R_s + R2_s).
     """
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with unit column stride"
     assert w.dim() == 1 and w.is_contiguous() and w.dtype == x.dtype, "w must be a flat buffer of x's dtype"
@@ -362,8 +431,11 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
         grid = (num_segs * m_tiles, triton.cdiv(r_max, cfg.block_n), cfg.split_k)
         reduce = cfg.split_k > 1 and bool(cfg.reduce)
         counts = tile_counts(x.device, grid[0] * grid[1], lane) if reduce else v   # v: a pointer never used
+        a_off2, rtot2 = (a_off, rtot) if pair is None else pair          # unread without a pair
         _shrink_kernel[grid](x, w, v, a_off, rtot, meta.starts, meta.lens, counts, x.shape[1], x.stride(0),
-                             v.stride(0), v.stride(1), m_tiles, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             v.stride(0), v.stride(1), m_tiles, a_off2, rtot2,
+                             meta.ranks if pair is None else meta.pair_ranks, PAIR=pair is not None,
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                              BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, IEEE=x.dtype == torch.float32,
                              EVEN_K=x.shape[1] % (cfg.block_k * cfg.split_k) == 0,
                              ALIGNED=aligned and x.shape[1] % 16 == 0, GDC=_pdl(x.device, pdl),
@@ -375,7 +447,8 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, a_off: torch.Tensor, rtot: tor
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.Tensor, vcol: torch.Tensor,
                 widths: tuple[int, ...], meta: SegmentMeta, cfg: TileConfig, aligned: bool = False,
-                max_rank: int | None = None, pdl: bool = True) -> torch.Tensor:
+                max_rank: int | None = None, pdl: bool = True,
+                pair: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y[rows_s, col_j:col_j+width_j] += scale_s * v[rows_s, vcol_sj:vcol_sj+r_s] @ B_sj, in place.
 
     Shape: y [T, sum(widths)]; v [P, T, >= max R_s] fp32 (P planes from :func:`lora_shrink`, summed here);
@@ -383,6 +456,10 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
     ``aligned``: the caller guarantees b_off multiples of 16 and vcol multiples of 8. ``max_rank``: an upper
     bound of the segments' ranks; a ``hoist`` config runs hoisted only when it is known and fits ``block_k``.
     ``pdl``: launched as a programmatic dependent of its shrink, where the GPU can (:func:`pdl`).
+    ``pair``: (b_off2 [S, NS] int64, vcol2 [S, NS] int32, rtot [S] int32: the shrink's first R_s) of each
+    segment's second adapter, present where ``meta.pair_ranks`` is positive: the same tile of y also gets
+    ``+= meta.pair_scales_s * v[rows_s, R_s + vcol2_sj : + r2_s] @ B2_sj``, in the same store (``max_rank``
+    then bounds both ranks).
     """
     assert v.dim() == 3 and v.stride(2) == 1, "v must be [planes, T, R] as lora_shrink returns it"
     assert y.dim() == 2 and y.stride(1) == 1 and y.shape[1] == sum(widths), "y must be [T, sum(widths)]"
@@ -401,8 +478,11 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, w: torch.Tensor, b_off: torch.
         m_progs = triton.cdiv(meta.max_len, cfg.block_m * cfg.m_loop)
         grid = (num_segs * m_progs, tiles.shape[0] // 2)
         gdc = _pdl(y.device, pdl)
+        b_off2, vcol2, rtot1 = (b_off, vcol, meta.ranks) if pair is None else pair     # unread without a pair
+        pranks, pscales = (meta.ranks, meta.scales) if pair is None else (meta.pair_ranks, meta.pair_scales)
         _expand_kernel[grid](v, w, y, b_off, vcol, tiles, widths_t, cols_t, meta.starts, meta.lens, meta.ranks,
-                             meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, NS=len(widths),
+                             meta.scales, v.stride(0), v.stride(1), y.stride(0), m_progs, b_off2, vcol2, rtot1,
+                             pranks, pscales, PAIR=pair is not None, NS=len(widths),
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, M_LOOP=cfg.m_loop,
                              N_LOOP=cfg.n_loop,
                              SPLIT_V=v.shape[0], ALIGNED=aligned and all(wd % 16 == 0 for wd in widths),

@@ -87,6 +87,8 @@ class LoRASegment:
     end: int                          # last token row (exclusive)
     adapter: PackedAdapter            # adapter applied to rows [start, end)
     scale: float                      # usually adapter.scaling; negative to subtract (deLoRA)
+    pair: PackedAdapter | None = None     # a second adapter on the same rows, in the same launch (mixed mode:
+    pair_scale: float = 0.0               # the merged adapter, with its negative scaling)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class SegmentMeta:
     scales: torch.Tensor              # [S] float32
     max_len: int                      # host int: longest segment (sizes the grid)
     num_rows: int                     # host int: rows covered by segments (picks the tile config)
+    pair_ranks: torch.Tensor | None = None    # [S] int32: rank of each segment's second adapter (0: none)
+    pair_scales: torch.Tensor | None = None   # [S] float32: its scale
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,13 @@ class KernelGroupMeta:
     widths: tuple[int, ...]           # output width of each slice
     shrink_cfg: object                # TileConfig chosen from the tuning table for this iteration
     expand_cfg: object
+    pair: GroupOffsets | None = None  # the segments' second adapters: a_off/rtot [L, S], b_off/vcol [L, S, NS]
+    #                                   (r_max then covers both: the second adapter's columns of v follow the first's)
+    max_rank: int | None = None       # largest adapter rank of either adapter (None: r_max // slices)
+
+    @property
+    def rank_bound(self) -> int:
+        return self.max_rank if self.max_rank is not None else self.r_max // len(self.widths)
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,8 @@ class LoRALaunch:
 
     overlap: str = "full"             # off, shrink or full
     pdl: bool = True                  # expand as a programmatic dependent of its shrink (where the GPU can)
+    mixed: str = "one"                # mixed mode: "one" launch (segments paired with the merged adapter) or
+    #                                   "two" (a second pass, LoRABatch.extra); the same sums, rounded apart
 
 
 @dataclass(frozen=True)
@@ -138,7 +151,7 @@ class LoRABatch:
     meta: SegmentMeta | None = None
     kernel: dict[str, KernelGroupMeta] | None = None
     buffer: torch.Tensor | None = None   # the flat adapter weight buffer the offsets point into
-    extra: "LoRABatch | None" = None     # a second pass over the same rows (mixed mode: - merged adapter)
+    extra: "LoRABatch | None" = None     # a second pass over the same rows (mixed mode in two launches)
     launch: LoRALaunch = LoRALaunch()
 
     @staticmethod
@@ -151,9 +164,30 @@ class LoRABatch:
         for start, end, adapter in runs:
             if adapter is None or end <= start:
                 continue
-            sc = adapter.scaling if scale is None else scale
-            if segs and segs[-1].adapter is adapter and segs[-1].end == start and segs[-1].scale == sc:
-                segs[-1] = LoRASegment(segs[-1].start, end, adapter, sc)
-            else:
-                segs.append(LoRASegment(start, end, adapter, sc))
+            _append(segs, LoRASegment(start, end, adapter, adapter.scaling if scale is None else scale))
         return segs
+
+    @staticmethod
+    def mixed_segments_of(runs: list[tuple[int, int, PackedAdapter | None]],
+                          merged: PackedAdapter) -> list[LoRASegment]:
+        """Segments of a mixed iteration in one launch: rows of ``merged`` get none; rows of another adapter X
+        get (X, s_X) paired with (merged, -s_merged); base-model rows get (merged, -s_merged) alone."""
+        segs: list[LoRASegment] = []
+        minus = -merged.scaling
+        for start, end, adapter in runs:
+            if adapter is merged or end <= start:
+                continue
+            seg = (LoRASegment(start, end, merged, minus) if adapter is None
+                   else LoRASegment(start, end, adapter, adapter.scaling, merged, minus))
+            _append(segs, seg)
+        return segs
+
+
+def _append(segs: list[LoRASegment], seg: LoRASegment) -> None:
+    """Add ``seg``, extending the last segment instead where it continues it (same adapters and scales)."""
+    last = segs[-1] if segs else None
+    if (last is not None and last.end == seg.start and last.adapter is seg.adapter and last.scale == seg.scale
+            and last.pair is seg.pair and last.pair_scale == seg.pair_scale):
+        segs[-1] = LoRASegment(last.start, seg.end, seg.adapter, seg.scale, seg.pair, seg.pair_scale)
+    else:
+        segs.append(seg)

@@ -233,23 +233,35 @@ class AdapterStore:
 def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterStore, widths: dict[str, tuple[int, ...]],
                        in_features: dict[str, int], table, device: torch.device,
                        launch: LoRALaunch = LoRALaunch()) -> LoRABatch:
-    """Segment metadata + per-group offset tables, once per iteration, for every layer's kernels."""
+    """Segment metadata + per-group offset tables, once per iteration, for every layer's kernels. Segments with a
+    second adapter (``LoRASegment.pair``) get its offsets as the groups' ``pair`` tables (where a segment has
+    none, its own adapter's stand in, unread: its pair rank is 0)."""
     lens = [s.end - s.start for s in segs]
+    paired = any(s.pair is not None for s in segs)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)        # noqa: E731
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)      # noqa: E731
     meta = SegmentMeta(
-        starts=torch.tensor([s.start for s in segs], dtype=torch.int32, device=device),
-        lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        ranks=torch.tensor([s.adapter.rank for s in segs], dtype=torch.int32, device=device),
-        scales=torch.tensor([s.scale for s in segs], dtype=torch.float32, device=device),
-        max_len=max(lens), num_rows=sum(lens))
-    r_max_rank = max(s.adapter.rank for s in segs)
+        starts=i32([s.start for s in segs]), lens=i32(lens), ranks=i32([s.adapter.rank for s in segs]),
+        scales=f32([s.scale for s in segs]), max_len=max(lens), num_rows=sum(lens),
+        pair_ranks=i32([0 if s.pair is None else s.pair.rank for s in segs]) if paired else None,
+        pair_scales=f32([s.pair_scale for s in segs]) if paired else None)
+    rank1 = max(s.adapter.rank for s in segs)
+    rank2 = max((s.pair.rank for s in segs if s.pair is not None), default=0)
     kernel = {}
     for g in GROUPS:
-        offs = [s.adapter.offsets[g] for s in segs]
-        r_max = len(GROUPS[g]) * r_max_rank
+        ns = len(GROUPS[g])
+        r_max = ns * (rank1 + rank2)
+        own = _stacked([s.adapter.offsets[g] for s in segs])
+        pair = _stacked([(s.pair or s.adapter).offsets[g] for s in segs]) if paired else None
         kernel[g] = KernelGroupMeta(
-            a_off=torch.stack([o.a_off for o in offs], dim=1), rtot=torch.stack([o.rtot for o in offs], dim=1),
-            b_off=torch.stack([o.b_off for o in offs], dim=1), vcol=torch.stack([o.vcol for o in offs], dim=1),
-            r_max=r_max, widths=widths[g],
+            own.a_off, own.rtot, own.b_off, own.vcol, r_max=r_max, widths=widths[g],
             shrink_cfg=table.get("shrink", meta.num_rows, len(segs), in_features[g], r_max),
-            expand_cfg=table.get("expand", meta.num_rows, len(segs), sum(widths[g]), r_max_rank))
+            expand_cfg=table.get("expand", meta.num_rows, len(segs), sum(widths[g]), max(rank1, rank2)),
+            pair=pair, max_rank=max(rank1, rank2))
     return LoRABatch(tuple(segs), meta, kernel, buffer.buf, launch=launch)
+
+
+def _stacked(offs: list[GroupOffsets]) -> GroupOffsets:
+    """Per-segment offsets [L] / [L, NS] as per-layer rows [L, S] / [L, S, NS]."""
+    return GroupOffsets(*(torch.stack(parts, dim=1) for parts in zip(*((o.a_off, o.rtot, o.b_off, o.vcol)
+                                                                       for o in offs))))

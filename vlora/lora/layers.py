@@ -17,13 +17,14 @@ Three modes (``LoRAConfig.lora_overlap``, carried by the batch as ``launch.overl
   stream, then one add ``y += delta`` on the main stream;
 * ``off``: both after the projection, on the main stream.
 
-The mixed mode's second pass (the merged adapter subtracted) shrinks on a
-second side stream, beside the first pass's shrink, with its own split-K
-counters; its expand follows the first's on the side stream. At small batch
-the LoRA launches of the small projections, not the base GEMMs, are a decode
-step's critical path, so running the two passes' four launches one after the
-other would add most of a pass to every mixed step (docs/decisions.md, 'Mixed
-mode is a second LoRA pass').
+Mixed mode (the merged adapter subtracted from the rows of the others) runs
+in the same shrink and expand: each such segment carries the merged adapter as
+its second pair (``LoRASegment.pair``, ``kernels/atmm.py``). A batch may
+still carry a second pass (``LoRABatch.extra``: mixed mode in two launches,
+``LoRALaunch.mixed="two"``); that pass shrinks on a second side stream,
+beside the first pass's shrink, with its own split-K counters, and its expand
+follows the first's on the side stream (docs/decisions.md, 'Mixed mode in one
+launch').
 
 Every tensor the side stream touches is allocated on the main stream before the
 fork and kept alive past the join, so the caching allocator (and CUDA-graph
@@ -108,17 +109,19 @@ def _shrink(x: torch.Tensor, lora: LoRABatch, layer: int, group: str, out: torch
     from vlora.kernels.atmm import lora_shrink
 
     k = lora.kernel[group]
+    pair = None if k.pair is None else (k.pair.a_off[layer], k.pair.rtot[layer])
     # the adapter buffer aligns every A and B to 16 elements, and ranks are >= 8
     return lora_shrink(x, lora.buffer, k.a_off[layer], k.rtot[layer], lora.meta, k.r_max, k.shrink_cfg,
-                       out=out, aligned=True, lane=lane, pdl=lora.launch.pdl)
+                       out=out, aligned=True, lane=lane, pdl=lora.launch.pdl, pair=pair)
 
 
 def _expand(y: torch.Tensor, v: torch.Tensor, lora: LoRABatch, layer: int, group: str) -> None:
     from vlora.kernels.atmm import lora_expand
 
     k = lora.kernel[group]
+    pair = None if k.pair is None else (k.pair.b_off[layer], k.pair.vcol[layer], k.rtot[layer])
     lora_expand(y, v, lora.buffer, k.b_off[layer], k.vcol[layer], k.widths, lora.meta, k.expand_cfg,
-                aligned=True, max_rank=k.r_max // len(k.widths), pdl=lora.launch.pdl)
+                aligned=True, max_rank=k.rank_bound, pdl=lora.launch.pdl, pair=pair)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: int, group: str) -> torch.Tensor:
