@@ -325,7 +325,7 @@ def speed(name: str, args, dev: torch.device, root: Path) -> list[dict]:
                     f"{row['prefill_tok_s']:,.0f} tok/s ({n_prompt} tokens in {prefill * 1e3:.0f} ms), decode "
                     f"{_rate(row['decode_tok_s'])} tok/s")
     llm.close()
-    del llm
+    del llm, eng          # the engine holds the pool (most of the GPU): the next model needs it back
     free(dev)
     shutil.rmtree(path, ignore_errors=True)
     return [{"model": name, "params_b": params / 1e9, "layers": text_cfg.num_hidden_layers, **r} for r in rows]
