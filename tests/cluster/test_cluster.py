@@ -96,7 +96,8 @@ def stream_tokens(client, jobs, during=None):
 
     async def go():
         group = await front.submit(jobs)
-        flights = [front._flights[j.request_id] for j in jobs]
+        # a short request can finish before submit returns: only the `during` callers need the flights
+        flights = [front._flights[j.request_id] for j in jobs] if during is not None else None
         got = {j.request_id: [] for j in jobs}
         done = during is None
         async for out in group:
