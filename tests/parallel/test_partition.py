@@ -15,7 +15,7 @@ import torch
 from tests.parallel.test_tensor_parallel import NAMES, PROMPTS, build, engine
 from vlora.engine.scheduler import ScheduledSeq
 from vlora.engine.sequence import Sequence
-from vlora.parallel.group import _lora, _passes
+from vlora.parallel.messages import lora_of as _lora, passes as _passes
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 from vlora.sampling_params import SamplingParams
 

@@ -73,7 +73,7 @@ class Engine:
         self.tokenizer = _load_tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
         tp = mc.tensor_parallel_size
         if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
-            self.model = _tensor_parallel(self.model, config, self.dtype, self.device, self.vision)
+            self.model = _tensor_parallel(self.model, config, self.dtype, self.device)
         kv_heads = getattr(self.model, "kv_heads_per_rank", self.model.cfg.num_kv_heads)   # this rank's KV heads
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
@@ -84,7 +84,7 @@ class Engine:
         self.block_size = cc.block_size
         lc = config.lora
         kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
-        self.sizing = _size(config, cfg, self.device, self.dtype, self.max_model_len,
+        self.sizing = _size(config, getattr(self.model, "local_cfg", cfg), self.device, self.dtype, self.max_model_len,
                             lc.max_loras if kernel_lora else 0)
         sc = config.scheduler
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:    # the limits chosen for this device
@@ -101,20 +101,22 @@ class Engine:
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model,
-                                        "torch" if tp > 1 else config.lora.lora_kernel, self.pool)
+                                        config.lora.lora_kernel, self.pool)
         if tp > 1:
             self.model.registry = self.adapters
+            if self.adapters.store is not None:      # the pool holds rank 0's slices (the workers theirs)
+                self.adapters.store.view = self.model.part
         self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
         self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
-        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda and tp == 1)
+        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
                                   self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision,
                                   LoRALaunch(lc.lora_overlap, lc.lora_pdl))
         if tp > 1:                                    # merges fold each rank's slices into its shard
-            from vlora.parallel.group import ShardModes
+            from vlora.parallel.model import ShardModes
 
             self.runner.modes = ShardModes(self.model)
         sc = config.scheduler
@@ -416,19 +418,19 @@ class Engine:
                              self.detokenizer.stream_delta(seq), error, seq.task)
 
 
-def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, vision):
-    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet."""
-    from vlora.parallel.group import WorkerSpec, tensor_parallel
+def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet.
+    An LMM's vision tower stays on rank 0 (``vlora/parallel/__init__.py`` says why)."""
+    from vlora.parallel.group import WorkerSpec
+    from vlora.parallel.model import tensor_parallel
 
     mc, tp = config.model, config.model.tensor_parallel_size
-    why = ("an LMM (the vision tower is not split yet)" if vision is not None
-           else "lora_kernel triton (the adapter pool is not split yet)" if config.lora.lora_kernel == "triton"
-           else "memory_policy fastlibra (the swapper copies rank 0's pages only)"
-           if config.cache.memory_policy == "fastlibra" else None)
-    if why is not None:
-        raise ConfigError(f"tensor_parallel_size {tp} does not support {why}")
-    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0)
-    return tensor_parallel(model, tp, spec)
+    if config.cache.memory_policy == "fastlibra":
+        raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
+                          f"copies rank 0's pages only)")
+    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
+                      all_reduce=mc.all_reduce)
+    return tensor_parallel(model, tp, spec, device)
 
 
 def _size(config: EngineConfig, cfg, device: torch.device, dtype: torch.dtype, max_model_len: int,
