@@ -144,3 +144,29 @@ def test_tp2_on_two_gpus_gives_the_tokens_of_one(tiny_llama):
         assert greedy(two) == want
     finally:
         two.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
+def test_tp2_cuda_graph_decode_on_two_gpus_equals_one_gpu_eager(tiny_llama, all_reduce):
+    """Triton kernels, adapters in each rank's pool and decode replayed from CUDA graphs captured on both ranks
+    (their all-reduces inside), against one GPU running eagerly; then in mixed mode."""
+    path, adapters = tiny_llama
+    kw = dict(adapters=adapters, num_blocks=BLOCKS, block_size=4, max_model_len=128, dtype="float32", device="cuda",
+              max_num_seqs=8, max_num_batched_tokens=8)
+    one = LLM(str(path), cuda_graphs=False, **kw)
+    want = greedy(one)
+    one.engine.merge_adapter("a8")
+    want_mixed = greedy(one)
+    two = LLM(str(path), tensor_parallel_size=2, all_reduce=all_reduce, **kw)
+    try:
+        graphs = two.engine.runner.graphs
+        assert graphs is not None and two.engine.runner.use_kernels
+        two.engine.runner.capture_graphs(mixed=True)      # every rank captures the same graphs, in order
+        assert greedy(two) == want and graphs.num_replays > 0
+        two.engine.merge_adapter("a8")
+        replays = graphs.num_replays
+        assert greedy(two) == want_mixed and graphs.num_replays > replays
+    finally:
+        two.close()

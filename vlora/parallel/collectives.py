@@ -61,6 +61,8 @@ class SymmMemAllReduce:
 
         if device.type != "cuda":
             raise ValueError("all_reduce symm_mem needs CUDA devices")
+        if dtype not in (torch.float32, torch.bfloat16):       # the dtypes its kernels are built for
+            raise ValueError(f"all_reduce symm_mem runs float32 and bfloat16 models, not {dtype}")
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
             raise RuntimeError(f"this torch ({torch.__version__}) has no symm_mem.one_shot_all_reduce_out")
         group = dist.group.WORLD.group_name
@@ -74,7 +76,7 @@ class SymmMemAllReduce:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel()
-        if n > self.buffer.numel() or t.dtype != self.buffer.dtype or not t.is_contiguous():
+        if n > self.buffer.numel() or t.dtype != self.buffer.dtype or not t.is_contiguous() or (n * t.element_size()) % 16:
             return _nccl(t)
         staged = self.buffer[:n]
         staged.copy_(t.view(-1))

@@ -20,7 +20,10 @@ driver goes away sees its pipe close and exits.
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -81,11 +84,31 @@ class TensorParallelGroup:
             self.close()
             raise RuntimeError(f"tensor-parallel workers did not start: {describe(e)}{self.reasons()}") from e
         self.closed = False
+        self.noticed = False             # rank 0 has raised the group's failure (EngineFatal)
+        if spec.device_type == "cuda":
+            threading.Thread(target=self._watch, name="vlora-tp-watch", daemon=True).start()
+
+    def _watch(self, grace_s: float = 10.0) -> None:
+        """A collective replayed from a CUDA graph has no timeout (NCCL's watchdog does not track it): a worker
+        that dies then leaves rank 0 blocked on the GPU for good. Once a worker has been gone ``grace_s``
+        seconds without rank 0 raising it, the process exits non-zero with the reason."""
+        since = None
+        while not self.closed and not self.noticed:
+            dead = [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+            if dead and since is None:
+                since = time.monotonic()
+            if since is not None and time.monotonic() - since > grace_s and not self.closed and not self.noticed:
+                sys.stderr.write(f"vlora: tensor-parallel worker {dead[0][0]} exited (code {dead[0][1]}) and rank 0 "
+                                 f"is blocked on a collective; exiting\n")
+                sys.stderr.flush()
+                os._exit(70)
+            time.sleep(0.5)
 
     def check(self) -> None:
         """Raise EngineFatal if a worker has exited."""
         for rank, proc in enumerate(self.procs, 1):
             if not proc.is_alive():
+                self.noticed = True
                 raise EngineFatal(f"tensor-parallel worker {rank} exited (code {proc.exitcode}){self.reasons()}")
 
     def send(self, msg: StepMessage) -> None:

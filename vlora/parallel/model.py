@@ -113,6 +113,7 @@ class TensorParallelModel(nn.Module):
             reason = e.args[0] if isinstance(e, EngineFatal) else \
                 f"the tensor-parallel group failed: {describe(e)}{self.group.reasons()}"
             self._failed = reason
+            self.group.noticed = True
             raise EngineFatal(reason) from e
 
     # -- forward -------------------------------------------------------------------------------------
@@ -168,6 +169,8 @@ class ShardGraphs(DecodeGraphs):
     """Rank 0's decode graphs over its shard. Every capture and replay is announced to the workers first, so
     every rank captures the same graphs in the same order (their all-reduces pair up) and replays them
     together. The workers' graphs end at the hidden state; rank 0's add the logits."""
+
+    capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
 
     def __init__(self, tp: TensorParallelModel, kv_cache, max_batch, max_blocks, scratch_slot, lora_setup, columns,
                  launch=None):

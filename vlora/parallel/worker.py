@@ -30,6 +30,8 @@ from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 class WorkerGraphs(DecodeGraphs):
     """A worker's decode graphs: the forward up to the last all-reduce (rank 0 alone computes logits)."""
 
+    capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
+
     def _run_forward(self, b: int, kind: int):
         fb, cap = self._forward_batch(b, kind)
         return self.model(fb, self.kv_cache), cap
@@ -122,6 +124,16 @@ def build_model(spec, device: torch.device):
     return model
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit when rank 0's process is gone, even while blocked on the GPU (a graph-replayed collective waiting
+    for rank 0 has no timeout)."""
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
     """A worker's life: join the group (rank 0's store at ``port``), build and cut its model, then handle every
     message rank 0 sends until it sends None or goes away."""
@@ -129,6 +141,9 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
 
     from vlora.parallel.collectives import init_group, make_reduce, tcp_store
 
+    import threading
+
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="vlora-tp-parent", daemon=True).start()
     try:
         torch.set_num_threads(1)
         device = torch.device(spec.device_type, rank) if spec.device_type == "cuda" else torch.device("cpu")
