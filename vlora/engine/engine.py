@@ -428,8 +428,9 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
     if config.cache.memory_policy == "fastlibra":
         raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
                           f"copies rank 0's pages only)")
+    lk = config.lora.lora_kernel
     spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
-                      all_reduce=mc.all_reduce)
+                      all_reduce=mc.all_reduce, host_adapters=lk == "triton" or (lk == "auto" and device.type == "cuda"))
     return tensor_parallel(model, tp, spec, device)
 
 

@@ -243,6 +243,8 @@ RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded ran
                        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=16384, rms_norm_eps=1e-5),
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5),
 }

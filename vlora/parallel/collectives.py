@@ -91,3 +91,41 @@ def make_reduce(kind: str, dtype: torch.dtype, device: torch.device):
     if kind == "symm_mem":
         return SymmMemAllReduce(dtype, device)
     raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {kind!r}")
+
+
+def time_all_reduce(reduce, numel: int, dtype: torch.dtype, device: torch.device, reps: int,
+                    graphed: bool) -> float:
+    """Milliseconds per call of ``reduce`` on ``numel`` elements, ``reps`` calls in a row, eagerly or replayed
+    from one CUDA graph (as the decode graphs run them). Every rank runs it at the same time (benchmarks)."""
+    import time
+
+    x = torch.zeros(numel, dtype=dtype, device=device)
+    if device.type != "cuda":
+        for _ in range(3):
+            reduce(x)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            reduce(x)
+        return (time.perf_counter() - t0) * 1e3 / reps
+
+    def calls():
+        for _ in range(reps):
+            reduce(x)
+    run = calls
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        calls()                                  # warm-up (and, for a graph, outside the capture)
+    torch.cuda.current_stream(device).wait_stream(side)
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            calls()
+        run = graph.replay
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps

@@ -47,6 +47,7 @@ class WorkerSpec:
     seed: int
     timeout_s: float            # collectives and start-up
     all_reduce: str = "nccl"    # see collectives.py
+    host_adapters: bool = False  # the LoRA kernels read adapters from the pool: their slices stay on the host
 
 
 class TensorParallelGroup:

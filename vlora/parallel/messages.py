@@ -48,13 +48,24 @@ class GraphSetup:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """Time an all-reduce (``collectives.time_all_reduce``'s arguments) on every rank at once (benchmarks)."""
+
+    kind: str
+    numel: int
+    reps: int
+    graphed: bool
+
+
+@dataclass(frozen=True)
 class StepMessage:
-    kv_shape: tuple[int, ...]                 # rank 0's pages [P + 1, L, 2, block, Hkv_local, D]: the same here
+    kv_shape: tuple[int, ...] | None          # rank 0's pages [P + 1, L, 2, block, Hkv_local, D]: the same here
     batch: ForwardBatch | None = None         # a forward (on the CPU, ``lora`` None)
     lora: Segments = ()                       # torch path: the LoRA passes by adapter name
     kernel_lora: LoRABatch | None = None      # Triton path: the kernels' metadata (no segments, no buffer)
     replay: Replay | None = None              # a decode iteration from the graphs
     graphs: GraphSetup | None = None          # build or capture decode graphs
+    probe: Probe | None = None                # time an all-reduce
     adapters: dict[str, PackedAdapter] = dataclasses.field(default_factory=dict)   # new to the workers (whole)
     placed: dict[str, tuple[int, int] | None] = dataclasses.field(default_factory=dict)   # name -> (epoch, first
     #                                           element in the pool) of each adapter loaded since; None: evicted

@@ -20,9 +20,10 @@ from vlora.engine.faults import EngineFatal, describe
 from vlora.engine.modes import ModeSwitcher
 from vlora.lora.batch import PackedAdapter
 from vlora.models.forward_batch import ForwardBatch
-from vlora.parallel.collectives import make_reduce
+from vlora.parallel.collectives import make_reduce, time_all_reduce
 from vlora.parallel.group import TensorParallelGroup, WorkerSpec
-from vlora.parallel.messages import GraphSetup, Replay, StepMessage, by_name, lora_of, passes, strip, tensors_to
+from vlora.parallel.messages import (GraphSetup, Probe, Replay, StepMessage, by_name, lora_of, passes, strip,
+                                     tensors_to)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 
 
@@ -42,7 +43,9 @@ class TensorParallelModel(nn.Module):
         self.shard = Shard.of(inner.cfg, 0, group.world)
         self.local_cfg = self.shard.local_config(inner.cfg)
         self.kv_heads_per_rank = len(self.shard.kv_heads)
-        shard_decoder(inner, self.shard, make_reduce(group.spec.all_reduce, group.spec.dtype, device))
+        self.device = device
+        self.reduces = {group.spec.all_reduce: make_reduce(group.spec.all_reduce, group.spec.dtype, device)}
+        shard_decoder(inner, self.shard, self.reduces[group.spec.all_reduce])
         self.stacked = getattr(inner, "stacked", None)
         self.registry = None                     # the engine's adapters: those it forgets are dropped everywhere
         self.modes: ShardModes | None = None     # rank 0's merges (the workers follow them)
@@ -80,7 +83,8 @@ class TensorParallelModel(nn.Module):
                 del self._sent[n]
                 self._parts.pop(n, None)
         placed = self._placements(new)
-        self.group.send(StepMessage(tuple(kv_shape), adapters={n: _cpu(a) for n, a in new.items()}, placed=placed,
+        shape = None if kv_shape is None else tuple(kv_shape)
+        self.group.send(StepMessage(shape, adapters={n: _cpu(a) for n, a in new.items()}, placed=placed,
                                     dropped=dropped, merged=None if merged is None else merged.name, **step))
         self._sent.update(new)
 
@@ -140,6 +144,17 @@ class TensorParallelModel(nn.Module):
         """The runner's decode graphs: rank 0's, and, through a message, the workers' (same sizes)."""
         kw = {} if launch is None else {"launch": launch}
         return ShardGraphs(self, kv_cache, max_batch, max_blocks, scratch_slot, lora_setup, columns, **kw)
+
+    def time_all_reduce(self, kind: str, numel: int, reps: int = 100, graphed: bool = True) -> float:
+        """Milliseconds per all-reduce of ``numel`` elements of the model's dtype, by ``kind`` (nccl or
+        symm_mem), run on every rank at once, eagerly or from a CUDA graph (benchmarks; nothing else runs)."""
+        def probe():
+            dtype = self.group.spec.dtype
+            self._send({}, None, probe=Probe(kind, numel, reps, graphed))
+            if kind not in self.reduces:
+                self.reduces[kind] = make_reduce(kind, dtype, self.device)
+            return time_all_reduce(self.reduces[kind], numel, dtype, self.device, reps, graphed)
+        return self._guard(probe)
 
     def close(self) -> None:
         self.group.close()

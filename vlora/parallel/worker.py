@@ -22,6 +22,7 @@ from vlora.engine.runner import lora_groups
 from vlora.lora.batch import PackedAdapter
 from vlora.lora.device_store import _aligned, _matrices, group_offsets
 from vlora.memory.pool import _zeros
+from vlora.parallel.collectives import make_reduce, time_all_reduce
 from vlora.parallel.messages import (GraphSetup, Replay, StepMessage, lora_of, segments_of, tensors_to,
                                      with_buffer)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
@@ -38,18 +39,20 @@ class WorkerGraphs(DecodeGraphs):
 
 
 class Worker:
-    def __init__(self, model, shard: Shard, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, shard: Shard, device: torch.device, dtype: torch.dtype, host_adapters: bool = False):
         self.model, self.shard, self.device, self.dtype = model, shard, device, dtype
+        self.adapter_device = None if host_adapters else device     # None: where they arrive, on the host
         self.local = shard.local_config(model.cfg)
         self.parts: dict[str, PackedAdapter] = {}       # this rank's slices of every adapter rank 0 has sent
         self.buf = self.kv = None                       # the pool: adapters (Triton path) and KV
         self.modes = ModeSwitcher(SimpleNamespace(cfg=self.local, stacked=model.stacked))
         self.graphs: WorkerGraphs | None = None
+        self.reduces = {}                               # all-reduce kind -> its function (probes)
 
     def handle(self, msg: StepMessage) -> None:
         for name, a in msg.adapters.items():
-            self.parts[name] = shard_adapter(a, self.model.cfg, self.shard, self.device)
-        if self.kv is None:
+            self.parts[name] = shard_adapter(a, self.model.cfg, self.shard, self.adapter_device)
+        if self.kv is None and msg.kv_shape is not None:
             numel = 1
             for d in msg.kv_shape:
                 numel *= d
@@ -67,6 +70,11 @@ class Worker:
         for name in msg.dropped:
             self.parts.pop(name, None)
             self.modes.forget(name)
+        if msg.probe is not None:
+            p = msg.probe
+            if p.kind not in self.reduces:
+                self.reduces[p.kind] = make_reduce(p.kind, self.dtype, self.device)
+            time_all_reduce(self.reduces[p.kind], p.numel, self.dtype, self.device, p.reps, p.graphed)
         if msg.graphs is not None:
             self._graphs(msg.graphs)
         if msg.replay is not None:
@@ -139,7 +147,7 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
     message rank 0 sends until it sends None or goes away."""
     import torch.distributed as dist
 
-    from vlora.parallel.collectives import init_group, make_reduce, tcp_store
+    from vlora.parallel.collectives import init_group, tcp_store
 
     import threading
 
@@ -155,7 +163,7 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         model = build_model(spec, device)
         shard = Shard.of(model.cfg, rank, world)
         shard_decoder(model, shard, make_reduce(spec.all_reduce, spec.dtype, device))
-        worker = Worker(model, shard, device, spec.dtype)
+        worker = Worker(model, shard, device, spec.dtype, spec.host_adapters)
         with torch.inference_mode():
             while True:
                 msg: StepMessage | None = pickle.loads(conn.recv_bytes())
