@@ -66,7 +66,7 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
         loaded = load_model(mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                            mc.max_pixels_per_image, mc.seed)
+                            mc.max_pixels_per_image, mc.seed, cut=_rank0_cut(mc.tensor_parallel_size))
         self.model, self.max_model_len = loaded.model, loaded.max_model_len
         self.vision = loaded.vision          # LMMs: the vision tower + projector (VisionModel)
         # random:<preset> models have no tokenizer: prompts are token ids
@@ -432,6 +432,15 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
     spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
                       all_reduce=mc.all_reduce, host_adapters=lk == "triton" or (lk == "auto" and device.type == "cuda"))
     return tensor_parallel(model, tp, spec, device)
+
+
+def _rank0_cut(tp: int):
+    """Tensor parallelism: rank 0's cut of the model, applied while it is built where the loader can."""
+    if tp == 1:
+        return None
+    from vlora.parallel.partition import Shard, shard_decoder
+
+    return lambda model: shard_decoder(model, Shard.of(model.cfg, 0, tp))
 
 
 def _size(config: EngineConfig, cfg, device: torch.device, dtype: torch.dtype, max_model_len: int,

@@ -255,8 +255,10 @@ def is_random_spec(model) -> bool:
 
 
 def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                         seed: int = 0) -> tuple[DecoderLM, int]:
-    """A decoder with the shapes of preset ``random:<name>`` and seeded random weights, made on ``device``."""
+                         seed: int = 0, cut=None) -> tuple[DecoderLM, int]:
+    """A decoder with the shapes of preset ``random:<name>`` and seeded random weights, made on ``device``.
+    ``cut``: a callable that cuts the model down in place (tensor parallelism: one rank's shard) before any
+    weight is made, so a model larger than the device can be built; each weight keeps the scale of the whole."""
     from transformers import LlamaConfig
 
     name = spec.removeprefix("random:")
@@ -268,6 +270,9 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
+    fan_in = {n: p.shape[-1] for n, p in model.named_parameters()}
+    if cut is not None:
+        cut(model)
     model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
     gen = torch.Generator(device).manual_seed(seed)
@@ -278,7 +283,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
             elif p.dim() == 1:
                 p.zero_()
             else:                                  # std 1/sqrt(fan_in): activations keep their scale
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+                p.normal_(0.0, fan_in[pname] ** -0.5, generator=gen)
     model = model.eval().requires_grad_(False)
     model.stack_projections()
     return model, max_len

@@ -119,12 +119,14 @@ class Worker:
                         list(segments_of(r.minus, part)))
 
 
-def build_model(spec, device: torch.device):
-    """The same model as rank 0's (its seed too, for random:<preset> weights), language model only: an LMM's
-    vision tower runs on rank 0 alone (see ``vlora/parallel/__init__.py``)."""
+def build_model(spec, device: torch.device, rank: int, world: int):
+    """The same model as rank 0's (its seed too, for random:<preset> weights), cut to this rank's shard (while
+    it is built, for random:<preset> models), language model only: an LMM's vision tower runs on rank 0 alone
+    (see ``vlora/parallel/__init__.py``)."""
     from vlora.models.build import load_model
 
-    loaded = load_model(spec.model, spec.dtype, device, spec.max_model_len, 1, 1, spec.seed)
+    loaded = load_model(spec.model, spec.dtype, device, spec.max_model_len, 1, 1, spec.seed,
+                        cut=lambda m: shard_decoder(m, Shard.of(m.cfg, rank, world)))
     model = loaded.model
     del loaded
     if device.type == "cuda":
@@ -160,7 +162,7 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         store = tcp_store(port, world, False, spec.timeout_s)
         store.set(f"joined{rank}", "1")
         init_group(rank, world, store, device, spec.timeout_s)
-        model = build_model(spec, device)
+        model = build_model(spec, device, rank, world)
         shard = Shard.of(model.cfg, rank, world)
         shard_decoder(model, shard, make_reduce(spec.all_reduce, spec.dtype, device))
         worker = Worker(model, shard, device, spec.dtype, spec.host_adapters)
