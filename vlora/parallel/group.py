@@ -48,6 +48,7 @@ class WorkerSpec:
     timeout_s: float            # collectives and start-up
     all_reduce: str = "nccl"    # see collectives.py
     host_adapters: bool = False  # the LoRA kernels read adapters from the pool: their slices stay on the host
+    build_timeout_s: float = 1800.0   # a worker's load of its model
 
 
 class TensorParallelGroup:
@@ -72,13 +73,9 @@ class TensorParallelGroup:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+        self.store = store
         try:
-            deadline = time.monotonic() + spec.timeout_s
-            while not store.check([f"joined{r}" for r in range(1, world)]):    # a worker that dies while starting
-                self.check()                                                 # (spawn, import) is seen at once
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the workers did not join within {spec.timeout_s:g} s")
-                time.sleep(0.05)
+            self._wait("joined", spec.timeout_s)
             device = torch.device("cuda", 0) if spec.device_type == "cuda" else torch.device("cpu")
             init_group(0, world, store, device, spec.timeout_s)
         except Exception as e:
@@ -88,6 +85,24 @@ class TensorParallelGroup:
         self.noticed = False             # rank 0 has raised the group's failure (EngineFatal)
         if spec.device_type == "cuda":
             threading.Thread(target=self._watch, name="vlora-tp-watch", daemon=True).start()
+
+    def _wait(self, key: str, timeout_s: float) -> None:
+        """Until every worker has set ``key{rank}`` in the store; a worker that dies meanwhile is seen at once."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([f"{key}{r}" for r in range(1, self.world)]):
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers did not reach '{key}' within {timeout_s:g} s")
+            time.sleep(0.05)
+
+    def wait_built(self) -> None:
+        """Until every worker has built its shard (loading a large checkpoint may take minutes: the first
+        collective waits here, not on its timeout)."""
+        try:
+            self._wait("built", self.spec.build_timeout_s)
+        except Exception as e:
+            self.close()
+            raise RuntimeError(f"tensor-parallel workers did not start: {describe(e)}{self.reasons()}") from e
 
     def _watch(self, grace_s: float = 10.0) -> None:
         """A collective replayed from a CUDA graph has no timeout (NCCL's watchdog does not track it): a worker

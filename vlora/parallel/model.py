@@ -219,6 +219,7 @@ def tensor_parallel(model, world: int, spec: WorkerSpec, device: torch.device) -
     """Start ``world - 1`` workers and cut ``model`` to rank 0's shard; returns the engine's model."""
     Shard.of(model.cfg, 0, world)                # refuse a shape that does not split before starting anyone
     group = TensorParallelGroup(world, spec)
+    group.wait_built()
     try:
         return TensorParallelModel(model, group, device)
     except Exception:

@@ -163,6 +163,7 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         store.set(f"joined{rank}", "1")
         init_group(rank, world, store, device, spec.timeout_s)
         model = build_model(spec, device, rank, world)
+        store.set(f"built{rank}", "1")
         shard = Shard.of(model.cfg, rank, world)
         shard_decoder(model, shard, make_reduce(spec.all_reduce, spec.dtype, device))
         worker = Worker(model, shard, device, spec.dtype, spec.host_adapters)
