@@ -5,7 +5,9 @@ worker ends the run with a clear error."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +172,42 @@ def test_tp2_cuda_graph_decode_on_two_gpus_equals_one_gpu_eager(tiny_llama, all_
         assert greedy(two) == want_mixed and graphs.num_replays > replays
     finally:
         two.close()
+
+
+KILL_SCRIPT = """
+import sys
+from vlora import LLM, SamplingParams
+
+if __name__ == "__main__":
+    path, a8 = sys.argv[1], sys.argv[2]
+    llm = LLM(path, adapters={"a8": a8}, block_size=4, num_blocks=64, max_model_len=128, dtype="float32",
+              device="cuda", tensor_parallel_size=2)
+    llm.generate([[1, 2, 3]], "a8", SamplingParams(max_tokens=4, ignore_eos=True))     # graphs captured
+    eng = llm.engine
+    eng.add_request([5, 6, 7], "a8", SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.model.group.procs[0].kill()
+    while True:
+        eng.step()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_worker_killed_during_graph_decode_ends_the_process(tiny_llama, tmp_path):
+    """A collective replayed from a CUDA graph has no timeout: the process must still end, non-zero, saying why
+    (EngineFatal, or rank 0's watchdog when it is blocked on the GPU)."""
+    import subprocess
+    import sys
+
+    path, adapters = tiny_llama
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    t0 = time.monotonic()
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script), str(path), str(adapters["a8"])], capture_output=True,
+                          text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode != 0 and "tensor-parallel" in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 240
