@@ -84,8 +84,8 @@ class Engine:
         self.block_size = cc.block_size
         lc = config.lora
         kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
-        self.sizing = _size(config, getattr(self.model, "local_cfg", cfg), self.device, self.dtype, self.max_model_len,
-                            lc.max_loras if kernel_lora else 0)
+        self.sizing = _size(config, getattr(self.model, "local_cfg", cfg), self.device, self.dtype,   # TP: a rank's
+                            self.max_model_len, lc.max_loras if kernel_lora else 0)
         sc = config.scheduler
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:    # the limits chosen for this device
             sc = replace(sc, max_num_seqs=self.sizing.max_num_seqs,
@@ -429,8 +429,9 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
         raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
                           f"copies rank 0's pages only)")
     lk = config.lora.lora_kernel
+    kernel_lora = lk == "triton" or (lk == "auto" and device.type == "cuda")
     spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
-                      all_reduce=mc.all_reduce, host_adapters=lk == "triton" or (lk == "auto" and device.type == "cuda"))
+                      all_reduce=mc.all_reduce, host_adapters=kernel_lora)
     return tensor_parallel(model, tp, spec, device)
 
 

@@ -76,7 +76,8 @@ class SymmMemAllReduce:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel()
-        if n > self.buffer.numel() or t.dtype != self.buffer.dtype or not t.is_contiguous() or (n * t.element_size()) % 16:
+        small = n <= self.buffer.numel() and (n * t.element_size()) % 16 == 0     # its kernel's alignment
+        if not small or t.dtype != self.buffer.dtype or not t.is_contiguous():
             return _nccl(t)
         staged = self.buffer[:n]
         staged.copy_(t.view(-1))
