@@ -13,9 +13,10 @@ adapters of ranks ``--ranks`` (round-robin, every adapter used by as many reques
    batch (batch x hidden elements), NCCL and torch's symmetric-memory one-shot, eager and replayed from a CUDA
    graph; times 2 x layers, the all-reduce time of one decode step.
 
-Output: ``tp.json`` and ``tp.md`` (a summary table) under ``--out``.
+Output: ``tp.json`` and ``tp.md`` (a summary table) under ``--out`` (``tp-13b.*`` or ``tp-34b.*`` for one model).
 
     python benchmarks/bench_tp.py --out benchmarks/results                   # two GPUs, the issue's setting
+    python benchmarks/bench_tp.py --configs 13b --out benchmarks/results     # one model per run (shorter runs)
     python benchmarks/bench_tp.py --dry-run --out /tmp/tp                    # CPU: a tiny model, gloo, minutes
 """
 
@@ -162,10 +163,11 @@ def summarize(res: dict, requests: int) -> list[str]:
             ("e2e output tok/s, base", "base_tok_s")]
     lines = [f"# Tensor parallelism ({res['device']}, {res['dtype']}, {res['date']})", "",
              f"Workload: {requests} requests, {res['input_len']} in / {res['output_len']} out, "
-             f"{res['adapters']} adapters of ranks {res['ranks']}; all_reduce {res['all_reduce']}.", "",
-             "| Llama-2-13B shape | TP=1 | TP=2 | TP=2 / TP=1 |", "|---|---|---|---|"]
-    for label, key in rows:
-        lines.append(f"| {label} | {_fmt(one.get(key))} | {_fmt(two.get(key))} | {_fmt(ratio(key))} |")
+             f"{res['adapters']} adapters of ranks {res['ranks']}; all_reduce {res['all_reduce']}."]
+    if one or two:
+        lines += ["", "| Llama-2-13B shape | TP=1 | TP=2 | TP=2 / TP=1 |", "|---|---|---|---|"]
+        lines += [f"| {label} | {_fmt(one.get(key))} | {_fmt(two.get(key))} | {_fmt(ratio(key))} |"
+                  for label, key in rows]
     ar = two.get("all_reduce_ms", {})
     if ar:
         lines += ["", "All-reduces alone at TP=2 (both ranks), per decode step (2 x layers calls):", "",
@@ -192,7 +194,7 @@ def summarize(res: dict, requests: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder for tp.json and tp.md")
+    ap.add_argument("--out", type=Path, required=True, help="folder for the results (tp.json and tp.md)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny random model, gloo: checks the script")
     ap.add_argument("--requests", type=int, default=None, help="default 64 (dry run: 4)")
     ap.add_argument("--input-len", type=int, default=None, help="default 512 (dry run: 12)")
@@ -203,7 +205,8 @@ def main() -> None:
     ap.add_argument("--all-reduce", choices=["nccl", "symm_mem"], default="nccl", help="the engines' all-reduce")
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: the engine's for the device")
     ap.add_argument("--reduce-reps", type=int, default=200, help="all-reduces per timing")
-    ap.add_argument("--skip-34b", action="store_true", help="leave out the CodeLlama-34B-shaped run")
+    ap.add_argument("--configs", default="13b,34b",
+                    help="which models to run: 13b (TP=1 and TP=2), 34b (TP=2), or both (comma-separated)")
     ap.add_argument("--phase", type=int, default=None, help=argparse.SUPPRESS)      # internal: one configuration
     ap.add_argument("--adapter-root", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -230,7 +233,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vlora-tp-") as tmp:
         written: dict[str, Path] = {}
         for i, (size, model, tp) in enumerate(phases):
-            if size == "34b" and args.skip_34b:
+            if size not in args.configs.split(","):
                 continue
             if model not in written:
                 written[model] = Path(tmp) / model.removeprefix("random:")
@@ -248,10 +251,11 @@ def main() -> None:
             res[key] = json.loads(path.read_text())
             path.unlink()
     lines = summarize(res, args.requests)
-    (args.out / "tp.json").write_text(json.dumps(res, indent=2))
-    (args.out / "tp.md").write_text("\n".join(lines) + "\n")
+    name = "tp" if set(args.configs.split(",")) == {"13b", "34b"} else "tp-" + args.configs.replace(",", "-")
+    (args.out / f"{name}.json").write_text(json.dumps(res, indent=2))
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    log(f"wrote {args.out}/tp.json and tp.md")
+    log(f"wrote {args.out}/{name}.json and {name}.md")
 
 
 if __name__ == "__main__":
