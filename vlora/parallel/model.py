@@ -97,7 +97,8 @@ class TensorParallelModel(nn.Module):
         out: dict[str, tuple[int, int] | None] = {}
         pool = store.pool
         for name, a in store.resident.items():
-            if self._placed.get(name) != (a, a.placement.epoch):
+            have = self._placed.get(name)
+            if have is None or have[0] is not a or have[1] != a.placement.epoch:
                 if self._sent.get(name) is not a and name not in new:
                     new[name] = a
                 out[name] = (a.placement.epoch, pool.adapter_pages[name][0] * pool.page_elems)
