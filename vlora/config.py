@@ -39,7 +39,9 @@ class ModelConfig:
     build_kernels: bool = True
     """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
     tensor_parallel_size: int = 1
-    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection. Above 1 it runs the torch paths (kernels and lora_kernel auto or torch) and needs a memory policy other than fastlibra."""
+    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection; each rank's pool holds its slices of the adapters. Needs a memory policy other than fastlibra."""
+    all_reduce: str = "nccl"
+    """Tensor parallelism: the all-reduce after each row-parallel projection: nccl (torch.distributed), or symm_mem (torch's symmetric-memory one-shot all-reduce over NVLink peer memory for messages up to 2 MiB, NCCL above)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):
@@ -52,8 +54,8 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.kernels == "triton":
-            raise ConfigError("tensor_parallel_size > 1 runs the torch paths: kernels must be auto or torch")
+        if self.all_reduce not in ("nccl", "symm_mem"):
+            raise ConfigError(f"all_reduce must be nccl or symm_mem, got {self.all_reduce!r}")
 
 
 @dataclass(frozen=True)

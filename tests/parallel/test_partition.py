@@ -15,7 +15,7 @@ import torch
 from tests.parallel.test_tensor_parallel import NAMES, PROMPTS, build, engine
 from vlora.engine.scheduler import ScheduledSeq
 from vlora.engine.sequence import Sequence
-from vlora.parallel.group import _lora, _passes
+from vlora.parallel.messages import lora_of, passes
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 from vlora.sampling_params import SamplingParams
 
@@ -57,7 +57,7 @@ def test_shards_sum_to_the_whole_model(whole, world):
             fb = eng.runner.prepare(eng.runner.order(tuple(scheduled)))
             want = eng.model.compute_logits(eng.model(fb, eng.runner.kv_cache))
             segs = tuple(tuple((s.start, s.end, s.adapter.name, s.scale) for s in p.segments)
-                         for p in _passes(fb.lora))
+                         for p in passes(fb.lora))
             total, out = ThreadSum(world), [None] * world
 
             def run(r: int) -> None:
@@ -67,7 +67,7 @@ def test_shards_sum_to_the_whole_model(whole, world):
                     shard_decoder(model, shard, total.rank(r))
                     kv = torch.zeros(*eng.runner.kv_cache.shape[:-2], len(shard.kv_heads), cfg.head_dim)
                     parts = {n: shard_adapter(eng.adapters.get(n), cfg, shard) for n in RANK_NAMES}
-                    out[r] = model(dataclasses.replace(fb, lora=_lora(segs, parts.__getitem__)), kv)
+                    out[r] = model(dataclasses.replace(fb, lora=lora_of(segs, parts.__getitem__)), kv)
 
             threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
             for t in threads:

@@ -1,10 +1,13 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): the same tokens and logits as one process, for a batch of
 base rows and adapters of ranks 4/8/16 with chunked prefill, preemption, prefix caching, and merged and mixed
-modes; a killed worker ends the run with a clear error."""
+modes, on the torch paths and on the Triton kernels (interpreted) with the decode graphs' emulation; a killed
+worker ends the run with a clear error."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +26,8 @@ NAMES = [None, "a4", "a8", "a16", "a8"]
 BLOCKS = 14           # the batch outgrows it: the newest sequences are preempted and recomputed
 
 
-def build(root, kv_heads, model_type="llama"):
-    path, hf = make_tiny_model(root, model_type, num_key_value_heads=kv_heads)
+def build(root, kv_heads, model_type="llama", **overrides):
+    path, hf = make_tiny_model(root, model_type, num_key_value_heads=kv_heads, **overrides)
     adapters = {}
     for i, (name, rank) in enumerate(RANKS.items()):
         kw = {} if TARGETS[name] is None else {"targets": TARGETS[name]}
@@ -37,14 +40,14 @@ def engine(path, adapters, tp, **kw):
                max_num_seqs=8, max_num_batched_tokens=8, tensor_parallel_size=tp, **kw)   # prefill in chunks
 
 
-def logits(llm):
+def logits(llm, prompts=PROMPTS):
     eng = llm.engine
     return prefill_logits(eng, [Sequence(f"t{i}", list(p), SamplingParams(), None if a is None else eng.adapters.get(a),
-                                         i) for i, (p, a) in enumerate(zip(PROMPTS, NAMES))])
+                                         i) for i, (p, a) in enumerate(zip(prompts, NAMES))])
 
 
-def greedy(llm):
-    return [o.token_ids for o in llm.generate(PROMPTS, NAMES, SamplingParams(max_tokens=8, ignore_eos=True))]
+def greedy(llm, tokens=8, prompts=PROMPTS):
+    return [o.token_ids for o in llm.generate(prompts, NAMES, SamplingParams(max_tokens=tokens, ignore_eos=True))]
 
 
 def twice(llm):
@@ -56,6 +59,11 @@ def twice(llm):
     return first + second
 
 
+def close(got, want):
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
+
+
 def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tiny_llama):
     path, adapters = tiny_llama
     one = engine(path, adapters, 1, prefix_caching=True)
@@ -63,8 +71,7 @@ def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tiny_llama):
     two = engine(path, adapters, 2, prefix_caching=True)
     try:
         assert two.engine.pool.kv.shape[-2] == 1                     # each rank keeps its own KV head only
-        for got, want in zip(logits(two), want_logits):
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        close(logits(two), want_logits)
         assert twice(two) == want_tokens
         assert two.engine.scheduler.num_preemptions > 0
         ran = two.engine.orchestrator.mode_iterations
@@ -93,6 +100,40 @@ def test_tp2_matches_one_process_and_a_killed_worker_fails_fast(tiny_llama):
         two.close()
 
 
+SHORT = [p[:5] for p in PROMPTS]      # the interpreter runs a kernel's programs one at a time: few tokens
+
+
+def test_tp2_triton_kernels_and_decode_graphs_match_one_process(one_layer_llama):
+    """Each rank's pool holds its slices of the adapters where rank 0's store put its own; when the store moves
+    them (evicted, placed again elsewhere), the workers follow. Decode iterations replay the graphs on every
+    rank (their CPU emulation), in mixed mode too."""
+    path, adapters = one_layer_llama
+    one = engine(path, adapters, 1)
+    want_logits, want_tokens = logits(one, SHORT), greedy(one, 3, SHORT)
+    two = LLM(str(path), adapters=adapters, num_blocks=130, block_size=4, max_model_len=128, dtype="float32",
+              max_num_seqs=8, max_num_batched_tokens=8, prefix_caching=True, tensor_parallel_size=2,
+              kernels="triton", lora_kernel="triton", max_loras=0, max_lora_rank=16)   # 122 pages hold the adapters
+    try:
+        eng = two.engine
+        eng.runner.enable_graphs(8, eng.max_model_len, columns=2)
+        close(logits(two, SHORT), want_logits)
+        graphs, store = eng.runner.graphs, eng.adapters.store
+        first = store.resident["a16"].placement.host["qkv"][0]       # placed last of three: the lowest pages
+        assert greedy(two, 3, SHORT) == want_tokens
+        assert graphs.num_replays > 0
+        store.protected = set()
+        store.reclaim(store.pool.num_pages)              # every adapter out; a16 back first: new offsets for all
+        store.ensure([eng.adapters.get("a16")], set())
+        assert store.resident["a16"].placement.host["qkv"][0] != first
+        eng.merge_adapter("a8")              # mixed mode: the others add theirs and subtract a8's slices
+        ran, hits = eng.orchestrator.mode_iterations, eng.prefix_cache.hit_tokens
+        assert greedy(two, 3, SHORT) == want_tokens and ran[Mode.MIXED] > 0
+        assert eng.prefix_cache.hit_tokens > hits                 # the base-model prompt's blocks
+        assert any(kind == 2 for _, kind in graphs.graphs)
+    finally:
+        two.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_on_two_gpus_gives_the_tokens_of_one(tiny_llama):
@@ -105,3 +146,68 @@ def test_tp2_on_two_gpus_gives_the_tokens_of_one(tiny_llama):
         assert greedy(two) == want
     finally:
         two.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
+def test_tp2_cuda_graph_decode_on_two_gpus_equals_one_gpu_eager(tiny_llama, all_reduce):
+    """Triton kernels, adapters in each rank's pool and decode replayed from CUDA graphs captured on both ranks
+    (their all-reduces inside), against one GPU running eagerly; then in mixed mode."""
+    path, adapters = tiny_llama
+    kw = dict(adapters=adapters, num_blocks=BLOCKS, block_size=4, max_model_len=128, dtype="float32", device="cuda",
+              max_num_seqs=8, max_num_batched_tokens=8)
+    one = LLM(str(path), cuda_graphs=False, **kw)
+    want = greedy(one)
+    one.engine.merge_adapter("a8")
+    want_mixed = greedy(one)
+    two = LLM(str(path), tensor_parallel_size=2, all_reduce=all_reduce, **kw)
+    try:
+        graphs = two.engine.runner.graphs
+        assert graphs is not None and two.engine.runner.use_kernels
+        two.engine.runner.capture_graphs(mixed=True)      # every rank captures the same graphs, in order
+        assert greedy(two) == want and graphs.num_replays > 0
+        two.engine.merge_adapter("a8")
+        replays = graphs.num_replays
+        assert greedy(two) == want_mixed and graphs.num_replays > replays
+    finally:
+        two.close()
+
+
+KILL_SCRIPT = """
+import sys
+from vlora import LLM, SamplingParams
+
+if __name__ == "__main__":
+    path, a8 = sys.argv[1], sys.argv[2]
+    llm = LLM(path, adapters={"a8": a8}, block_size=4, num_blocks=64, max_model_len=128, dtype="float32",
+              device="cuda", tensor_parallel_size=2)
+    llm.generate([[1, 2, 3]], "a8", SamplingParams(max_tokens=4, ignore_eos=True))     # graphs captured
+    eng = llm.engine
+    eng.add_request([5, 6, 7], "a8", SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    eng.model.group.procs[0].kill()
+    while True:
+        eng.step()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_worker_killed_during_graph_decode_ends_the_process(tiny_llama, tmp_path):
+    """A collective replayed from a CUDA graph has no timeout: the process must still end, non-zero, saying why
+    (EngineFatal, or rank 0's watchdog when it is blocked on the GPU)."""
+    import subprocess
+    import sys
+
+    path, adapters = tiny_llama
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    t0 = time.monotonic()
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script), str(path), str(adapters["a8"])], capture_output=True,
+                          text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode != 0 and "tensor-parallel" in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 240

@@ -44,6 +44,8 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    capture_error_mode = "global"      # tensor parallelism: "thread_local" (NCCL's watchdog thread runs meanwhile)
+
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
                  lora_setup=None, columns: int = 512, launch: LoRALaunch = LoRALaunch()):
         """``lora_setup``: (adapter buffer, group widths, group in-features, tiling table, max rank) or None;
@@ -189,7 +191,7 @@ class DecodeGraphs:
                 self._run_forward(b, kind)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
             logits, cap = self._run_forward(b, kind)
         self.pool = graph.pool()
         self.graphs[(b, kind)] = (graph, logits, cap)

@@ -66,14 +66,14 @@ class Engine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
         loaded = load_model(mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                            mc.max_pixels_per_image, mc.seed)
+                            mc.max_pixels_per_image, mc.seed, cut=_rank0_cut(mc.tensor_parallel_size))
         self.model, self.max_model_len = loaded.model, loaded.max_model_len
         self.vision = loaded.vision          # LMMs: the vision tower + projector (VisionModel)
         # random:<preset> models have no tokenizer: prompts are token ids
         self.tokenizer = _load_tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
         tp = mc.tensor_parallel_size
         if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
-            self.model = _tensor_parallel(self.model, config, self.dtype, self.device, self.vision)
+            self.model = _tensor_parallel(self.model, config, self.dtype, self.device)
         kv_heads = getattr(self.model, "kv_heads_per_rank", self.model.cfg.num_kv_heads)   # this rank's KV heads
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
@@ -84,8 +84,8 @@ class Engine:
         self.block_size = cc.block_size
         lc = config.lora
         kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
-        self.sizing = _size(config, cfg, self.device, self.dtype, self.max_model_len,
-                            lc.max_loras if kernel_lora else 0)
+        self.sizing = _size(config, getattr(self.model, "local_cfg", cfg), self.device, self.dtype,   # TP: a rank's
+                            self.max_model_len, lc.max_loras if kernel_lora else 0)
         sc = config.scheduler
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:    # the limits chosen for this device
             sc = replace(sc, max_num_seqs=self.sizing.max_num_seqs,
@@ -101,14 +101,16 @@ class Engine:
         ins, outs = cfg.lora_in_out()
         self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
                                         self.dtype, self.device, config.lora.check_base_model,
-                                        "torch" if tp > 1 else config.lora.lora_kernel, self.pool)
+                                        config.lora.lora_kernel, self.pool)
         if tp > 1:
             self.model.registry = self.adapters
+            if self.adapters.store is not None:      # the pool holds rank 0's slices (the workers theirs)
+                self.adapters.store.view = self.model.part
         self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
         self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
         self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
-        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda and tp == 1)
+        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
         graph_safe = getattr(self.model, "graph_safe", True)     # e.g. not a mixture of experts (routed shapes)
         graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels and graph_safe else 0
         self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
@@ -116,7 +118,7 @@ class Engine:
                                   # tensor-parallel workers take segments as (rows, adapter, scale): two passes
                                   LoRALaunch(lc.lora_overlap, lc.lora_pdl, mixed="two" if tp > 1 else "one"))
         if tp > 1:                                    # merges fold each rank's slices into its shard
-            from vlora.parallel.group import ShardModes
+            from vlora.parallel.model import ShardModes
 
             self.runner.modes = ShardModes(self.model)
         sc = config.scheduler
@@ -434,20 +436,33 @@ class Engine:
                              self.detokenizer.stream_delta(seq), error, seq.task)
 
 
-def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, vision):
-    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet."""
-    from vlora.parallel.group import WorkerSpec, tensor_parallel
+def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet.
+    An LMM's vision tower stays on rank 0 (``vlora/parallel/__init__.py`` says why)."""
+    from vlora.parallel.group import WorkerSpec
+    from vlora.parallel.model import tensor_parallel
 
     mc, tp = config.model, config.model.tensor_parallel_size
-    why = ("an LMM (the vision tower is not split yet)" if vision is not None
-           else "a mixture of experts (the experts are not split yet)" if getattr(model.cfg, "num_experts", 0)
-           else "lora_kernel triton (the adapter pool is not split yet)" if config.lora.lora_kernel == "triton"
-           else "memory_policy fastlibra (the swapper copies rank 0's pages only)"
-           if config.cache.memory_policy == "fastlibra" else None)
-    if why is not None:
-        raise ConfigError(f"tensor_parallel_size {tp} does not support {why}")
-    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0)
-    return tensor_parallel(model, tp, spec)
+    if getattr(model.cfg, "num_experts", 0):
+        raise ConfigError(f"tensor_parallel_size {tp} does not support a mixture of experts (the experts are "
+                          f"not split yet)")
+    if config.cache.memory_policy == "fastlibra":
+        raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
+                          f"copies rank 0's pages only)")
+    lk = config.lora.lora_kernel
+    kernel_lora = lk == "triton" or (lk == "auto" and device.type == "cuda")
+    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
+                      all_reduce=mc.all_reduce, host_adapters=kernel_lora)
+    return tensor_parallel(model, tp, spec, device)
+
+
+def _rank0_cut(tp: int):
+    """Tensor parallelism: rank 0's cut of the model, applied while it is built where the loader can."""
+    if tp == 1:
+        return None
+    from vlora.parallel.partition import Shard, shard_decoder
+
+    return lambda model: shard_decoder(model, Shard.of(model.cfg, 0, tp))
 
 
 def _size(config: EngineConfig, cfg, device: torch.device, dtype: torch.dtype, max_model_len: int,

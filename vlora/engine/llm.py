@@ -35,15 +35,15 @@ class LLM:
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
                  adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9,
                  lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
-                 replicas: int = 1, ray_address: str | None = None, cluster_policy: str = "round_robin",
-                 config: EngineConfig | None = None):
+                 all_reduce: str = "nccl", replicas: int = 1, ray_address: str | None = None,
+                 cluster_policy: str = "round_robin", config: EngineConfig | None = None):
         """``replicas`` > 1 (or a ``ray_address``): that many engine replicas on Ray, placed by
         ``cluster_policy`` (docs/cluster.md); ``self.engine`` is then None."""
         config = config or EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               kernels=kernels, cuda_graphs=cuda_graphs, max_images_per_request=max_images_per_request,
                               max_pixels_per_image=max_pixels_per_image,
-                              tensor_parallel_size=tensor_parallel_size),
+                              tensor_parallel_size=tensor_parallel_size, all_reduce=all_reduce),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
                               adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras, lora_overlap, lora_pdl),

@@ -49,12 +49,8 @@ class ModelRunner:
             from vlora.kernels.tuning import TilingTable
 
             self.tiling = TilingTable.load()
-            cfg = model.cfg
-            ins, outs = cfg.lora_in_out()
-            self.group_widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
-            # a mixture of experts takes LoRA on attention only; its MLP groups get no kernel launches
-            self.group_in = {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins.get("gate_proj", cfg.hidden_size),
-                             "down": ins.get("down_proj", cfg.intermediate_size)}
+            # tensor parallelism: the kernels see this rank's slices (its heads and MLP columns)
+            self.group_widths, self.group_in = lora_groups(getattr(model, "local_cfg", model.cfg))
         self.graphs = None
         if graph_batch > 0:
             self.enable_graphs(graph_batch, max_model_len)
@@ -64,11 +60,12 @@ class ModelRunner:
         emulation that re-runs the captured forward on the same static buffers, for tests)."""
         from vlora.engine.cuda_graphs import DecodeGraphs
 
+        make = getattr(self.model, "decode_graphs", DecodeGraphs)     # tensor parallelism: every rank's graphs
         scratch = (self.kv_cache.shape[0] - 1) * self.block_size
         lora = None if self.tiling is None else (self.adapters.store, self.group_widths, self.group_in, self.tiling,
                                                  self.adapters.max_rank)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
-                                   scratch, lora, columns, self.lora_launch)
+        self.graphs = make(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
+                            scratch, lora, columns, self.lora_launch)
 
     def capture_graphs(self, mixed: bool = False) -> None:
         """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands
@@ -253,6 +250,15 @@ class ModelRunner:
             tables.append(seq.blocks[:p // bs + 1])
             lens.append(p + 1)
         return self.graphs.run(ids, positions, slots, tables, lens, own, minus)
+
+
+def lora_groups(cfg) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+    """(output width of each slice, input features) of every packed LoRA group of a model of config ``cfg``."""
+    ins, _ = cfg.lora_in_out()
+    # a mixture of experts takes LoRA on attention only; its MLP groups get no kernel launches
+    return (group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size),
+            {"qkv": ins["q_proj"], "o": ins["o_proj"], "gate_up": ins.get("gate_proj", cfg.hidden_size),
+             "down": ins.get("down_proj", cfg.intermediate_size)})
 
 
 def _one_head(hidden: torch.Tensor, head) -> TaskResult | RequestFailed:

@@ -97,7 +97,7 @@ def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...]
 def _launch_attention(runner) -> int:
     from vlora.kernels.attention import paged_decode, paged_prefill
 
-    cfg, dev = runner.model.cfg, runner.device
+    cfg, dev = getattr(runner.model, "local_cfg", runner.model.cfg), runner.device     # TP: this rank's heads
     k_cache, v_cache = runner.kv_cache[:, 0, 0], runner.kv_cache[:, 0, 1]
     heads, d = cfg.num_heads, k_cache.shape[-1]
     q = torch.zeros(1, heads, d, dtype=k_cache.dtype, device=dev)

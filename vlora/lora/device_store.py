@@ -62,6 +62,8 @@ class AdapterStore:
         pool.reclaimers.append(self.reclaim)
         pool.reclaimable.append(self.reclaimable)
         self.on_evict: list = []                  # callables(name): e.g. drop the KV cached under it
+        # the matrices this process keeps of an adapter (tensor parallelism: rank 0's slices); None: all of them
+        self.view = None
         self.num_loads = 0
         self.num_evictions = 0
         self.bytes_loaded = 0
@@ -74,7 +76,7 @@ class AdapterStore:
         """Keep the adapter's matrices ready for copies: one flat host buffer (pinned on CUDA, at its exact
         size) laid out exactly as the pool lays them out (back to back, each ALIGN-aligned), so a load is one
         copy and one pinned allocation per adapter rather than one per matrix."""
-        mats = _matrices(adapter)
+        mats = _matrices(adapter if self.view is None else self.view(adapter))
         sizes = [m.numel() for m in mats]
         total = sum(_aligned(n) for n in sizes)
         flat = pinned_empty(total, mats[0].dtype) if self.device.type == "cuda" else torch.empty(total,
@@ -207,27 +209,32 @@ class AdapterStore:
             self.load(a)
 
     def _offsets(self, adapter: PackedAdapter, offs) -> dict[str, GroupOffsets]:
-        table: dict[str, list] = {g: ([], [], [], []) for g in GROUPS}
-        for groups in adapter.layers:
-            for name, modules in GROUPS.items():
-                a_off, rtot, b_off, vcol = table[name]
-                gw = groups.get(name)
-                if gw is None:
-                    a_off.append(0), rtot.append(0)
-                    b_off.append([-1] * len(modules)), vcol.append([0] * len(modules))
-                    continue
-                a_off.append(next(offs)), rtot.append(gw.a.shape[1])
-                row_b, row_v = [-1] * len(modules), [0] * len(modules)
-                for sl in gw.slices:
-                    row_b[sl.index], row_v[sl.index] = next(offs), sl.rank_start
-                b_off.append(row_b), vcol.append(row_v)
-        dev = self.pool.buf.device
-        adapter.placement.host = table
-        return {g: GroupOffsets(torch.tensor(a, dtype=torch.int64, device=dev),
-                                torch.tensor(rt, dtype=torch.int32, device=dev),
-                                torch.tensor(b, dtype=torch.int64, device=dev),
-                                torch.tensor(v, dtype=torch.int32, device=dev))
-                for g, (a, rt, b, v) in table.items()}
+        return group_offsets(adapter, offs, self.pool.buf.device)
+
+
+def group_offsets(adapter: PackedAdapter, offs, device: torch.device) -> dict[str, GroupOffsets]:
+    """The kernels' per-group offset tables of ``adapter`` whose matrices (pool order) start at ``offs``; the
+    same tables as host lists go to ``adapter.placement.host``."""
+    table: dict[str, list] = {g: ([], [], [], []) for g in GROUPS}
+    for groups in adapter.layers:
+        for name, modules in GROUPS.items():
+            a_off, rtot, b_off, vcol = table[name]
+            gw = groups.get(name)
+            if gw is None:
+                a_off.append(0), rtot.append(0)
+                b_off.append([-1] * len(modules)), vcol.append([0] * len(modules))
+                continue
+            a_off.append(next(offs)), rtot.append(gw.a.shape[1])
+            row_b, row_v = [-1] * len(modules), [0] * len(modules)
+            for sl in gw.slices:
+                row_b[sl.index], row_v[sl.index] = next(offs), sl.rank_start
+            b_off.append(row_b), vcol.append(row_v)
+    adapter.placement.host = table
+    return {g: GroupOffsets(torch.tensor(a, dtype=torch.int64, device=device),
+                            torch.tensor(rt, dtype=torch.int32, device=device),
+                            torch.tensor(b, dtype=torch.int64, device=device),
+                            torch.tensor(v, dtype=torch.int32, device=device))
+            for g, (a, rt, b, v) in table.items()}
 
 
 def build_kernel_batch(segs: list[LoRASegment], buffer: AdapterStore, widths: dict[str, tuple[int, ...]],

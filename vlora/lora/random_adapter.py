@@ -19,7 +19,8 @@ _PARENT = {m: "self_attn" if m in LORA_TARGETS[:4] else "mlp" for m in LORA_TARG
 
 
 def write_random_adapter(path: str | Path, shape: ModelShape, rank: int, seed: int, std: float = 0.02,
-                         alpha: float | None = None, targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+                         alpha: float | None = None, targets: tuple[str, ...] = LORA_TARGETS,
+                         dtype: torch.dtype = torch.float32) -> Path:
     """Save ``adapter_config.json`` + ``adapter_model.safetensors`` for ``shape``; returns the path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -28,8 +29,8 @@ def write_random_adapter(path: str | Path, shape: ModelShape, rank: int, seed: i
     for layer in range(shape.num_layers):
         for m in targets:
             key = f"base_model.model.model.layers.{layer}.{_PARENT[m]}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, shape.in_features[m], generator=g) * std
-            tensors[f"{key}.lora_B.weight"] = torch.randn(shape.out_features[m], rank, generator=g) * std
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, shape.in_features[m], generator=g) * std).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(shape.out_features[m], rank, generator=g) * std).to(dtype)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "target_modules": list(targets),
               "base_model_name_or_path": shape.name, "bias": "none", "use_rslora": False,

@@ -25,13 +25,14 @@ class LoadedModel:
 
 
 def load_model(spec, dtype, device, max_model_len: int | None, max_images: int, max_pixels: int,
-               seed: int = 0) -> LoadedModel:
-    """Build the model that ``spec`` names, with its weights, on ``device``."""
+               seed: int = 0, cut=None) -> LoadedModel:
+    """Build the model that ``spec`` names, with its weights, on ``device``. ``cut``: see
+    :func:`~vlora.models.loader.build_random_decoder` (random decoders only; others are built whole)."""
     if is_random_spec(spec):             # shapes of a known model, seeded random weights (benchmarks)
         if is_random_lmm(spec):
             return LoadedModel(*build_random_lmm(spec, dtype, device, max_model_len, max_images, max_pixels, seed),
                                None)
-        return LoadedModel(*build_random_decoder(spec, dtype, device, max_model_len, seed), None, None)
+        return LoadedModel(*build_random_decoder(spec, dtype, device, max_model_len, seed, cut), None, None)
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(spec)

@@ -268,6 +268,8 @@ RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded ran
                        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=32000, max_position_embeddings=16384, rms_norm_eps=1e-5),
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5),
 }
@@ -278,8 +280,10 @@ def is_random_spec(model) -> bool:
 
 
 def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                         seed: int = 0) -> tuple[DecoderLM, int]:
-    """A decoder with the shapes of preset ``random:<name>`` and seeded random weights, made on ``device``."""
+                         seed: int = 0, cut=None) -> tuple[DecoderLM, int]:
+    """A decoder with the shapes of preset ``random:<name>`` and seeded random weights, made on ``device``.
+    ``cut``: a callable that cuts the model down in place (tensor parallelism: one rank's shard) before any
+    weight is made, so a model larger than the device can be built; each weight keeps the scale of the whole."""
     from transformers import LlamaConfig
 
     name = spec.removeprefix("random:")
@@ -291,6 +295,9 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
+    fan_in = {n: p.shape[-1] for n, p in model.named_parameters()}
+    if cut is not None:
+        cut(model)
     model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
     gen = torch.Generator(device).manual_seed(seed)
@@ -301,7 +308,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
             elif p.dim() == 1:
                 p.zero_()
             else:                                  # std 1/sqrt(fan_in): activations keep their scale
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+                p.normal_(0.0, fan_in[pname] ** -0.5, generator=gen)
     model = model.eval().requires_grad_(False)
     model.stack_projections()
     return model, max_len

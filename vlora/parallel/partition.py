@@ -76,10 +76,17 @@ def kv_heads_per_rank(cfg, world: int) -> int:
     return len(Shard.of(cfg, 0, world).kv_heads)
 
 
-def shard_decoder(model, shard: Shard, reduce) -> None:
-    """Cut ``model`` (a :class:`~vlora.models.decoder.DecoderLM`) down to ``shard``'s part, in place; ``reduce``
-    (a callable summing a tensor over the ranks, in place) follows every row-parallel projection. ``model.cfg``
-    stays the whole model's; each layer's ``cfg`` becomes the local one."""
+def shard_decoder(model, shard: Shard, reduce=None) -> None:
+    """Cut ``model`` (a :class:`~vlora.models.decoder.DecoderLM`, its weights on a device or on ``meta``) down to
+    ``shard``'s part, in place, unless it is cut already; ``reduce`` (a callable summing a tensor over the
+    ranks, in place; None: set later) follows every row-parallel projection. ``model.cfg`` stays the whole
+    model's; each layer's ``cfg`` becomes the local one."""
+    if reduce is not None:
+        for layer in model.layers:
+            layer.reduce = reduce
+    if getattr(model, "cut_to", None) == shard:
+        return
+    model.cut_to = shard
     cfg = model.cfg
     q, kv, mlp = shard.q_cols(cfg), shard.kv_cols(cfg), shard.mlp_cols()
     qkv_rows = torch.cat([q, cfg.q_size + kv, cfg.q_size + cfg.kv_size + kv])
@@ -91,7 +98,6 @@ def shard_decoder(model, shard: Shard, reduce) -> None:
         _keep(layer.o, cols=q, bias=shard.rank == 0)          # a row-parallel bias is added once
         _keep(layer.down, cols=mlp, bias=shard.rank == 0)
         layer.cfg = local
-        layer.reduce = reduce
     if getattr(model, "stacked", None) is not None:           # the stacked views follow the new weights
         model.stack_projections()
 

@@ -1,0 +1,31 @@
+"""benchmarks/bench_tp.py's dry run: one TP=2 configuration on a tiny model (gloo), in this process, and the
+summary it feeds."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_tp  # noqa: E402
+
+
+def test_dry_run_phase_and_summary(tmp_path):
+    args = argparse.Namespace(device="cpu", dtype="float32", requests=2, input_len=6, output_len=2, adapters=2,
+                              ranks=[8, 16], all_reduce="nccl", max_batched_tokens=None, reduce_reps=3)
+    dirs = bench_tp.write_adapters("random:tiny-llama", 2, [8, 16], tmp_path, torch.float32)
+    res = bench_tp.run_phase(args, "random:tiny-llama", 2, dirs)
+    assert res["adapters_tok_s"] > 0 and res["base_tok_s"] > 0
+    assert res["adapters_step_ms_b2"] > 0 and res["base_step_ms_b1"] > 0
+    ar = res["all_reduce_ms"]
+    assert set(ar) == {"nccl_eager_b1", "nccl_eager_b2"} and ar["nccl_eager_b2"]["bytes"] == 2 * 64 * 4
+    assert ar["nccl_eager_b1"]["per_step_ms"] == ar["nccl_eager_b1"]["per_call_ms"] * 2 * 2
+    summary = dict(date="d", device="cpu", dtype="float32", input_len=6, output_len=2, adapters=2, ranks=[8, 16],
+                   all_reduce="nccl", **{"13b_tp1": res, "13b_tp2": res, "34b_tp2": {"error": "exit code 1"}})
+    text = "\n".join(bench_tp.summarize(summary, 2))
+    assert "| e2e output tok/s, 2 adapters |" in text and "| batch 2 (512 B) |" in text
+    assert "34b_tp2 failed: exit code 1" in text

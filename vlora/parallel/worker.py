@@ -1,0 +1,186 @@
+"""A tensor-parallel worker (ranks 1..N-1): its shard of the model, its pool, and the loop that runs every
+message rank 0 sends (see ``group.py`` for the process side, ``messages.py`` for what a message holds).
+
+A worker keeps its own slices of every adapter (``partition.shard_adapter``). On the Triton path it
+places them in its pool at the offsets rank 0's store chose for rank 0's slices: the slices have the same
+shapes on every rank, so the same offsets fit, and the kernels' metadata rank 0 builds is valid here as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from types import SimpleNamespace
+
+import torch
+
+from vlora.engine.cuda_graphs import DecodeGraphs
+from vlora.engine.faults import describe
+from vlora.engine.modes import ModeSwitcher
+from vlora.engine.runner import lora_groups
+from vlora.lora.batch import PackedAdapter
+from vlora.lora.device_store import _aligned, _matrices, group_offsets
+from vlora.memory.pool import _zeros
+from vlora.parallel.collectives import make_reduce, time_all_reduce
+from vlora.parallel.messages import (GraphSetup, Replay, StepMessage, lora_of, segments_of, tensors_to,
+                                     with_buffer)
+from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
+
+
+class WorkerGraphs(DecodeGraphs):
+    """A worker's decode graphs: the forward up to the last all-reduce (rank 0 alone computes logits)."""
+
+    capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
+
+    def _run_forward(self, b: int, kind: int):
+        fb, cap = self._forward_batch(b, kind)
+        return self.model(fb, self.kv_cache), cap
+
+
+class Worker:
+    def __init__(self, model, shard: Shard, device: torch.device, dtype: torch.dtype, host_adapters: bool = False):
+        self.model, self.shard, self.device, self.dtype = model, shard, device, dtype
+        self.adapter_device = None if host_adapters else device     # None: where they arrive, on the host
+        self.local = shard.local_config(model.cfg)
+        self.parts: dict[str, PackedAdapter] = {}       # this rank's slices of every adapter rank 0 has sent
+        self.buf = self.kv = None                       # the pool: adapters (Triton path) and KV
+        self.modes = ModeSwitcher(SimpleNamespace(cfg=self.local, stacked=model.stacked))
+        self.graphs: WorkerGraphs | None = None
+        self.reduces = {}                               # all-reduce kind -> its function (probes)
+
+    def handle(self, msg: StepMessage) -> None:
+        for name, a in msg.adapters.items():
+            self.parts[name] = shard_adapter(a, self.model.cfg, self.shard, self.adapter_device)
+        if self.kv is None and msg.kv_shape is not None:
+            numel = 1
+            for d in msg.kv_shape:
+                numel *= d
+            self.buf = _zeros(numel, self.dtype, self.device)
+            self.kv = self.buf.view(msg.kv_shape)
+        for name, where in msg.placed.items():
+            if where is None:
+                self.parts[name].placement.offsets = None
+            else:
+                self._place(self.parts[name], *where)
+        if msg.merged is None:
+            self.modes.unmerge()
+        elif self.modes.merged is None or self.modes.merged.name != msg.merged:
+            self.modes.merge(self.parts[msg.merged])
+        for name in msg.dropped:
+            self.parts.pop(name, None)
+            self.modes.forget(name)
+        if msg.probe is not None:
+            p = msg.probe
+            if p.kind not in self.reduces:
+                self.reduces[p.kind] = make_reduce(p.kind, self.dtype, self.device)
+            time_all_reduce(self.reduces[p.kind], p.numel, self.dtype, self.device, p.reps, p.graphed)
+        if msg.graphs is not None:
+            self._graphs(msg.graphs)
+        if msg.replay is not None:
+            self._replay(msg.replay)
+        if msg.batch is not None:
+            fb = tensors_to(msg.batch, lambda t: t.to(self.device))
+            if msg.kernel_lora is not None:
+                lora = with_buffer(tensors_to(msg.kernel_lora, lambda t: t.to(self.device)), self.buf)
+            else:
+                lora = lora_of(msg.lora, self.parts.__getitem__)
+            self.model(dataclasses.replace(fb, lora=lora), self.kv)
+
+    def _place(self, part: PackedAdapter, epoch: int, first: int) -> None:
+        """Copy this rank's slices of an adapter into the pool from element ``first`` on, laid out as rank 0's
+        store lays out its own (back to back, each matrix aligned)."""
+        offs, pos = [], first
+        for m in _matrices(part):
+            n = m.numel()
+            self.buf[pos:pos + n].copy_(m.reshape(-1))
+            self.buf[pos + n:pos + _aligned(n)].zero_()
+            offs.append(pos)
+            pos += _aligned(n)
+        part.placement.offsets = group_offsets(part, iter(offs), self.device)
+        part.placement.epoch = epoch
+
+    def _graphs(self, setup: GraphSetup) -> None:
+        if setup.capture is not None:
+            self.graphs.capture_all(*setup.capture)
+            return
+        lora = None
+        if setup.with_lora:
+            from vlora.kernels.tuning import TilingTable
+
+            widths, group_in = lora_groups(self.local)
+            lora = (SimpleNamespace(buf=self.buf), widths, group_in, TilingTable.load(), setup.max_rank)
+        self.graphs = WorkerGraphs(self.model, self.kv, setup.max_batch, setup.max_blocks, setup.scratch_slot, lora,
+                                   setup.columns, setup.launch)
+
+    def _replay(self, r: Replay) -> None:
+        part = self.parts.__getitem__
+        self.graphs.run(r.ids, r.positions, r.slots, r.tables, r.lens, list(segments_of(r.segments, part)),
+                        list(segments_of(r.minus, part)))
+
+
+def build_model(spec, device: torch.device, rank: int, world: int):
+    """The same model as rank 0's (its seed too, for random:<preset> weights), cut to this rank's shard (while
+    it is built, for random:<preset> models), language model only: an LMM's vision tower runs on rank 0 alone
+    (see ``vlora/parallel/__init__.py``)."""
+    from vlora.models.build import load_model
+
+    loaded = load_model(spec.model, spec.dtype, device, spec.max_model_len, 1, 1, spec.seed,
+                        cut=lambda m: shard_decoder(m, Shard.of(m.cfg, rank, world)))
+    model = loaded.model
+    del loaded
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit when rank 0's process is gone, even while blocked on the GPU (a graph-replayed collective waiting
+    for rank 0 has no timeout)."""
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
+    """A worker's life: join the group (rank 0's store at ``port``), build and cut its model, then handle every
+    message rank 0 sends until it sends None or goes away."""
+    import torch.distributed as dist
+
+    from vlora.parallel.collectives import init_group, tcp_store
+
+    import threading
+
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="vlora-tp-parent", daemon=True).start()
+    try:
+        torch.set_num_threads(1)
+        device = torch.device(spec.device_type, rank) if spec.device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = tcp_store(port, world, False, spec.timeout_s)
+        store.set(f"joined{rank}", "1")
+        init_group(rank, world, store, device, spec.timeout_s)
+        model = build_model(spec, device, rank, world)
+        store.set(f"built{rank}", "1")
+        shard = Shard.of(model.cfg, rank, world)
+        shard_decoder(model, shard, make_reduce(spec.all_reduce, spec.dtype, device))
+        worker = Worker(model, shard, device, spec.dtype, spec.host_adapters)
+        with torch.inference_mode():
+            while True:
+                msg: StepMessage | None = pickle.loads(conn.recv_bytes())
+                if msg is None:
+                    os._exit(0)          # nothing to flush; leaving the group would wait on the others
+                worker.handle(msg)
+    except EOFError:                     # rank 0 went away
+        return
+    except BaseException as e:
+        try:
+            conn.send(f"rank {rank}: {describe(e)}")
+        except Exception:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
