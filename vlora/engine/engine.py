@@ -72,8 +72,10 @@ class Engine:
         # random:<preset> models have no tokenizer: prompts are token ids
         self.tokenizer = _load_tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
         tp = mc.tensor_parallel_size
+        lc = config.lora
+        kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
         if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
-            self.model = _tensor_parallel(self.model, config, self.dtype, self.device)
+            self.model = _tensor_parallel(self.model, config, self.dtype, self.device, kernel_lora)
         kv_heads = getattr(self.model, "kv_heads_per_rank", self.model.cfg.num_kv_heads)   # this rank's KV heads
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
@@ -82,8 +84,6 @@ class Engine:
 
         cc = config.cache
         self.block_size = cc.block_size
-        lc = config.lora
-        kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
         self.sizing = _size(config, getattr(self.model, "local_cfg", cfg), self.device, self.dtype,   # TP: a rank's
                             self.max_model_len, lc.max_loras if kernel_lora else 0)
         sc = config.scheduler
@@ -227,20 +227,18 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its memory; False if it is unknown or already finished."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, "abort")
-        self._pending.append(self._output(seq, []))
-        return True
+        return self._stop(request_id, "abort")
 
     def hand_back(self, request_id: str) -> bool:
         """Stop a request and free its memory, finishing it with ``finish_reason="migrate"``: its output holds the
         tokens generated so far, from which the cluster front resumes it on another replica. False if unknown."""
+        return self._stop(request_id, "migrate")
+
+    def _stop(self, request_id: str, reason: str) -> bool:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "migrate")
+        self.scheduler.finish(seq, reason)
         self._pending.append(self._output(seq, []))
         return True
 
@@ -436,9 +434,10 @@ class Engine:
                              self.detokenizer.stream_delta(seq), error, seq.task)
 
 
-def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device):
+def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, kernel_lora: bool):
     """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet.
-    An LMM's vision tower stays on rank 0 (``vlora/parallel/__init__.py`` says why)."""
+    An LMM's vision tower stays on rank 0 (``vlora/parallel/__init__.py`` says why). ``kernel_lora``: adapters
+    live in the pool (the workers keep their slices in host memory to place them)."""
     from vlora.parallel.group import WorkerSpec
     from vlora.parallel.model import tensor_parallel
 
@@ -449,8 +448,6 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
     if config.cache.memory_policy == "fastlibra":
         raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
                           f"copies rank 0's pages only)")
-    lk = config.lora.lora_kernel
-    kernel_lora = lk == "triton" or (lk == "auto" and device.type == "cuda")
     spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
                       all_reduce=mc.all_reduce, host_adapters=kernel_lora)
     return tensor_parallel(model, tp, spec, device)
