@@ -91,10 +91,12 @@ def hf_greedy(pm, eng, prompt, images, adapter, n):
     return out[0, kw["input_ids"].shape[1]:].tolist()
 
 
-def test_mrope_positions_follow_get_rope_index(tiny):
+def check_mrope_positions(tiny, cases) -> None:
+    """Each image/video prompt's M-RoPE positions and delta equal transformers' ``get_rope_index``, and the
+    tokens after the prompt continue from the delta."""
     path, _, pm = tiny
     eng = LLM(str(path), num_blocks=64, block_size=4).engine
-    for p, im, _ in CASES:
+    for p, im, _ in cases:
         if im is None:
             continue
         kw = hf_inputs(eng, p, im)
@@ -105,6 +107,10 @@ def test_mrope_positions_follow_get_rope_index(tiny):
         assert torch.equal(seq.mrope, want[:, 0]) and seq.rope_delta == int(delta)
         assert torch.equal(seq.rope_positions(len(ids) - 2, len(ids) + 2)[:, 2:],
                            (torch.arange(len(ids), len(ids) + 2) + int(delta)).expand(3, -1))
+
+
+def test_mrope_positions_follow_get_rope_index(tiny):
+    check_mrope_positions(tiny, CASES)
 
 
 def test_mixed_image_video_text_lora_batch_logits_match_transformers_peft(tiny):

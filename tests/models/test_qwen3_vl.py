@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tests.helpers import TINY, perturb_norms_and_biases
-from tests.models.test_qwen2_vl import IMG, M, P, TP, VE, VID, VS, hf_greedy, hf_inputs, image, ref_logits, video
+from tests.models.test_qwen2_vl import (IMG, M, P, TP, VE, VID, VS, check_mrope_positions, hf_greedy, image,
+                                       ref_logits, video)
 from tests.models.test_vision import close, our_logits, with_adapters
 from vlora import LLM, SamplingParams
 from vlora.engine.engine import RequestError
-from vlora.engine.sequence import Sequence
 
 # prompt, images, adapter: images of 2 x 4 to 8 x 4 patches, resampled from a 4 x 4 position table
 CASES = [
@@ -63,17 +63,7 @@ def test_mixed_image_text_lora_batch_logits_match_transformers_peft(tiny, kernel
 
 
 def test_mrope_positions_follow_get_rope_index(tiny):
-    path, _, pm = tiny
-    eng = LLM(str(path), num_blocks=64, block_size=4).engine
-    for p, im, _ in CASES:
-        if im is None:
-            continue
-        kw = hf_inputs(eng, p, im)
-        want, delta = pm.base_model.model.model.get_rope_index(kw["input_ids"], kw["mm_token_type_ids"],
-                                                               kw.get("image_grid_thw"))
-        seq = Sequence("x", kw["input_ids"][0].tolist(), SamplingParams(), None, 0,
-                       images=eng._images(list(p), im)[1])
-        assert torch.equal(seq.mrope, want[:, 0]) and seq.rope_delta == int(delta)
+    check_mrope_positions(tiny, CASES)
 
 
 def test_greedy_generation_with_chunks_inside_images_matches_transformers(tiny):
