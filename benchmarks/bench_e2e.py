@@ -129,6 +129,7 @@ class StepTimer:
         self._step = engine.step
         self._probe, self._probe_batch, self._probe_after = probe, probe_batch, probe_after
         self.probe_s = 0.0              # the probe's time, taken out of the run's wall time
+        self._full = 0                  # decode-only steps of probe_batch sequences so far
 
         def timed():
             sched = engine.scheduler
@@ -140,8 +141,8 @@ class StepTimer:
             decode_only = all(s.num_computed - before.get(s.request_id, s.num_computed) <= 1
                               for s in sched.unfinished())
             self.steps.append((dt_, len(before), decode_only and bool(out)))
-            if self._probe is not None and sum(1 for _, n, d in self.steps
-                                               if d and n == self._probe_batch) == self._probe_after:
+            self._full += decode_only and bool(out) and len(before) == self._probe_batch
+            if self._probe is not None and self._full == self._probe_after:
                 t1 = time.perf_counter()
                 self._probe()
                 self.probe_s = time.perf_counter() - t1
