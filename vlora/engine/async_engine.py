@@ -235,6 +235,11 @@ class AsyncEngine:
         self._draining: set[str] = set()                                 # adapters being unloaded
         self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._busy = False
+        # deliveries routed but not yet handed to the event loops: sent while the next forward runs on the
+        # GPU (the runner's ``before_sync``), so that the event loop's stream work, which needs the
+        # interpreter lock, runs while this thread waits on the GPU instead of stalling its host work
+        self._held: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        engine.runner.before_sync = self._deliver_held
         self.stats = self._snapshot()
         self.adapter_names = frozenset(engine.adapters.names())   # servable adapters, published
         self.info = EngineInfo.of(engine)
@@ -362,10 +367,14 @@ class AsyncEngine:
                         except Exception:
                             log.exception("on_fatal callback failed")
                 self._dispatch(outputs)
+                if any(o.finish_reason == "error" for o in outputs):
+                    self._deliver_held()         # a failed group's other requests were aborted: tell it now
                 if self._unloads:
                     self._finish_unloads()
                 self.stats = self._snapshot()
             self._busy = self.failure is None and self.engine.has_unfinished()
+            if not self._busy:                   # no forward comes to carry them
+                self._deliver_held()
 
     def _snapshot(self) -> EngineStats:
         e = self.engine
@@ -384,6 +393,7 @@ class AsyncEngine:
             result, exc = None, e
         self._publish_adapter_names()
         self.stats = self._snapshot()
+        self._deliver_held()                     # outputs produced before this reply reach the loop first
         try:
             loop.call_soon_threadsafe(_settle, fut, result, exc, on_cancelled)
         except RuntimeError:            # the event loop is closed: nobody is waiting
@@ -416,7 +426,9 @@ class AsyncEngine:
             self._live[job.request_id] = (group, job.adapter)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        """Route ``outputs`` to their groups now (bookkeeping, aborts of a failed group's requests); hold the
+        deliveries for :meth:`_deliver_held`."""
+        by_loop = self._held
         for out in outputs:
             entry = self._live.get(out.request_id)
             if entry is None:
@@ -431,13 +443,17 @@ class AsyncEngine:
                 by_loop[group.loop].append((group, RequestFailed(f"request {out.request_id} failed: {out.error}")))
                 continue
             by_loop[entry[0].loop].append((entry[0], out))
-        for loop, items in by_loop.items():
+
+    def _deliver_held(self) -> None:
+        held, self._held = self._held, defaultdict(list)
+        for loop, items in held.items():
             try:
                 loop.call_soon_threadsafe(_deliver_all, items)
             except RuntimeError:
                 pass
 
     def _fail(self, exc: BaseException) -> None:
+        self._deliver_held()
         self.failure = exc
         self._accepting = False
         failed = EngineFailed(f"the engine failed: {exc!r}")

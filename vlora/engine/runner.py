@@ -7,6 +7,7 @@ shared by every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -52,6 +53,9 @@ class ModelRunner:
             # tensor parallelism: the kernels see this rank's slices (its heads and MLP columns)
             self.group_widths, self.group_in = lora_groups(getattr(model, "local_cfg", model.cfg))
         self.graphs = None
+        # called once per forward, after it is queued and before anything waits for it (the async engine
+        # hands the previous iteration's outputs to the event loop then)
+        self.before_sync: Callable[[], None] | None = None
         if graph_batch > 0:
             self.enable_graphs(graph_batch, max_model_len)
 
@@ -208,6 +212,7 @@ class ModelRunner:
             self.encode_images(ordered)
             fb = self.prepare(ordered)
             hidden = self.model(fb, self.kv_cache)
+            self._launched()
             self._drop_images(ordered)
             if not samplers:
                 return {}
@@ -215,8 +220,15 @@ class ModelRunner:
             if not samplers:
                 return answers
             logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
+        else:
+            self._launched()
         tokens = sample(logits, samplers, self.eos_token_ids)
         return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
+
+    def _launched(self) -> None:
+        """The forward is queued on the GPU and nothing has waited for it yet: the moment for ``before_sync``."""
+        if self.before_sync is not None:
+            self.before_sync()
 
     def _task_heads(self, samplers, hidden: torch.Tensor):
         """Answer ``task_head`` requests with their adapter's head; returns (answers, the other samplers, their

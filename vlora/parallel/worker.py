@@ -39,7 +39,8 @@ class WorkerGraphs(DecodeGraphs):
 
 
 class Worker:
-    def __init__(self, model, shard: Shard, device: torch.device, dtype: torch.dtype, host_adapters: bool = False):
+    def __init__(self, model, shard: Shard, device: torch.device, dtype: torch.dtype, host_adapters: bool = False,
+                 reduces: dict | None = None):
         self.model, self.shard, self.device, self.dtype = model, shard, device, dtype
         self.adapter_device = None if host_adapters else device     # None: where they arrive, on the host
         self.local = shard.local_config(model.cfg)
@@ -47,7 +48,9 @@ class Worker:
         self.buf = self.kv = None                       # the pool: adapters (Triton path) and KV
         self.modes = ModeSwitcher(SimpleNamespace(cfg=self.local, stacked=model.stacked))
         self.graphs: WorkerGraphs | None = None
-        self.reduces = {}                               # all-reduce kind -> its function (probes)
+        # all-reduce kind -> its function; the model's own is reused by probes, as rank 0 does: a second
+        # symmetric-memory rendezvous on this rank alone would wait forever for rank 0's
+        self.reduces = dict(reduces or {})
 
     def handle(self, msg: StepMessage) -> None:
         for name, a in msg.adapters.items():
@@ -165,8 +168,9 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         model = build_model(spec, device, rank, world)
         store.set(f"built{rank}", "1")
         shard = Shard.of(model.cfg, rank, world)
-        shard_decoder(model, shard, make_reduce(spec.all_reduce, spec.dtype, device))
-        worker = Worker(model, shard, device, spec.dtype, spec.host_adapters)
+        reduce = make_reduce(spec.all_reduce, spec.dtype, device)
+        shard_decoder(model, shard, reduce)
+        worker = Worker(model, shard, device, spec.dtype, spec.host_adapters, {spec.all_reduce: reduce})
         with torch.inference_mode():
             while True:
                 msg: StepMessage | None = pickle.loads(conn.recv_bytes())
