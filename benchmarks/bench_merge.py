@@ -2,7 +2,10 @@
 
 Floor: every touched weight read and written once (merge), and again (unmerge), at the copy
 bandwidth measured in the same run. Also reports the exactness cost (restore record bytes,
-exception count) and checks the weights come back bit for bit.
+exception count) and checks the weights come back bit for bit. Then the merged copy
+(``--merged-copy``, on by default): making a copy of the merged projections in pool pages, and a
+switch to or from it (the layers' weights pointed at the copy or back), against the in-place
+switches; the copy is checked bitwise against an in-place merge.
 
     python benchmarks/bench_merge.py                 # GPU: 7B shapes, rank 64, bf16
     python benchmarks/bench_merge.py --layers 2      # smaller, e.g. on a CPU
@@ -27,6 +30,8 @@ from vlora.lora.random_adapter import write_random_adapter
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.pool import UnifiedPool
 
+PAGE_ELEMS = 1 << 23               # the stand-in pools' page: 16 MiB of bf16
+
 
 def timed(fn, device) -> float:
     if device.type == "cuda":
@@ -36,6 +41,56 @@ def timed(fn, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0, out
+
+
+def merged_copy(weights, widths, adapter, staged, repeats, device) -> dict:
+    """Make a merged copy ``repeats`` times and switch to and from it ``repeats`` times each way, on a stand-in
+    model whose layers' weights are views of ``weights`` (as the decoder's are); check the copy bitwise against
+    an in-place first merge of the same adapter. ``weights`` are the base weights before and after."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from vlora.engine.modes import ModeSwitcher
+    from vlora.lora.merge_copy import MergedCopies
+
+    L = next(iter(weights.values())).shape[0]
+
+    def linear(w):
+        lin = nn.Linear(1, 1, bias=False, device="meta")
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        return lin
+
+    layers = [nn.Module() for _ in range(L)]
+    for i, layer in enumerate(layers):
+        for g, w in weights.items():
+            setattr(layer, g, linear(w[i]))
+    h, inter = widths["o"][0], widths["gate_up"][0]
+    model = SimpleNamespace(cfg=SimpleNamespace(q_size=widths["qkv"][0], kv_size=widths["qkv"][1], hidden_size=h,
+                                                intermediate_size=inter), stacked=weights, layers=layers)
+    pages = sum(-(-w.numel() // PAGE_ELEMS) for w in weights.values()) + 1
+    pool = UnifiedPool(pages, 1, 16, 1, PAGE_ELEMS // 32, next(iter(weights.values())).dtype, device)
+    modes = ModeSwitcher(model)
+    modes.keep_copies(MergedCopies(pool))
+    modes.merge(adapter, copy_keep_free=0)       # untimed: stages the adapter's factors (kept), builds kernels
+    makes, to_copy, to_base = [], [], []
+    for _ in range(repeats):
+        modes.copies.drop()
+        makes.append(modes.merge(adapter, copy_keep_free=0))
+        assert modes.on_copy, "the stand-in pool holds no copy"
+        for _ in range(repeats):
+            to_base.append(modes.unmerge())
+            to_copy.append(modes.merge(adapter, copy_keep_free=0))
+    copy = modes.copies.copy.weights
+    modes.unmerge()
+    rec = merge_(weights, widths, adapter, staged=staged)         # in place, a first merge: the reference
+    same = all(torch.equal(copy[g].view(torch.int16), weights[g].view(torch.int16)) for g in copy)
+    unmerge_(weights, widths, rec)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"make_copy_ms": med(makes) * 1e3, "copy_switch_to_ms": med(to_copy) * 1e3,
+            "copy_switch_back_ms": med(to_base) * 1e3, "copy_pages": modes.copies.copy.pages,
+            "copy_bytes": sum(t.numel() * t.element_size() for t in copy.values()),
+            "copy_bitwise_in_place": same, "layers_pointed_per_switch": L * len(copy)}
 
 
 def copy_bandwidth(device, nbytes=1 << 30) -> float:
@@ -60,6 +115,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="time the fused kernels' tile alternatives first and "
                    "report with the fastest")
+    p.add_argument("--merged-copy", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time making a merged copy in pool pages and switching to and from it")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +138,7 @@ def main() -> None:
     floor = 2 * touched / bw
     stage_s, staged = timed(lambda: stage_factors(adapter, weights, widths), dev)   # once per adapter, kept
     # the engine's path: the same factors read where the adapter sits in the unified pool
-    pool = UnifiedPool(-(-2 * adapter.num_bytes() // (1 << 23)) + 1, 1, 16, 1, (1 << 22) // 16, torch.bfloat16, dev)
+    pool = UnifiedPool(-(-2 * adapter.num_bytes() // PAGE_ELEMS) + 1, 1, 16, 1, PAGE_ELEMS // 32, torch.bfloat16, dev)
     preg = AdapterRegistry(shape, 128, torch.bfloat16, dev, check_base_model=False, kernel="triton", pool=pool)
     with tempfile.TemporaryDirectory() as tmp:
         pooled = preg.register("a", write_random_adapter(Path(tmp) / "a", shape, args.rank, seed=0, std=0.01))
@@ -125,6 +182,8 @@ def main() -> None:
     exact = all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     # the cost of exactness: a merge that reuses its record is the same kernel writing no record
     plain_ms = med(reused[0]) * 1e3 if reused else None
+    copy = merged_copy(weights, widths, adapter, staged, args.repeats, dev) if args.merged_copy else {}
+    exact = exact and all(torch.equal(weights[k].view(torch.int16), original[k].view(torch.int16)) for k in weights)
     res = {
         "benchmark": "merge", "device": gpu_name() if dev.type == "cuda" else platform.processor() or "cpu",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__,
@@ -141,7 +200,7 @@ def main() -> None:
         "unmerge_walk": list(kernels.UNMERGE_WALK) if rec.kernel else None, "merge_without_restore_ms": plain_ms,
         "restore_record_bytes": rec.restore_bytes(), "exceptions": rec.num_exceptions(), "bitwise_exact": exact,
         "exceptions_in_slots": sum(sr.from_slots for sr in rec.slices.values()) if rec.kernel else None,
-    }
+    } | copy
     args.out.mkdir(parents=True, exist_ok=True)
     name = res["device"] if dev.type == "cuda" else "cpu"
     (args.out / f"merge-{name}.json").write_text(json.dumps(res, indent=1))
@@ -161,6 +220,20 @@ def main() -> None:
     if plain_ms is not None:
         print(f"the merge writing no restore record (as when it reuses one): {plain_ms:.2f} ms, "
               f"{plain_ms * 1e-3 / floor:.2f}x its floor; making the record adds {res['merge_ms'] - plain_ms:.2f} ms")
+    if copy:
+        pair = copy["copy_switch_to_ms"] + copy["copy_switch_back_ms"]
+        in_place = res["merge_ms"] + res["unmerge_ms"]
+        how = "first merge + unmerge"
+        if reused:
+            in_place, how = res["merge_reusing_record_ms"] + res["unmerge_after_reuse_ms"], "merge reusing its record + unmerge"
+        print(f"merged copy ({copy['copy_bytes'] / 2**30:.2f} GiB, {copy['copy_pages']} pool pages): made in "
+              f"{copy['make_copy_ms']:.2f} ms (first merge + unmerge: {res['merge_ms'] + res['unmerge_ms']:.2f} ms); "
+              f"switch to it {copy['copy_switch_to_ms']:.3f} ms, back {copy['copy_switch_back_ms']:.3f} ms "
+              f"({copy['layers_pointed_per_switch']} weights pointed), against {in_place:.2f} ms in place "
+              f"({how}): {in_place / max(pair, 1e-9):.0f}x; bitwise the in-place "
+              f"merge: {copy['copy_bitwise_in_place']}")
+        if not copy["copy_bitwise_in_place"]:
+            raise SystemExit("the merged copy differs from the in-place merge")
     if not exact:
         raise SystemExit("unmerge did not restore the weights bit for bit")
 
