@@ -7,8 +7,15 @@ exception count) and checks the weights come back bit for bit. Then the merged c
 switch to or from it (the layers' weights pointed at the copy or back), against the in-place
 switches; the copy is checked bitwise against an in-place merge.
 
+``--graphs MODEL`` instead measures what a merged copy costs the decode CUDA graphs, on an engine of MODEL:
+the copy's own set of graphs (a graph reads the weights at its capture's addresses), captured per batch
+bucket for merged and mixed iterations, in seconds and device memory, and a merged decode step replayed on
+the copy against the same step merged in place.
+
     python benchmarks/bench_merge.py                 # GPU: 7B shapes, rank 64, bf16
     python benchmarks/bench_merge.py --layers 2      # smaller, e.g. on a CPU
+    python benchmarks/bench_merge.py --graphs random:llama-2-7b          # GPU: the copy's graph set
+    TRITON_INTERPRET=1 python benchmarks/bench_merge.py --graphs random:tiny-llama --graph-batch 4   # CPU
 """
 
 from __future__ import annotations
@@ -93,6 +100,69 @@ def merged_copy(weights, widths, adapter, staged, repeats, device) -> dict:
             "copy_bitwise_in_place": same, "layers_pointed_per_switch": L * len(copy)}
 
 
+def graph_sets(model: str, max_batch: int, rank: int, reps: int) -> dict:
+    """The copy's decode-graph set on an engine of ``model``: capture time and device memory per bucket (merged
+    and mixed kinds), and merged decode steps replayed on the copy and in place."""
+    from vlora import LLM
+    from vlora.engine.cuda_graphs import BASE
+    from vlora.engine.mode_costs import _time
+    from vlora.lora.adapter import ModelShape
+
+    cuda = torch.cuda.is_available()
+    kw = dict(dtype="bfloat16", kv_cache_memory_gb=24.0) if cuda else dict(device="cpu", kernels="triton",
+                                                                           lora_kernel="triton", num_blocks=256)
+    # policy vlora: start-up builds the merge kernels and mixed mode's variants (nothing is served here)
+    llm = LLM(model, merged_copy=True, policy="vlora", max_num_seqs=max_batch, max_lora_rank=max(rank, 16), **kw)
+    eng = llm.engine
+    mc = eng.model.cfg
+    ins, outs = mc.lora_in_out()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, name in enumerate(("m", "x")):       # "m" is merged; "x" gives mixed graphs a row to subtract from
+            eng.adapters.register(name, write_random_adapter(Path(tmp) / name, ModelShape(eng.model_name,
+                                  mc.num_layers, ins, outs), rank, seed=i, std=0.01))
+    runner, modes = eng.runner, eng.runner.modes
+    if runner.graphs is None:                       # CPU: the emulation
+        runner.enable_graphs(max_batch, eng.max_model_len)
+    graphs, adapter = runner.graphs, eng.adapters.get("m")
+    eng.adapters.store.ensure([adapter, eng.adapters.get("x")], set())
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    free = (lambda: torch.cuda.mem_get_info()[0]) if cuda else (lambda: 0)
+
+    def capture(kinds) -> tuple[float, int]:
+        sync()
+        before, t0 = free(), time.perf_counter()
+        for b in reversed(graphs.buckets):
+            for kind in kinds:
+                graphs.capture(b, kind)
+        sync()
+        return time.perf_counter() - t0, before - free()
+
+    base_s, base_bytes = capture((BASE, graphs.mixed_kind))           # the base weights' set, for comparison
+    modes.merge(adapter, copy_keep_free=0)          # untimed: the adapter's factors staged, the kernels warm
+    modes.copies.drop()
+    make_s = modes.merge(adapter, copy_keep_free=0)
+    assert modes.on_copy, "no room for a copy in the pool"
+    graphs._use_weights(eng.model.weights_key)
+    copy_s, copy_bytes = capture((BASE, graphs.mixed_kind))
+
+    def step(b):
+        rows = dict(ids=[0] * b, positions=[0] * b, slots=[graphs.scratch_slot] * b, tables=[[0]] * b, lens=[1] * b)
+        return _time(lambda: graphs.run(**rows, segments=[]), graphs.device, reps)
+
+    on_copy = {b: step(b) for b in graphs.buckets}
+    modes.unmerge()
+    modes.merge(adapter)                            # in place: the base set's graphs read the merged weights
+    in_place = {b: step(b) for b in graphs.buckets}
+    modes.unmerge()
+    n = 2 * len(graphs.buckets)
+    return {"graph_model": model, "graph_buckets": graphs.buckets, "graphs_per_set": n,
+            "base_set_capture_s": base_s, "base_set_bytes": base_bytes, "make_copy_ms": make_s * 1e3,
+            "copy_set_capture_s": copy_s, "copy_set_bytes": copy_bytes,
+            "copy_set_capture_ms_per_graph": copy_s * 1e3 / n,
+            "merged_step_ms_on_copy": {b: t * 1e3 for b, t in on_copy.items()},
+            "merged_step_ms_in_place": {b: t * 1e3 for b, t in in_place.items()}}
+
+
 def copy_bandwidth(device, nbytes=1 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
@@ -117,9 +187,28 @@ def main() -> None:
                    "report with the fastest")
     p.add_argument("--merged-copy", action=argparse.BooleanOptionalAction, default=True,
                    help="also time making a merged copy in pool pages and switching to and from it")
+    p.add_argument("--graphs", metavar="MODEL", help="measure the merged copy's decode-graph set on an engine of "
+                   "MODEL (e.g. random:llama-2-7b) instead")
+    p.add_argument("--graph-batch", type=int, default=64, help="--graphs: the engine's max_num_seqs (graph buckets "
+                   "up to it)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.graphs:
+        res = graph_sets(args.graphs, args.graph_batch, args.rank, args.repeats) | {
+            "benchmark": "merge-copy-graphs", "device": gpu_name() if dev.type == "cuda" else "cpu",
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "torch": torch.__version__}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"merge-copy-graphs-{res['device']}.json").write_text(json.dumps(res, indent=1))
+        print(f"{args.graphs}: the copy's graph set ({res['graphs_per_set']} graphs, merged and mixed kinds per "
+              f"bucket) captured in {res['copy_set_capture_s']:.2f} s ({res['copy_set_capture_ms_per_graph']:.1f} ms "
+              f"a graph), {res['copy_set_bytes'] / 2**20:.1f} MiB of device memory (the base set's: "
+              f"{res['base_set_capture_s']:.2f} s, {res['base_set_bytes'] / 2**20:.1f} MiB); copy made in "
+              f"{res['make_copy_ms']:.1f} ms")
+        for b in res["graph_buckets"]:
+            print(f"  merged decode step, batch {b:3}: on the copy {res['merged_step_ms_on_copy'][b]:.3f} ms, "
+                  f"in place {res['merged_step_ms_in_place'][b]:.3f} ms")
+        return
     h, inter, L = args.hidden, args.intermediate, args.layers
     ins = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": h, "up_proj": h, "down_proj": inter}
     outs = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": h, "gate_proj": inter, "up_proj": inter, "down_proj": h}

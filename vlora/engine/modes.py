@@ -46,7 +46,8 @@ class ModeSwitcher:
         self.kept: MergeRecord | None = None      # the last unmerged adapter's record, for its next merge
         self.num_reused = 0
         self.num_switches = 0
-        self.last_switch_s = 0.0            # the last switch that ran on the device (merge, unmerge, copy made)
+        self.last_switch_s = 0.0            # the last switch, of any kind
+        self.last_device_switch_s = 0.0     # the last switch that ran on the device (merge, unmerge, copy made)
         self._staged: dict[str, tuple[PackedAdapter, dict]] = {}     # fused path: factors of recent merges
         self.copies: MergedCopies | None = None     # merged copies in pool pages (None: in-place merges only)
         self.on_copy = False                 # the layers read the resident copy's weights
@@ -169,7 +170,7 @@ class ModeSwitcher:
         """A switch that was a pointer change: no device work to wait for."""
         self.num_switches += 1
         self.num_copy_switches += 1
-        self.last_copy_switch_s = time.perf_counter() - t0
+        self.last_switch_s = self.last_copy_switch_s = time.perf_counter() - t0
         return self.last_copy_switch_s
 
     def _switched(self, t0: float) -> float:
@@ -179,7 +180,7 @@ class ModeSwitcher:
 
             torch.cuda.synchronize(first.device)
         self.num_switches += 1
-        self.last_switch_s = time.perf_counter() - t0
+        self.last_switch_s = self.last_device_switch_s = time.perf_counter() - t0
         return self.last_switch_s
 
     def mode_for(self, adapters: list[PackedAdapter | None]) -> Mode:

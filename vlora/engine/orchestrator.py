@@ -282,7 +282,8 @@ class Orchestrator:
                         can_copy=keep_free is not None and copies.fits(modes.weights, keep_free))
         p = self.profile
         if p is None:
-            return Costs(dict(self.step_s), modes.last_switch_s, kept=kept,
+            switch_s = getattr(modes, "last_device_switch_s", modes.last_switch_s)   # pointer changes apart
+            return Costs(dict(self.step_s), switch_s, kept=kept,
                          copy_s=getattr(modes, "last_copy_switch_s", 0.0), **copy)
         return Costs({m: p.step(m, n) for m in Mode}, p.merge_s, p.unmerge_s, p.reuse_s, kept, copy_s=p.copy_s,
                      make_s=p.make_s or None, **copy)
