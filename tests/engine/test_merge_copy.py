@@ -170,6 +170,30 @@ def test_graph_sets_follow_the_weights_the_layers_read(tmp_path):
     assert g._weights is None and all(g.graphs[k] is v for k, v in base_set.items())
 
 
+def test_start_up_profile_times_a_copy_and_the_policy_reads_it(tmp_path):
+    """The profile makes a copy, switches to and from it, and leaves nothing behind (no copy, nothing merged,
+    the base weights bitwise); the orchestrator prices a resident copy's switches with its figure."""
+    from vlora.engine.mode_costs import ModeCosts, profile_copy
+    from vlora.engine.orchestrator import Orchestrator
+
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=256, block_size=4, merged_copy=True)
+    eng, modes = llm.engine, llm.engine.runner.modes
+    base = {g: t.clone() for g, t in eng.model.stacked.items()}
+    make_s, copy_s = profile_copy(modes, eng.adapters.get("a8"), reps=2)
+    assert make_s > copy_s >= 0.0 and modes.copies.num_made == 2
+    assert modes.copies.copy is None and modes.merged is None and same_bits(dict(eng.model.stacked), base)
+    eng.pool.check()
+    assert eng.pool.num_free == eng.pool.num_pages
+    profile = ModeCosts({m: {1: 0.005} for m in Mode}, 0.03, 0.01, 0.012, make_s, copy_s)
+    orch = Orchestrator("vlora", 0.5, 8, profile)
+    modes.merge(eng.adapters.get("a8"), copy_keep_free=0)
+    costs = orch.costs(1, modes, keep_free=0)
+    assert costs.copied == "a8" and costs.merge_cost("a8") == copy_s and costs.can_copy
+    assert costs.merge_cost("a4") == make_s and costs.unmerge_cost_of("a8") == copy_s
+    assert orch.costs(1, modes).can_copy is False                  # no copy asked for: a merge goes in place
+
+
 def _pending(adapter: str, n: int, remaining: int) -> list[Pending]:
     return [Pending(f"{adapter}-{i}", adapter, 0.0, remaining) for i in range(n)]
 

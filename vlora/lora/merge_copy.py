@@ -80,16 +80,15 @@ class MergedCopies:
     def make(self, adapter: PackedAdapter, weights: dict[str, torch.Tensor], widths: dict[str, tuple[int, ...]],
              staged: dict | None = None, keep_free: int = 0) -> MergedCopy | None:
         """Merge ``adapter`` into a copy of the base ``weights`` (group -> [L, out, in]) in pool pages, replacing
-        the copy held now; None (nothing held) when the copy would leave fewer than ``keep_free`` pages free or
-        a group finds no run of pages. ``staged``: the adapter's stacked factors (:func:`~vlora.lora.merge.
+        the copy held now; None when the copy would leave fewer than ``keep_free`` pages free (the copy held now
+        stays) or a group finds no run of pages (nothing is held then). ``staged``: the adapter's stacked factors (:func:`~vlora.lora.merge.
         stage_factors`), as the in-place merge takes them. The weights are written on the current stream."""
-        self.drop()
         groups = touched_groups(adapter, weights)
-        if not groups or self.pool.adapter_limit is not None:
-            return None
         need = self.pages_for(weights, groups)
-        if self.pool.num_free - need < keep_free:
-            return None
+        held = 0 if self.copy is None else self.copy.pages
+        if not groups or self.pool.adapter_limit is not None or self.pool.num_free + held - need < keep_free:
+            return None                          # the copy held now stays
+        self.drop()
         t0 = time.perf_counter()
         offsets = {}
         try:
