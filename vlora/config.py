@@ -76,8 +76,12 @@ class CacheConfig:
     """lru-fixed: share of the pool's pages reserved for adapters."""
     gpu_memory_utilization: float = 0.9
     """CUDA: share of the GPU's memory vlora may use in all (weights, activations, CUDA graphs and the pool); the pool gets what is left. Ignored when kv_cache_memory_gb or num_blocks is given."""
+    merged_copy: bool = False
+    """Merging policies (vlora, dlora, merged-only): merge an adapter into a copy of the projections it touches, kept in free pool pages, so switching to and from it is a pointer change and the base weights are never written; made only while the pool has room beyond the KV its requests may still need, dropped first when KV needs pages. Needs memory_policy unified or fastlibra and one GPU."""
 
     def __post_init__(self) -> None:
+        if self.merged_copy and self.memory_policy == "lru-fixed":
+            raise ConfigError("merged_copy needs a unified pool (memory_policy unified or fastlibra), not lru-fixed")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

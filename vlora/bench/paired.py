@@ -110,6 +110,10 @@ class _Probe:
         sw = e.swapper
         if sw is not None:
             out |= {"kv_swapped_out": sw.swapped_out, "kv_swapped_in": sw.swapped_in}
+        modes = e.runner.modes
+        if getattr(modes, "copies", None) is not None:        # --merged-copy
+            out |= {"copies_made": modes.copies.num_made, "copies_dropped": modes.copies.num_dropped,
+                    "copy_switches": modes.num_copy_switches}
         if e.device.type == "cuda":
             import torch
 

@@ -19,7 +19,12 @@ scale per segment slot in a second set of static buffers), or ``2``, a second
 LoRA pass whose segments live in those buffers (``LoRALaunch.mixed="two"``).
 LoRA graphs read the adapter buffer and the offset tables at the addresses
 they had at capture; when the buffer grows (an adapter registered) or the
-tables fill up, they are dropped and captured again on next use. The LoRA graph's kernel grid
+tables fill up, they are dropped and captured again on next use. Every graph
+also reads the projection weights at the addresses of its capture, so there is
+one set of graphs per set of weights the layers read: the base weights, and a
+merged copy in pool pages (``model.weights_key``, set by the mode switcher),
+whose set is captured on first use and kept while the copy stays where it is
+(docs/decisions.md, 'Merged copy in pool pages'). The LoRA graph's kernel grid
 is fixed at capture: one program row per segment, so segments are split into
 pieces of at most ``seg_cap`` rows (the tile height), which gives the same
 result; unused segment slots have length 0 and exit at once. An iteration with
@@ -74,6 +79,8 @@ class DecodeGraphs:
         if lora_setup is not None:
             self._alloc_columns(columns)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, int]] = {}     # (bucket, kind) ->
+        self._weights = None        # the weights self.graphs were captured over (None: the base weights)
+        self._other_sets: dict = {}     # weights key -> the graphs of the other weights (at most one set)
         self.pool = None
         self.num_replays = 0
         self._buf_ptr = None if lora_setup is None else lora_setup[0].buf.data_ptr()
@@ -126,8 +133,20 @@ class DecodeGraphs:
 
     def _drop_lora_graphs(self) -> None:
         self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}
-        if not self.graphs:              # no graph holds the shared memory pool any more: start a new one
-            self.pool = None
+        self._other_sets = {w: {key: v for key, v in g.items() if not key[1]} for w, g in self._other_sets.items()}
+        if not self.graphs and not any(self._other_sets.values()):   # no graph holds the shared memory pool any
+            self.pool = None                                          # more: start a new one
+
+    def _use_weights(self, key) -> None:
+        """Replay and capture the graphs of the weights the layers read now (``key``: None for the base weights,
+        a merged copy's key): a graph replayed over other weights than its capture's would read stale ones.
+        The base weights' set and the last copy's are kept; a copy placed elsewhere drops the previous one's."""
+        if key == self._weights:
+            return
+        self._other_sets[self._weights] = self.graphs
+        self.graphs = self._other_sets.pop(key, {})
+        self._other_sets = {w: g for w, g in self._other_sets.items() if w is None or key is None}
+        self._weights = key
 
     # -- capture -------------------------------------------------------------------------------
     def _forward_batch(self, b: int, kind: int) -> tuple[ForwardBatch, int]:
@@ -215,6 +234,7 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph. Mixed mode:
         ``segments`` that carry the merged adapter as their pair, or ``minus``, a second pass (the merged adapter
         subtracted from the rows of the others)."""
+        self._use_weights(getattr(self.model, "weights_key", None))
         n = len(ids)
         b = self.bucket(n)
         paired = any(seg.pair is not None for seg in segments)

@@ -121,6 +121,8 @@ class Engine:
             from vlora.parallel.model import ShardModes
 
             self.runner.modes = ShardModes(self.model)
+        elif self.memory.copies is not None:          # merged copies in pool pages (cache.merged_copy)
+            self.runner.modes.keep_copies(self.memory.copies)
         sc = config.scheduler
         self.kernel_build = {}                        # what start-up built (vlora.engine.warmup)
         if use_kernels and cuda and mc.build_kernels:
@@ -448,6 +450,9 @@ def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: to
     if config.cache.memory_policy == "fastlibra":
         raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
                           f"copies rank 0's pages only)")
+    if config.cache.merged_copy:
+        raise ConfigError(f"tensor_parallel_size {tp} does not support merged_copy (merges fold each rank's "
+                          f"slices into its shard in place)")
     spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
                       all_reduce=mc.all_reduce, host_adapters=kernel_lora)
     return tensor_parallel(model, tp, spec, device)

@@ -33,7 +33,7 @@ class LLM:
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
-                 adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9,
+                 adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9, merged_copy: bool = False,
                  lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
                  all_reduce: str = "nccl", replicas: int = 1, ray_address: str | None = None,
                  cluster_policy: str = "round_robin", config: EngineConfig | None = None):
@@ -45,7 +45,8 @@ class LLM:
                               max_pixels_per_image=max_pixels_per_image,
                               tensor_parallel_size=tensor_parallel_size, all_reduce=all_reduce),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
-                              adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization),
+                              adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization,
+                              merged_copy=merged_copy),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras, lora_overlap, lora_pdl),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())

@@ -15,7 +15,8 @@ replay:
   pass as the engine runs it (MIXED: one row of the merged adapter, the others
   of distinct adapters);
 * the switches: a first merge (restore record written), an unmerge, and a
-  merge of the adapter unmerged last (its record reused).
+  merge of the adapter unmerged last (its record reused); with merged copies
+  kept (``cache.merged_copy``), making a copy and a switch to or from it.
 
 Timing replays whose rows write their KV to the scratch slot and read one
 position of block 0 changes no sequence's state.
@@ -41,6 +42,8 @@ class ModeCosts:
     merge_s: float = 0.0            # a first merge: weights and the restore record written
     reuse_s: float = 0.0            # a merge of the adapter unmerged last (its record reused)
     unmerge_s: float = 0.0
+    make_s: float = 0.0             # making a merged copy in pool pages (0.0: not measured)
+    copy_s: float = 0.0             # a switch to or from a resident merged copy (a pointer change)
 
     def step(self, mode: Mode, n: int) -> float:
         """An iteration of ``n`` requests in ``mode``: the smallest measured bucket that holds them (the
@@ -54,7 +57,8 @@ class ModeCosts:
     def as_dict(self) -> dict:
         return {"step_ms": {m.value: {b: round(s * 1e3, 4) for b, s in t.items()} for m, t in self.step_s.items()},
                 "merge_ms": round(self.merge_s * 1e3, 3), "reuse_ms": round(self.reuse_s * 1e3, 3),
-                "unmerge_ms": round(self.unmerge_s * 1e3, 3)}
+                "unmerge_ms": round(self.unmerge_s * 1e3, 3), "make_copy_ms": round(self.make_s * 1e3, 3),
+                "copy_switch_ms": round(self.copy_s * 1e3, 4)}
 
 
 def _sync(device: torch.device) -> None:
@@ -109,6 +113,25 @@ def profile_switches(modes: ModeSwitcher, adapter: PackedAdapter, reps: int = 3)
             statistics.median(r[2] for r in runs))
 
 
+def profile_copy(modes: ModeSwitcher, adapter: PackedAdapter, reps: int = 3) -> tuple[float, float]:
+    """(making a merged copy of ``adapter``, a switch to or from it) seconds, medians of ``reps``; the copy is
+    dropped after. (0.0, 0.0) without merged copies or when the pool has no run of pages for one."""
+    copies = modes.copies
+    if copies is None or modes.merged is not None:
+        return 0.0, 0.0
+    makes, switches = [], []
+    for _ in range(reps):
+        copies.drop()
+        makes.append(modes.merge(adapter, copy_keep_free=0))
+        if copies.copy is None:                  # no room: it merged in place
+            modes.unmerge()
+            return 0.0, 0.0
+        switches += [modes.unmerge(), modes.merge(adapter, copy_keep_free=0)]
+        modes.unmerge()
+    copies.drop()
+    return statistics.median(makes), statistics.median(switches)
+
+
 def profile_modes(runner, adapters: list[PackedAdapter], max_batch: int, reps: int = 10) -> ModeCosts:
     """Every measurement above on ``runner``'s graphs and weights (``adapters`` resident in the pool)."""
     graphs = runner.graphs
@@ -117,4 +140,5 @@ def profile_modes(runner, adapters: list[PackedAdapter], max_batch: int, reps: i
     buckets = [b for b in graphs.buckets if b <= max(1, max_batch)] or graphs.buckets[:1]
     steps = profile_steps(graphs, adapters, buckets, reps)
     merge_s, unmerge_s, reuse_s = profile_switches(runner.modes, adapters[0])
-    return ModeCosts(steps, merge_s, reuse_s, unmerge_s)
+    make_s, copy_s = profile_copy(runner.modes, adapters[0])
+    return ModeCosts(steps, merge_s, reuse_s, unmerge_s, make_s, copy_s)

@@ -3,7 +3,10 @@
 * unmerged: no adapter in the base weights; every request's adapter runs through
   the batched LoRA op.
 * merged: one adapter folded into the base weights (exact swift merge); its
-  requests cost nothing extra.
+  requests cost nothing extra. Or, where the pool keeps a merged copy of the
+  adapter's projections (:mod:`vlora.lora.merge_copy`), the layers read that
+  copy: switching to and from it is a pointer change, and the base weights are
+  never written.
 * mixed: an adapter is merged while requests of other adapters (and of the base
   model) are in the batch: they add their own adapter and subtract the merged
   one, in the same LoRA launch (each of their segments carries the merged
@@ -21,6 +24,7 @@ import time
 
 from vlora.lora.batch import LoRABatch, LoRASegment, PackedAdapter
 from vlora.lora.merge import MergeRecord, group_widths, merge_, stage_factors, stage_from_pool, unmerge_
+from vlora.lora.merge_copy import MergedCopies, MergedCopy
 from vlora.models.decoder import DecoderLM
 
 
@@ -34,6 +38,7 @@ class ModeSwitcher:
     def __init__(self, model: DecoderLM, pool=None):
         """``pool``: the unified pool (kernel path): merges stage an adapter's factors from where it sits."""
         cfg = model.cfg
+        self.model = model
         self.pool = pool
         self.weights = model.stacked
         self.widths = group_widths(cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.intermediate_size)
@@ -41,18 +46,51 @@ class ModeSwitcher:
         self.kept: MergeRecord | None = None      # the last unmerged adapter's record, for its next merge
         self.num_reused = 0
         self.num_switches = 0
-        self.last_switch_s = 0.0
+        self.last_switch_s = 0.0            # the last switch, of any kind
+        self.last_device_switch_s = 0.0     # the last switch that ran on the device (merge, unmerge, copy made)
         self._staged: dict[str, tuple[PackedAdapter, dict]] = {}     # fused path: factors of recent merges
+        self.copies: MergedCopies | None = None     # merged copies in pool pages (None: in-place merges only)
+        self.on_copy = False                 # the layers read the resident copy's weights
+        self.num_copy_switches = 0           # switches that were pointer changes
+        self.last_copy_switch_s = 0.0
+        self._base_params: dict | None = None    # group -> each layer's base weight parameter
+
+    def keep_copies(self, copies: MergedCopies) -> None:
+        """Merge into copies in ``copies``' pool pages when asked to (:meth:`merge`'s ``copy_keep_free``). Needs
+        the model's layers (their weights are pointed at the copy)."""
+        self.copies = copies
+        copies.before_drop.append(self._dropping)
 
     @property
     def merged(self) -> PackedAdapter | None:
+        if self.on_copy:
+            return self.copies.copy.adapter
         return None if self.record is None else self.record.adapter
 
-    def merge(self, adapter: PackedAdapter) -> float:
-        """Fold ``adapter`` into the base weights (unmerging another first); returns seconds taken."""
+    def merge(self, adapter: PackedAdapter, copy_keep_free: int | None = None) -> float:
+        """Make ``adapter`` the merged one (another merged one leaves first); returns seconds taken. Its resident
+        merged copy, if any, is pointed at; else, with ``copy_keep_free`` (and copies kept), a copy is made if it
+        leaves that many pool pages free; else it is folded into the base weights."""
         if self.merged is adapter:
             return 0.0
         t0 = time.perf_counter()
+        resident = None if self.copies is None else self.copies.copy
+        if resident is not None and resident.adapter is adapter:
+            if self.record is None:
+                self._point(resident)
+                return self._pointed(t0)
+            self._unmerge_keeping_record()      # another adapter merged in place: its unmerge is device work
+            self._point(resident)
+            return self._switched(t0)
+        if self.on_copy:
+            self._point(None)
+        if copy_keep_free is not None and self.copies is not None:
+            if self.record is not None:
+                self._unmerge_keeping_record()
+            made = self.copies.make(adapter, self.weights, self.widths, self._factors(adapter), copy_keep_free)
+            if made is not None:
+                self._point(made)
+                return self._switched(t0)
         if self.record is not None:
             self._unmerge_keeping_record()
         reuse, self.kept = self.kept, None
@@ -81,9 +119,14 @@ class ModeSwitcher:
         return staged
 
     def unmerge(self) -> float:
-        """Restore the base weights bit for bit; returns seconds taken. The record is kept: merging the same
-        adapter next writes only the weights (``merge_``'s ``reuse``); merging another frees it first, so at
-        most one record is held, as while an adapter is merged."""
+        """Back to the base weights, bit for bit; returns seconds taken. From a merged copy: the layers are
+        pointed back at the base weights, which were never written (the copy stays resident). In place: the
+        record is kept, so merging the same adapter next writes only the weights (``merge_``'s ``reuse``);
+        merging another frees it first, so at most one record is held, as while an adapter is merged."""
+        if self.on_copy:
+            t0 = time.perf_counter()
+            self._point(None)
+            return self._pointed(t0)
         if self.record is None:
             return 0.0
         t0 = time.perf_counter()
@@ -95,10 +138,40 @@ class ModeSwitcher:
         self.kept, self.record = (self.record if self.record.kernel else None), None
 
     def forget(self, name: str) -> None:
-        """Drop what is kept of adapter ``name`` (its record, its staged factors): it is being unregistered."""
+        """Drop what is kept of adapter ``name`` (its record, its staged factors, its merged copy): it is being
+        unregistered."""
         if self.kept is not None and self.kept.adapter.name == name:
             self.kept = None
         self._staged.pop(name, None)
+        if self.copies is not None:
+            self.copies.drop_adapter(name)
+
+    def _point(self, copy: MergedCopy | None) -> None:
+        """Make every layer read ``copy``'s weights for the groups it holds and the base weights for the others
+        (None: the base weights everywhere). The decode graphs read ``model.weights_key`` to replay the graphs
+        captured over the same weights (vlora/engine/cuda_graphs.py)."""
+        layers = self.model.layers
+        if self._base_params is None:
+            self._base_params = {g: [getattr(layer, g).weight for layer in layers] for g in self.weights}
+        for g, base in self._base_params.items():
+            params = base if copy is None or g not in copy.params else copy.params[g]
+            for layer, p in zip(layers, params):
+                getattr(layer, g).weight = p
+        self.on_copy = copy is not None
+        self.model.weights_key = None if copy is None else copy.key
+
+    def _dropping(self, copy: MergedCopy) -> None:
+        """The pool takes ``copy``'s pages back: if the layers read it, they read the base weights again (an
+        unmerged mode; outputs do not depend on the mode)."""
+        if self.on_copy:
+            self._point(None)
+
+    def _pointed(self, t0: float) -> float:
+        """A switch that was a pointer change: no device work to wait for."""
+        self.num_switches += 1
+        self.num_copy_switches += 1
+        self.last_switch_s = self.last_copy_switch_s = time.perf_counter() - t0
+        return self.last_copy_switch_s
 
     def _switched(self, t0: float) -> float:
         first = next(iter(self.weights.values()))
@@ -107,7 +180,7 @@ class ModeSwitcher:
 
             torch.cuda.synchronize(first.device)
         self.num_switches += 1
-        self.last_switch_s = time.perf_counter() - t0
+        self.last_switch_s = self.last_device_switch_s = time.perf_counter() - t0
         return self.last_switch_s
 
     def mode_for(self, adapters: list[PackedAdapter | None]) -> Mode:

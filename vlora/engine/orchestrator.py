@@ -49,13 +49,23 @@ apart'). Without a profile it uses running means of the iterations and switches
 as they happen. Running means can leave a mode unmeasured: a few slow mixed
 iterations keep the policy out of mixed mode for good. They also mix first and
 reused merges.
+
+Merged copies (``cache.merged_copy``, :mod:`vlora.lora.merge_copy`). When the
+pool keeps a merged copy of an adapter, switching to and from it is a pointer
+change, priced at its measured cost (about nothing); staying merged beside
+other adapters' requests then rarely pays, since leaving and coming back cost
+nothing. A merge asks for a copy when the pool's free pages, less the copy,
+would still cover the KV the pending requests may need to finish plus
+``COPY_HEADROOM`` of the pool; making one costs about a first merge and a
+copy of the touched weights, after which its unmerge is free. The pool drops
+the copy when KV needs its pages.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.modes import Mode, ModeSwitcher
@@ -83,10 +93,33 @@ class Costs:
     unmerge_s: float | None = None
     reuse_s: float | None = None
     kept: str | None = None
+    copied: str | None = None        # the adapter whose merged copy is resident: its switches are pointer changes
+    copy_s: float = 0.0              # a switch to or from a resident copy
+    make_s: float | None = None      # making a copy (default: a first merge)
+    can_copy: bool = False           # the pool has room for a copy: a merge now makes one
 
     def merge_cost(self, adapter: str | None) -> float:
-        """Seconds to merge ``adapter``: its record reused when it is the adapter unmerged last."""
+        """Seconds to merge ``adapter``: a pointer change to its resident copy, making a copy when there is room,
+        else in place, its record reused when it is the adapter unmerged last."""
+        if adapter is not None and adapter == self.copied:
+            return self.copy_s
+        if self.can_copy:
+            return self.switch_s if self.make_s is None else self.make_s
         return self.reuse_cost if adapter is not None and adapter == self.kept else self.switch_s
+
+    def unmerge_cost_of(self, adapter: str | None) -> float:
+        """Seconds to unmerge ``adapter``, merged now: a pointer change from its copy, else in place."""
+        return self.copy_s if adapter is not None and adapter == self.copied else self.unmerge_cost
+
+    def round_trip(self, adapter: str | None) -> float:
+        """Seconds to merge ``adapter`` now (:meth:`merge_cost`) and to unmerge it later: from a copy (resident,
+        or made by this merge) a pointer change."""
+        on_copy = adapter is not None and (adapter == self.copied or self.can_copy)
+        return self.merge_cost(adapter) + (self.copy_s if on_copy else self.unmerge_cost)
+
+    def back_cost(self, adapter: str | None) -> float:
+        """Seconds to merge ``adapter`` again after unmerging it now: its copy, or its record reused."""
+        return self.copy_s if adapter is not None and adapter == self.copied else self.reuse_cost
 
     @property
     def reuse_cost(self) -> float:
@@ -102,13 +135,15 @@ class Decision:
     mode: Mode
     merged: str | None           # adapter to have merged (MERGED / MIXED); None for UNMERGED
     batch: tuple[str, ...]       # request ids, starving ones first
+    copy_keep_free: int | None = None    # merge into a copy if it leaves this many pool pages free (None: in place)
 
 
 def credit(req: Pending, mode: Mode, merged_now: str | None, costs: Costs) -> float:
     """Alg. 1 line 2: waiting time + an iteration in the current mode + the switch its service needs
     (in MERGED mode only the merged adapter's requests run without one)."""
     needs_switch = mode is Mode.MERGED and req.adapter != merged_now
-    return req.waiting_s + costs.step_s[mode] + (costs.switch_s if needs_switch else 0.0)
+    switch = costs.copy_s if merged_now is not None and merged_now == costs.copied else costs.switch_s
+    return req.waiting_s + costs.step_s[mode] + (switch if needs_switch else 0.0)
 
 
 def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) -> bool:
@@ -123,10 +158,10 @@ def switch_pays(r_merge: list[Pending], costs: Costs, mode: Mode = Mode.MERGED) 
     if any(r.remaining is None for r in r_merge):
         return gain > 0.0
     adapter = r_merge[0].adapter if r_merge else None
-    return max(r.remaining for r in r_merge) * gain > costs.merge_cost(adapter) + costs.unmerge_cost
+    return max(r.remaining for r in r_merge) * gain > costs.round_trip(adapter)
 
 
-def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = ()) -> bool:
+def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = (), name: str | None = None) -> bool:
     """Whether the adapter merged now may stay merged while ``others`` (other adapters' and the base model's
     requests) run beside its requests ``merged``, i.e. in MIXED mode. A mixed iteration gives the other rows
     their adapter and the merged one subtracted (one launch: docs/decisions.md, 'Mixed mode in one launch') and
@@ -136,7 +171,8 @@ def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = 
     requests outlive the others, the merge back (its record reused). Stay when the first is no more than the
     second; a mixed iteration no slower than an unmerged one always stays. Unknown lengths weigh nothing but the
     iteration times. Unmeasured costs get measured: mixed unmeasured -> stay (it runs), unmerged unmeasured ->
-    leave (it runs)."""
+    leave (it runs). ``name``: the merged adapter (a resident copy makes leaving and coming back pointer
+    changes)."""
     mixed_s, unmerged_s = costs.step_s.get(Mode.MIXED, 0.0), costs.step_s.get(Mode.UNMERGED, 0.0)
     if mixed_s <= 0.0:
         return True
@@ -151,7 +187,7 @@ def stay_pays(costs: Costs, merged: list[Pending] = (), others: list[Pending] = 
     left = max(lengths)
     mine = [r.remaining for r in merged]
     back = bool(mine) and any(n is None or n > left for n in mine)     # its requests outlive the others
-    leave = costs.unmerge_cost + (costs.reuse_cost if back else 0.0)      # merging back reuses its record
+    leave = costs.unmerge_cost_of(name) + (costs.back_cost(name) if back else 0.0)   # its record or copy reused
     return extra * left <= leave
 
 
@@ -169,7 +205,7 @@ def _light_load(reqs: list[Pending], counts: Counter, merged_now: str | None, co
         mode = Mode.MERGED if pure else Mode.MIXED
         if chosen == merged_now:                            # staying: free when pure, else it must pay
             go = pure or (mixed and stay_pays(costs, [r for r in reqs if r.adapter == chosen],
-                                              [r for r in reqs if r.adapter != chosen]))
+                                              [r for r in reqs if r.adapter != chosen], chosen))
         else:
             go = (pure or mixed) and switch_pays([r for r in reqs if r.adapter == chosen], costs, mode)
         if go:
@@ -206,6 +242,19 @@ def schedule(reqs: list[Pending], mode: Mode, merged_now: str | None, max_bs: in
     return Decision(Mode.UNMERGED, None, tuple(r.request_id for r in (starving + rest)[:max_bs]))
 
 
+COPY_HEADROOM = 1 / 8      # share of the pool a merged copy leaves free beyond the pending requests' KV
+
+
+def copy_keep_free(seqs: list[Sequence], pool) -> int:
+    """Pool pages a merged copy must leave free: the KV pages ``seqs`` may still take to finish (each up to its
+    prompt plus max_tokens), plus ``COPY_HEADROOM`` of the pool, so that arrivals and growth take free pages
+    rather than drop the copy at once."""
+    bs, cap = pool.page_shape[2], pool.num_pages
+    demand = sum(min(cap, max(0, -(-(len(s.prompt_token_ids) + s.params.max_tokens) // bs) - len(s.blocks)))
+                 for s in seqs)
+    return demand + int(COPY_HEADROOM * pool.num_pages)
+
+
 class Orchestrator:
     """Runs a mode policy each iteration. Its costs: ``profile``, measured at start-up on this GPU
     (:mod:`vlora.engine.mode_costs`: iteration times per mode and batch size, each kind of switch), when there is
@@ -222,13 +271,22 @@ class Orchestrator:
         self.starved: set[str] = set()       # requests whose credit passed θ (until they finish)
         self.decisions = Counter()           # decisions taken per mode
 
-    def costs(self, n: int, modes: ModeSwitcher) -> Costs:
-        """The costs of an iteration of ``n`` requests in each mode and of the switches, as known now."""
+    def costs(self, n: int, modes: ModeSwitcher, keep_free: int | None = None) -> Costs:
+        """The costs of an iteration of ``n`` requests in each mode and of the switches, as known now.
+        ``keep_free``: pool pages a merged copy must leave free (None: no copy is made)."""
         kept = None if modes.kept is None else modes.kept.adapter.name
+        copies = getattr(modes, "copies", None)
+        copy = {}
+        if copies is not None:
+            copy = dict(copied=None if copies.copy is None else copies.copy.adapter.name,
+                        can_copy=keep_free is not None and copies.fits(modes.weights, keep_free))
         p = self.profile
         if p is None:
-            return Costs(dict(self.step_s), modes.last_switch_s, kept=kept)
-        return Costs({m: p.step(m, n) for m in Mode}, p.merge_s, p.unmerge_s, p.reuse_s, kept)
+            switch_s = getattr(modes, "last_device_switch_s", modes.last_switch_s)   # pointer changes apart
+            return Costs(dict(self.step_s), switch_s, kept=kept,
+                         copy_s=getattr(modes, "last_copy_switch_s", 0.0), **copy)
+        return Costs({m: p.step(m, n) for m in Mode}, p.merge_s, p.unmerge_s, p.reuse_s, kept, copy_s=p.copy_s,
+                     make_s=p.make_s or None, **copy)
 
     def plan(self, seqs: list[Sequence], modes: ModeSwitcher, registry) -> Decision | None:
         """The decision for the next iteration (None: plain continuous batching, nothing merged)."""
@@ -238,9 +296,17 @@ class Orchestrator:
         reqs = [Pending(s.request_id, s.adapter_name, now - s.last_progress,
                         s.params.max_tokens - len(s.output_token_ids)) for s in seqs]
         merged_now = None if modes.merged is None else modes.merged.name
-        costs = self.costs(min(len(reqs), self.max_bs), modes)
+        copies = getattr(modes, "copies", None)
+        keep_free = None if copies is None else copy_keep_free(seqs, copies.pool)
+        costs = self.costs(min(len(reqs), self.max_bs), modes, keep_free)
         self.starved = {r.request_id for r in reqs
                         if r.request_id in self.starved or credit(r, self.mode, merged_now, costs) > self.theta}
+        decision = self._decide(reqs, merged_now, costs)
+        if keep_free is not None and decision.merged is not None:
+            decision = replace(decision, copy_keep_free=keep_free)
+        return decision
+
+    def _decide(self, reqs: list[Pending], merged_now: str | None, costs: Costs) -> Decision:
         if self.policy in ("vlora", "dlora"):   # dlora: Alg. 1 without the mixed mode (starvation -> unmerged)
             return schedule(reqs, self.mode, merged_now, self.max_bs, self.theta, costs,
                             mixed=self.policy == "vlora", starved=self.starved)
@@ -251,13 +317,16 @@ class Orchestrator:
         return Decision(Mode.MERGED, top, tuple(r.request_id for r in reqs if r.adapter == top)[:self.max_bs])
 
     def apply(self, decision: Decision | None, modes: ModeSwitcher, registry) -> None:
-        """Make the weights match the decision (exact swift merge/unmerge)."""
+        """Make the weights match the decision (exact swift merge/unmerge, or a pointer change to and from a
+        merged copy)."""
         if decision is None:
             return
         if decision.merged is None:
             modes.unmerge()
-        else:
+        elif decision.copy_keep_free is None:
             modes.merge(registry.get(decision.merged))
+        else:
+            modes.merge(registry.get(decision.merged), copy_keep_free=decision.copy_keep_free)
         self.mode = decision.mode
         self.decisions[decision.mode] += 1
 

@@ -13,18 +13,20 @@ Who gives pages to KV when the pool runs short is declared in ``RECLAIM_ORDER``
 from __future__ import annotations
 
 from vlora.config import CacheConfig
+from vlora.lora.merge_copy import MergedCopies
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.swapper import CacheSwapper
 from vlora.memory.tree import PrefixTree
 
 # Sources of pages for KV, tried in this order when the pool runs short (sources a configuration lacks are
-# skipped). Cached KV goes before idle adapters: an adapter costs a host copy to bring back, a cached block only
-# a recompute when the same prefix comes again. FastLibra's swapper ranks cached KV and adapters together by its
-# cost model, so it comes first and the LRU eviction of adapters is only its fallback. Fixed pools never give
-# adapter pages to KV.
+# skipped). A merged copy (cache.merged_copy) goes first: it only saves switch time (its adapter merges in place
+# without it), and it was made on an estimate of KV demand that the demand has now passed. Cached KV goes before
+# idle adapters: an adapter costs a host copy to bring back, a cached block only a recompute when the same prefix
+# comes again. FastLibra's swapper ranks cached KV and adapters together by its cost model, so it comes next and
+# the LRU eviction of adapters is only its fallback. Fixed pools never give adapter pages to KV.
 RECLAIM_ORDER: dict[str, tuple[str, ...]] = {
-    "unified": ("prefix_cache", "adapters"),
-    "fastlibra": ("swapper", "adapters"),
+    "unified": ("merged_copy", "prefix_cache", "adapters"),
+    "fastlibra": ("merged_copy", "swapper", "adapters"),
     "lru-fixed": ("prefix_cache",),
 }
 
@@ -34,6 +36,8 @@ class MemoryManager:
         """``adapters``: the engine's :class:`~vlora.lora.registry.AdapterRegistry` (its store, when the LoRA
         kernels run, keeps adapters in ``pool`` pages)."""
         self.pool, self.adapters, self.store = pool, adapters, adapters.store
+        # merged copies of the merged adapter's weights in pool pages (the mode switcher makes and points at them)
+        self.copies = MergedCopies(pool) if cache.merged_copy and pool.adapter_limit is None else None
         self.tree = self.swapper = None
         if cache.prefix_caching:
             self.tree = PrefixTree(pool, cache.block_size)
@@ -58,6 +62,8 @@ class MemoryManager:
             return self.swapper.reclaim, [lambda: self.swapper.leaving, self.tree.reclaimable]
         if name == "adapters" and self.store is not None:
             return self.store.reclaim, [self.store.reclaimable]
+        if name == "merged_copy" and self.copies is not None:
+            return self.copies.reclaim, [self.copies.reclaimable]
         return None
 
     # -- the step loop's three points -------------------------------------------------------------

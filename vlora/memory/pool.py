@@ -7,7 +7,9 @@ kernels take that stride). An adapter takes as many whole pages as its packed
 A and B need, as one run of consecutive pages (taken from the high end, while KV
 blocks come from the low end), so every matrix is contiguous and the LoRA
 kernels read it through offsets into the flat buffer ``buf``, where it is. There is no split
-between the two uses: a page is free, a KV block, or part of an adapter.
+between the two uses: a page is free, a KV block, or part of an adapter. A merged copy of an adapter's
+projections (``vlora/lora/merge_copy.py``) takes runs of pages the same way (``reserve_run``): it is a cache
+that gives its pages back when KV needs them.
 
 The last page is a scratch block no one owns (CUDA-graph padding rows write
 their KV there). ``adapter_limit`` turns the pool into the baseline of the
@@ -46,6 +48,7 @@ class UnifiedPool:
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.kv_pages = 0
         self.adapter_pages: dict[str, list[int]] = {}
+        self.reserved: dict[str, list[int]] = {}     # runs of pages held by other owners (merged copies)
         self.pinned: set[str] = set()     # adapters that must stay this iteration (their pages are not KV's)
         if adapter_limit is not None and not 0 <= adapter_limit <= num_pages:
             raise ValueError(f"adapter_limit must be in [0, {num_pages}], got {adapter_limit}")
@@ -128,14 +131,9 @@ class UnifiedPool:
         if self.adapter_limit is not None and self.num_adapter_pages + need > self.adapter_limit:
             raise OutOfBlocks(f"adapter {name!r} needs {need} pages, the adapter pool has "
                               f"{self.adapter_limit - self.num_adapter_pages} left")
-        first = self._highest_run(need)
-        if first is None:
-            raise OutOfBlocks(f"adapter {name!r} needs {need} consecutive pages, {len(self._free)} free")
-        pages = list(range(first, first + need))
-        taken = set(pages)
-        self._free = [p for p in self._free if p not in taken]
+        pages = self._take_run(need, f"adapter {name!r}")
         self.adapter_pages[name] = pages
-        offs, pos = [], first * self.page_elems
+        offs, pos = [], pages[0] * self.page_elems
         for n in sizes:
             offs.append(pos)
             pos += -(-n // align) * align
@@ -145,12 +143,41 @@ class UnifiedPool:
         self._free.extend(self.adapter_pages.pop(name))
         self._free.sort(reverse=True)                    # pop() keeps handing out the lowest page
 
+    def _take_run(self, need: int, what: str) -> list[int]:
+        first = self._highest_run(need)
+        if first is None:
+            raise OutOfBlocks(f"{what} needs {need} consecutive pages, {len(self._free)} free")
+        pages = list(range(first, first + need))
+        taken = set(pages)
+        self._free = [p for p in self._free if p not in taken]
+        return pages
+
+    # -- other runs of pages (merged copies) ------------------------------------------------------
+    def reserve_run(self, name: str, numel: int) -> int:
+        """Reserve the highest run of consecutive free pages that holds ``numel`` elements, under ``name``;
+        returns its flat offset in ``buf``. Raises :class:`OutOfBlocks` when no run is long enough (nothing is
+        reclaimed for it: the owner asks only when the pool has room)."""
+        if name in self.reserved:
+            raise ValueError(f"pages are already reserved under {name!r}")
+        pages = self._take_run(max(1, -(-numel // self.page_elems)), repr(name))
+        self.reserved[name] = pages
+        return pages[0] * self.page_elems
+
+    def release_run(self, name: str) -> None:
+        self._free.extend(self.reserved.pop(name))
+        self._free.sort(reverse=True)
+
+    @property
+    def num_reserved_pages(self) -> int:
+        return sum(len(p) for p in self.reserved.values())
+
     def check(self) -> None:
-        """Invariants (tests): every page is exactly one of free / KV / one adapter's."""
+        """Invariants (tests): every page is exactly one of free / KV / one adapter's / one reserved run's."""
         adapter = [p for ps in self.adapter_pages.values() for p in ps]
-        assert len(set(self._free)) == len(self._free) and len(set(adapter)) == len(adapter)
-        assert not set(self._free) & set(adapter)
-        assert len(self._free) + len(adapter) + self.kv_pages == self.num_pages
-        assert all(0 <= p < self.num_pages for p in self._free + adapter)
+        owned = adapter + [p for ps in self.reserved.values() for p in ps]
+        assert len(set(self._free)) == len(self._free) and len(set(owned)) == len(owned)
+        assert not set(self._free) & set(owned)
+        assert len(self._free) + len(owned) + self.kv_pages == self.num_pages
+        assert all(0 <= p < self.num_pages for p in self._free + owned)
         if self.adapter_limit is not None:
             assert len(adapter) <= self.adapter_limit and self.kv_pages <= self.num_pages - self.adapter_limit

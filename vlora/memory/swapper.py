@@ -372,8 +372,9 @@ class CacheSwapper:
 
     # -- the monitor ----------------------------------------------------------------------------------
     def usage(self) -> float:
-        """Share of the pool in use, pages on their way out counted free."""
-        return 1.0 - (self.pool.num_free + len(self._leaving)) / self.pool.num_pages
+        """Share of the pool in use, pages on their way out counted free, and so are a merged copy's (it gives
+        its pages first when KV needs them: cached KV should not leave to make room for it)."""
+        return 1.0 - (self.pool.num_free + self.pool.num_reserved_pages + len(self._leaving)) / self.pool.num_pages
 
     def tick(self, batch_size: int) -> None:
         """Called every engine step: record the batch size; every ``interval_s`` balance the pool."""
