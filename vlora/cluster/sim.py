@@ -121,6 +121,7 @@ class Replica:
         self.finished: list[SimRequest] = []
         self.left: list[SimRequest] = []    # migrated away at the end of the last iteration
         self.by_id: dict[str, _Seq] = {}    # requests on the replica
+        self.stream_s = costs.served.stream_s   # an iteration's tokens reach the client this much later
         self.tokens_at: Counter[int] = Counter()   # tokens sampled in each second of the run
         self.cancels = 0                    # of them, marked to migrate
         self._orders = itertools.count()
@@ -286,7 +287,7 @@ class Replica:
                 prefill += n
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
-        return self.costs.step(prefill, decodes, len(adapters), context) + load_s
+        return self.costs.step(prefill, decodes, len(adapters), context, len(chunks)) + load_s
 
     def start(self, now: float, fast_forward: bool) -> float | None:
         """Plan the next iteration (or run of decode iterations) from ``now``; its end time, or None if idle."""
@@ -383,7 +384,7 @@ class Replica:
         seq.out += tokens
         req.generated += tokens
         if req.first_token is None:
-            req.first_token = now
+            req.first_token = now + self.stream_s
         if seq.out >= seq.target:
             self._finish(seq, "length", now)
 
@@ -392,9 +393,9 @@ class Replica:
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)
-        seq.req.finish, seq.req.finish_reason = now, reason
-        if now is None:           # truncated: it cannot fit even an empty pool
-            seq.req.finish = math.inf
+        seq.req.finish_reason = reason
+        # truncated (now None): it cannot fit even an empty pool
+        seq.req.finish = math.inf if now is None else now + self.stream_s
         self.finished.append(seq.req)
 
     def cancel(self, request_id: str) -> bool:
@@ -492,8 +493,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 # event kinds, in the order events at the same time are handled: an idle replica starts after every request
-# arriving at that instant has been placed (an engine steps once for requests queued together)
-_DONE, _ARRIVE, _TICK, _START = 0, 1, 2, 3
+# arriving (or reaching it) at that instant has been placed (an engine steps once for requests queued together)
+_DONE, _ARRIVE, _ADMIT, _TICK, _START = 0, 1, 2, 3, 4
 
 
 class ClusterSim:
@@ -534,7 +535,8 @@ class ClusterSim:
         queue: deque[SimRequest] = deque()           # at the front, first come first served
         reports: list[ReplicaReport] = []
         ticks = itertools.count(1)
-        pending = len(heap)                           # arrivals (and migrated requests) still to come
+        pending = len(heap)                           # arrivals (and migrated or admitted requests) still to come
+        submit_s = self.costs.served.submit_s
         now = 0.0
 
         def push(t: float, kind: int, payload) -> None:
@@ -545,11 +547,21 @@ class ClusterSim:
                 push(end, _DONE, (rep.id, rep.iteration.version))
 
         def place(req: SimRequest) -> bool:
+            nonlocal pending
             info = req.info()
             rid = self.policy.place(info, reports)
             if rid is None:
                 return False
             self.policy.placed(info, rid)
+            if submit_s:                              # on its way to the replica's engine
+                req.replica = rid
+                push(now + submit_s, _ADMIT, req)
+                pending += 1
+            else:
+                admit(req, rid)
+            return True
+
+        def admit(req: SimRequest, rid: int) -> None:
             rep = self.replicas[rid]
             rep.add(req)
             if rep.iteration is not None:
@@ -557,7 +569,6 @@ class ClusterSim:
             elif not rep.kicked:
                 rep.kicked = True
                 push(now, _START, rep.id)
-            return True
 
         def submit(req: SimRequest) -> None:
             pages = -(-(req.spec.input_len + req.generated + 1) // self.costs.limits.page_tokens)
@@ -592,12 +603,15 @@ class ClusterSim:
                 rep.complete(now)
                 for req in rep.finished:
                     turns = later.get(req.spec.session) if req.spec.session is not None else None
-                    if turns and req.finish_reason == "length":
-                        push(now + turns[0].after_s, _ARRIVE, turns.pop(0))
+                    if turns and req.finish_reason == "length":      # the client's think time after the answer
+                        push(req.finish + turns[0].after_s, _ARRIVE, turns.pop(0))
                         pending += 1
                 rep.finished.clear()
                 scheduled(rep, rep.start(now, self.fast_forward))
                 send_off(rep)
+            elif kind == _ADMIT:
+                pending -= 1
+                admit(payload, payload.replica)
             elif kind == _START:
                 rep = self.replicas[payload]
                 rep.kicked = False
