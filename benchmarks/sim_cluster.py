@@ -5,12 +5,21 @@
         --real benchmarks/results/cluster-h100x2/results.json
     # (b) scale study: the placement policies at 8 to 256 simulated GPUs, 1,000 adapters, with plots
     python benchmarks/sim_cluster.py scale --costs benchmarks/results/cluster-costs-h100.json
+    # calibration: fit the served path's costs on some real runs (then validate on the others)
+    python benchmarks/sim_cluster.py calibrate --costs TABLE.json --real results.json --runs 2 \
+        --out-table TABLE-served.json
 
 (a) rebuilds each real run's trace from its per-request records (arrival, adapter, input and output lengths),
 runs it through the simulator with the run's replica count and policy, and compares the mean latency and
 throughput as bench_cluster.py computes them (complete requests; throughput = complete requests / the last
 finish since the run's start). Runs that lost requests (aborted past the drain time) are left out: the
-simulator has no drain limit. The target: within 10% for 1 and 2 replicas.
+simulator has no drain limit. The target: within 10% for 1 and 2 replicas. A run is marked cold when it is
+the first to use one of its replicas (that replica's first CUDA-graph captures and kernel compilations land
+in it); runs a table was calibrated on (its ``served.source``) are reported but left out of the error.
+
+Calibration fits the table's served-path costs (vlora/cluster/costs.py, ``ServedCosts``: seconds per
+iteration, per sequence in an iteration, and the delay from an iteration to the client) on the named runs,
+minimizing the squared relative errors of their mean latency and mean TTFT by coordinate descent.
 
 (b) runs every policy on the same seeded trace per setting (common random numbers): the workloads of
 ../shared/BENCHMARKS.md (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
@@ -38,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vlora.bench import workloads as W  # noqa: E402
-from vlora.cluster.costs import CostTable, ReplicaLimits, linear_table  # noqa: E402
+from vlora.cluster.costs import CostTable, ReplicaLimits, ServedCosts, linear_table  # noqa: E402
 from vlora.cluster.policy import POLICIES, make_policy  # noqa: E402
 from vlora.cluster.sim import ClusterSim, SimResult, cycled_rank, profiled_batch_cap  # noqa: E402
 
@@ -91,28 +100,63 @@ def rel_err(sim: float | None, real: float | None) -> float | None:
 
 
 # -- (a) validation -----------------------------------------------------------------------------------
+def complete(recs: list[dict]) -> bool:
+    return bool(recs) and all(r["finish_reason"] == "length" and r["tokens"] == r["output_len"] for r in recs)
+
+
+def replay(costs: CostTable, run: dict, ranks: tuple[int, ...], report_s: float) -> tuple[SimResult, dict, dict]:
+    """A real run's trace through the simulator with its replica count and policy: (result, simulated summary,
+    real summary)."""
+    recs = run["records"]
+    specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
+                   key=lambda s: s.arrival_s)
+    sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=report_s,
+                     adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
+    return sim, summarize(sim_records(sim)), summarize(recs)
+
+
+def cold_runs(runs: list[dict]) -> set[int]:
+    """Indices of the runs that were the first to use one of their replicas."""
+    seen, cold = set(), set()
+    for i, run in enumerate(runs):
+        used = {x for r in run.get("records") or () for x in r.get("replicas") or ()}
+        if used - seen:
+            cold.add(i)
+        seen |= used
+    return cold
+
+
+def run_label(run: dict) -> str:
+    return f"{run.get('popularity')} {run.get('replicas')} replica(s) {run.get('policy')} {run.get('rate')}"
+
+
+def calibration_runs(costs: CostTable, real: dict) -> set[int]:
+    """The runs of ``real`` the table's served costs were fitted on (none if fitted on another file)."""
+    fit = costs.meta.get("served_fit") or {}
+    if fit.get("real_date") and fit.get("real_date") == (real.get("meta") or {}).get("date"):
+        return set(fit.get("runs", ()))
+    return set()
+
+
 def validate(args) -> dict:
     costs = load_costs(args)
     real = json.loads(Path(args.real).read_text())
     cfg = real.get("config", {})
     ranks = tuple(cfg.get("ranks") or (8, 16, 32, 64))
+    runs = real.get("runs", [])
+    cold, calib = cold_runs(runs), calibration_runs(costs, real)
     rows, skipped = [], []
-    for run in real.get("runs", []):
+    for i, run in enumerate(runs):
         recs = run.get("records") or []
-        label = f"{run.get('popularity')} {run.get('replicas')} replica(s) {run.get('policy')} {run.get('rate')}"
         if not recs:
             continue
-        lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
-        if lost:
-            skipped.append(dict(run=label, reason=f"{lost} requests lost (overloaded past the drain time)"))
+        if not complete(recs):
+            lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
+            skipped.append(dict(run=run_label(run), reason=f"{lost} requests lost (overloaded past the drain time)"))
             continue
-        specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
-                       key=lambda s: s.arrival_s)
-        sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=args.report_s,
-                         adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
-        s, r = summarize(sim_records(sim)), summarize(recs)
-        row = dict(popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
-                   rate=run.get("rate"), requests=len(recs),
+        sim, s, r = replay(costs, run, ranks, args.report_s)
+        row = dict(index=i, popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
+                   rate=run.get("rate"), requests=len(recs), cold=i in cold, calibration=i in calib,
                    real_mean_latency_s=r["mean_latency_s"], sim_mean_latency_s=s["mean_latency_s"],
                    real_throughput_rps=r["throughput_rps"], sim_throughput_rps=s["throughput_rps"],
                    real_mean_ttft_s=r["mean_ttft_s"], sim_mean_ttft_s=s["mean_ttft_s"],
@@ -123,25 +167,100 @@ def validate(args) -> dict:
         rows.append(row)
     by_n = {}
     for n in sorted({r["replicas"] for r in rows}):
-        sel = [r for r in rows if r["replicas"] == n]
-        by_n[n] = dict(runs=len(sel),
-                       mean_abs_latency_err=statistics.fmean(abs(r["latency_err"]) for r in sel),
-                       mean_abs_throughput_err=statistics.fmean(abs(r["throughput_err"]) for r in sel),
-                       within_10pct=sum(abs(r["latency_err"]) <= 0.1 and abs(r["throughput_err"]) <= 0.1
-                                        for r in sel))
-    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, real=str(args.real),
-               real_meta=real.get("meta"), report_s=args.report_s, rows=rows, by_replicas=by_n, skipped=skipped)
-    print("\npopularity replicas policy          rate   lat real / sim (err)        tput real / sim (err)")
+        for key, sel in ((str(n), [r for r in rows if r["replicas"] == n and not r["calibration"]]),
+                         (f"{n} warm", [r for r in rows if r["replicas"] == n and not r["calibration"]
+                                        and not r["cold"]])):
+            if sel:
+                by_n[key] = errors(sel)
+    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, served=vars(costs.served),
+               real=str(args.real), real_meta=real.get("meta"), report_s=args.report_s, rows=rows, by_replicas=by_n,
+               skipped=skipped)
+    print("\n  # popularity replicas policy          rate   lat real / sim (err)      TTFT real / sim (err)"
+          "       tput real / sim (err)")
     for r in rows:
-        print(f"{r['popularity'] or '-':10s} {r['replicas']:>8} {r['policy']:14s} {r['rate'] or 0:6.2f}  "
-              f"{r['real_mean_latency_s']:6.3f} / {r['sim_mean_latency_s']:6.3f} ({r['latency_err']:+6.1%})   "
-              f"{r['real_throughput_rps']:6.2f} / {r['sim_throughput_rps']:6.2f} ({r['throughput_err']:+6.1%})")
+        mark = "calibration" if r["calibration"] else "cold" if r["cold"] else ""
+        print(f"{r['index']:>3} {r['popularity'] or '-':10s} {r['replicas']:>8} {r['policy']:14s} {r['rate'] or 0:6.2f}  "
+              f"{r['real_mean_latency_s']:6.3f} / {r['sim_mean_latency_s']:6.3f} ({r['latency_err']:+6.1%})  "
+              f"{r['real_mean_ttft_s']:6.3f} / {r['sim_mean_ttft_s']:6.3f} ({r['ttft_err']:+6.1%})  "
+              f"{r['real_throughput_rps']:6.2f} / {r['sim_throughput_rps']:6.2f} ({r['throughput_err']:+6.1%})  {mark}")
     for n, v in by_n.items():
-        print(f"{n} replica(s): {v['runs']} runs, mean |error| latency {v['mean_abs_latency_err']:.1%}, "
-              f"throughput {v['mean_abs_throughput_err']:.1%}; {v['within_10pct']} within 10% on both")
+        print(f"{n} replica(s): {v['runs']} runs, mean |error| latency {v['mean_abs_latency_err']:.1%} "
+              f"(max {v['max_abs_latency_err']:.1%}), TTFT {v['mean_abs_ttft_err']:.1%}, throughput "
+              f"{v['mean_abs_throughput_err']:.1%}; {v['within_10pct']} within 10% on latency and throughput")
     if skipped:
         print(f"left out: {len(skipped)} runs that lost requests")
     return out
+
+
+def errors(rows: list[dict]) -> dict:
+    return dict(runs=len(rows), mean_abs_latency_err=statistics.fmean(abs(r["latency_err"]) for r in rows),
+                max_abs_latency_err=max(abs(r["latency_err"]) for r in rows),
+                mean_abs_ttft_err=statistics.fmean(abs(r["ttft_err"]) for r in rows),
+                mean_abs_throughput_err=statistics.fmean(abs(r["throughput_err"]) for r in rows),
+                within_10pct=sum(abs(r["latency_err"]) <= 0.1 and abs(r["throughput_err"]) <= 0.1 for r in rows))
+
+
+# -- calibration ----------------------------------------------------------------------------------------
+FIT_START = (0.002, 0.0001, 0.02)      # iteration_s, seq_s, stream_s: where the descent starts
+FIT_STEP = (0.001, 0.00005, 0.01)      # and its first steps (halved each round)
+
+
+def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], report_s: float,
+               rounds: int = 6) -> tuple[ServedCosts, float]:
+    """Served-path costs (per iteration, per sequence, stream delay; all >= 0) that make the simulated mean
+    latency and mean TTFT of ``runs`` closest to the real ones (sum of squared relative errors), by coordinate
+    descent with steps halved each round. Returns them and the objective."""
+    def objective(x) -> float:
+        table = costs.with_served(ServedCosts(x[0], x[1], 0.0, x[2]))
+        total = 0.0
+        for run in runs:
+            _, s, r = replay(table, run, ranks, report_s)
+            total += (s["mean_latency_s"] / r["mean_latency_s"] - 1) ** 2 + (s["mean_ttft_s"] / r["mean_ttft_s"] - 1) ** 2
+        return total
+
+    x, steps = list(FIT_START), list(FIT_STEP)
+    best = objective(x)
+    for _ in range(rounds):
+        moved = True
+        while moved:
+            moved = False
+            for k in range(len(x)):
+                for sign in (1, -1):
+                    y = list(x)
+                    y[k] = max(0.0, y[k] + sign * steps[k])
+                    v = objective(y)
+                    if v < best - 1e-12:
+                        best, x, moved = v, y, True
+        steps = [s / 2 for s in steps]
+    return ServedCosts(x[0], x[1], 0.0, x[2]), best
+
+
+def calibrate(args) -> dict:
+    costs = load_costs(args)
+    real = json.loads(Path(args.real).read_text())
+    runs = real.get("runs", [])
+    ranks = tuple(real.get("config", {}).get("ranks") or (8, 16, 32, 64))
+    for i in args.runs:
+        if not 0 <= i < len(runs) or not complete(runs[i].get("records") or []):
+            raise SystemExit(f"run {i}: not a run of {args.real} with every request complete")
+    chosen = [runs[i] for i in args.runs]
+    t0 = time.perf_counter()
+    served, obj = fit_served(costs, chosen, ranks, args.report_s)
+    labels = ", ".join(f"#{i} ({run_label(runs[i])})" for i in args.runs)
+    served = ServedCosts(served.iteration_s, served.seq_s, served.submit_s, served.stream_s,
+                         source=f"fitted by sim_cluster.py calibrate on runs {labels} of {args.real} "
+                                f"({(real.get('meta') or {}).get('date')})")
+    table = costs.with_served(served)
+    table.meta = dict(costs.meta, served_fit=dict(real=str(args.real), real_date=(real.get("meta") or {}).get("date"),
+                                                  runs=list(args.runs), objective=obj))
+    out_table = args.out_table or (args.out or RESULTS / "sim-cluster-calibrate") / "costs-served.json"
+    out_table.parent.mkdir(parents=True, exist_ok=True)
+    table.save(out_table)
+    print(f"served path: {served.iteration_s * 1e3:.3f} ms per iteration, {served.seq_s * 1e3:.4f} ms per sequence, "
+          f"{served.stream_s * 1e3:.1f} ms to the client (objective {obj:.4g}, {time.perf_counter() - t0:.0f} s)")
+    print(f"table: {out_table}")
+    return dict(costs=args.costs, real=str(args.real), runs=list(args.runs), served=vars(served), objective=obj,
+                table=str(out_table))
 
 
 # -- (b) scale study ----------------------------------------------------------------------------------
@@ -251,6 +370,13 @@ def parse(argv=None) -> argparse.Namespace:
     common.add_argument("--out", type=Path, default=None, help="folder for the JSON (and plots)")
     v = sub.add_parser("validate", parents=[common], help="replay real cluster runs and report the error")
     v.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
+    c = sub.add_parser("calibrate", parents=[common],
+                       help="fit the served path's costs on some real runs; writes the table with them")
+    c.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
+    c.add_argument("--runs", type=csv_ints, required=True,
+                   help="indices (0-based, the order of results.json's runs) of the runs to fit on")
+    c.add_argument("--out-table", type=Path, default=None,
+                   help="table JSON to write (default: OUT/costs-served.json)")
     s = sub.add_parser("scale", parents=[common], help="the policies at 8-256 simulated GPUs, with plots")
     s.add_argument("--gpus", type=csv_ints, default=[8, 32, 128, 256], help="cluster sizes")
     s.add_argument("--policies", default=",".join(POLICIES), help="placement policies to compare")
@@ -279,7 +405,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    res = validate(args) if args.cmd == "validate" else scale(args)
+    res = {"validate": validate, "calibrate": calibrate, "scale": scale}[args.cmd](args)
     res["test_table"] = bool(args.test_table)
     out = args.out or RESULTS / f"sim-cluster-{args.cmd}{'-test-table' if args.test_table else ''}"
     out.mkdir(parents=True, exist_ok=True)
