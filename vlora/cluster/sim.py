@@ -649,15 +649,26 @@ class ClusterSim:
                           "batch_cap": self.batch_cap}, tokens_at)
 
 
-def profiled_batch_cap(costs: CostTable, share: float = 0.9) -> int:
-    """Punica's profiled batch cap: the smallest decode batch of the table whose decode throughput (tokens per
-    second, one adapter per request up to the table's largest count) reaches ``share`` of the best measured."""
-    rates = []
-    for d in costs.decode:
-        if d > 0:
-            a = min(d, costs.adapters[-1])
-            rates.append((d, d / costs.step(0, d, a, d * costs.grid_context)))
-    if not rates:
-        return costs.limits.max_num_seqs
-    best = max(r for _, r in rates)
-    return min(d for d, r in rates if r >= share * best)
+def profiled_batch_cap(costs: CostTable, latency_s: float | None = None) -> int:
+    """Punica's profiled batch cap: the decode batch beyond which a larger batch slows each token more than it
+    raises throughput. With the decode step a line ``s(d) = a + b d`` (least squares over the table's decode
+    points, served costs included, one adapter per request up to the table's largest count), doubling the batch
+    multiplies throughput by ``2 s(d) / s(2d)`` and each token's latency by ``s(2d) / s(d)``; the second is the
+    larger from ``d = a / (sqrt(2) b)`` on, which is the cap. ``latency_s``: also keep the decode step at most
+    this long. Between 1 and the engine's max_num_seqs (that, when the step does not grow with the batch)."""
+    top = costs.limits.max_num_seqs
+    pts = [(d, costs.step(0, d, min(d, costs.adapters[-1]), d * costs.grid_context))
+           for d in costs.decode if 0 < d <= top]
+    cap = top
+    if len(pts) >= 2:
+        mx = statistics.fmean(d for d, _ in pts)
+        my = statistics.fmean(t for _, t in pts)
+        var = sum((d - mx) ** 2 for d, _ in pts)
+        b = sum((d - mx) * (t - my) for d, t in pts) / var
+        a = my - b * mx
+        if b > 0 and a > 0:
+            cap = math.ceil(a / (math.sqrt(2) * b))
+    if latency_s is not None:
+        step = lambda d: costs.step(0, d, min(d, costs.adapters[-1]), d * costs.grid_context)  # noqa: E731
+        cap = min(cap, max((d for d in range(1, top + 1) if step(d) <= latency_s), default=1))
+    return max(1, min(top, cap))
