@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-points", type=int, default=9, help="most rates tried per peak search")
     p.add_argument("--warmup-requests", type=int, default=256, help="requests per replica sent at once before the "
                    "sweep, so that graph captures and kernel compilations land in no measured run (0: none)")
+    p.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
+                   help="end with the kill run (with more than one replica)")
     p.add_argument("--kill-policy", default="round_robin", help="policy of the kill run")
     p.add_argument("--kill-load", type=float, default=0.5, help="kill run rate, as a share of its peak rate with "
                    "all replicas (0.5 of two replicas' peak: what the survivor can carry alone)")
@@ -317,7 +319,7 @@ class Bench:
         write_summary(self.results, self.out)
 
     def time_left(self) -> float:
-        kill = 0.0 if self.results["kill"] is not None else self.args.kill_duration + 15.0
+        kill = 0.0 if self.results["kill"] is not None or not self.args.kill else self.args.kill_duration + 15.0
         return self.args.budget_s - (time.monotonic() - self.t0) - kill
 
     async def warmup(self) -> None:
@@ -531,7 +533,7 @@ async def bench(front, args, out: Path) -> dict:
         await b.warmup()
         b.t0 = time.monotonic()                      # the budget is the sweep's and the kill run's
         await b.sweep()
-        if len(front.replicas) > 1:
+        if len(front.replicas) > 1 and args.kill:
             await b.kill()
     finally:
         front.policy = policy

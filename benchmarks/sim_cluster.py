@@ -69,10 +69,14 @@ def test_table() -> CostTable:
 
 def load_costs(args) -> CostTable:
     if args.test_table:
-        return test_table()
-    if not args.costs:
+        table = test_table()
+    elif not args.costs:
         raise SystemExit("--costs TABLE.json is required (benchmarks/cluster_costs.py writes it), or --test-table")
-    return CostTable.load(args.costs)
+    else:
+        table = CostTable.load(args.costs)
+    if getattr(args, "served", None):
+        table = table.with_served(CostTable.load(args.served).served)
+    return table
 
 
 def summarize(records: list[dict]) -> dict:
@@ -316,7 +320,8 @@ def scale(args) -> dict:
                 log(f"{kind:9s} {gpus:>4} GPUs {policy:13s}: {m['window_tok_s'] or 0:9.0f} tok/s, mean TTFT "
                     f"{m['mean_ttft_s']:7.3f} s, busy GPUs {m['mean_busy_gpus']:6.1f} (used {m['gpus_used']}), "
                     f"{m['migrations']} migrations  [{m['wall_s']:.1f} s]")
-    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, batch_cap=cap, rate_per_gpu=per_gpu,
+    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, served=vars(costs.served), batch_cap=cap,
+               rate_per_gpu=per_gpu,
                settings={k: v for k, v in vars(args).items() if k not in ("func",)}, rows=rows,
                wall_s=time.perf_counter() - t_all)
     return out
@@ -365,6 +370,8 @@ def parse(argv=None) -> argparse.Namespace:
     common.add_argument("--costs", help="cost table JSON written by benchmarks/cluster_costs.py")
     common.add_argument("--test-table", action="store_true",
                         help="a constructed table instead of --costs (checks the script; its numbers mean nothing)")
+    common.add_argument("--served", default=None,
+                        help="take the served path's costs from this table (one that calibrate wrote) instead of those of --costs")
     common.add_argument("--report-s", type=float, default=0.05,
                         help="seconds between replica reports (the cluster's report_interval_s)")
     common.add_argument("--out", type=Path, default=None, help="folder for the JSON (and plots)")
