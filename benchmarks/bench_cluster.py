@@ -303,6 +303,15 @@ def summarize(records: list[dict], duration: float, slo: float) -> dict:
 
 
 # -- the sweep --------------------------------------------------------------------------------------------
+def next_rate(rate: float, met: float | None, missed: float | None, resolution: float) -> float | None:
+    """The peak search's next rate after ``rate``, given the highest rate that met the target and the lowest that
+    missed so far: double until one misses (halve until one meets), then the geometric mean of the two; None
+    once the lowest miss is within ``resolution`` above the highest meet (or below it: noise)."""
+    if met is not None and missed is not None:
+        return None if missed <= met * (1 + resolution) else math.sqrt(met * missed)
+    return rate * 2 if missed is None else rate / 2
+
+
 class Bench:
     def __init__(self, front, args, adapters: dict[str, str], out: Path, meta: dict):
         self.front, self.args, self.adapters, self.out = front, args, adapters, out
@@ -378,12 +387,9 @@ class Bench:
                 met = rate if met is None else max(met, rate)
             else:
                 missed = rate if missed is None else min(missed, rate)
-            if met is not None and missed is not None:
-                if missed <= met * (1 + a.resolution):    # bracketed finely enough (or noise: a lower rate missed)
-                    break
-                rate = math.sqrt(met * missed)
-            else:
-                rate = rate * 2 if missed is None else rate / 2
+            rate = next_rate(rate, met, missed, a.resolution)
+            if rate is None:
+                break
         # bounded: a rate above the peak was tried and missed (else the peak is only a lower bound)
         self.results["peaks"].append(dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=met,
                                           bounded=missed is not None, lowest_miss_rps=missed, runs=points))

@@ -6,8 +6,10 @@
     # (b) scale study: the placement policies at 8 to 256 simulated GPUs, 1,000 adapters, with plots
     python benchmarks/sim_cluster.py scale --costs benchmarks/results/cluster-costs-h100.json
     # calibration: fit the served path's costs on some real runs (then validate on the others)
-    python benchmarks/sim_cluster.py calibrate --costs TABLE.json --real results.json --runs 2 \
+    python benchmarks/sim_cluster.py calibrate --costs TABLE.json --real results.json --runs 2 \\
         --out-table TABLE-served.json
+    # the peak rates benchmarks/bench_cluster.py searches for, predicted
+    python benchmarks/sim_cluster.py peaks --costs TABLE-served.json
 
 (a) rebuilds each real run's trace from its per-request records (arrival, adapter, input and output lengths),
 runs it through the simulator with the run's replica count and policy, and compares the mean latency and
@@ -25,8 +27,8 @@ minimizing the squared relative errors of their mean latency and mean TTFT by co
 ../shared/BENCHMARKS.md (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
 set) over ``--adapters`` adapters, at ``--load`` of the cluster's estimated capacity (one replica's decode
 throughput at its batch cap, from the table, times the GPUs), ``--requests-per-gpu`` requests per GPU. The
-batch cap of the reports is Punica's profiled cap from the table (the smallest decode batch reaching 90% of
-the table's best decode throughput). Plots the output tokens per second the cluster sustains while requests
+batch cap of the reports is Punica's profiled cap from the table (vlora.cluster.sim.profiled_batch_cap: the
+decode batch beyond which a doubled batch slows each token more than it raises throughput). Plots the output tokens per second the cluster sustains while requests
 arrive (second half of the arrival window: finished requests over the whole run would count the drain after
 the last arrival), mean TTFT, busy GPUs (busy GPU-seconds per second; results.json also has the GPUs that ran
 anything) and migrations per request against the GPU count.
@@ -45,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench_cluster (peaks)
 
 from vlora.bench import workloads as W  # noqa: E402
 from vlora.cluster.costs import CostTable, ReplicaLimits, ServedCosts, linear_table  # noqa: E402
@@ -267,6 +270,50 @@ def calibrate(args) -> dict:
                 table=str(out_table))
 
 
+# -- the peak rates bench_cluster.py searches, simulated -----------------------------------------------
+def peaks(args) -> dict:
+    """bench_cluster.py's peak search (its workload, seeds, target and search) on the simulator: the peaks a
+    GPU run of it should find, per popularity, replica count and policy."""
+    import bench_cluster as B
+
+    costs = load_costs(args)
+    b = B.parse_args(["--out", "-", "--popularities", args.popularities, "--policies", args.policies])
+    cap = args.batch_cap or profiled_batch_cap(costs)
+    ranks = tuple(b.ranks)
+
+    def meets(popularity: str, replicas: int, policy: str, rate: float, seed: int) -> dict:
+        specs = B.workload(b, popularity, rate, b.duration, seed)
+        res = ClusterSim(costs, replicas, make_policy(policy), report_s=args.report_s, batch_cap=cap,
+                         adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
+        m = res.metrics()
+        return dict(rate=rate, mean_ttft_s=m["mean_ttft_s"], mean_latency_s=m["mean_latency_s"],
+                    meets=m["mean_ttft_s"] <= b.ttft_slo and m["unserved"] == 0)
+
+    def search(popularity: str, replicas: int, policy: str, start: float) -> dict:
+        rate, met, missed, runs = start, None, None, []
+        while rate is not None and len(runs) < b.max_points:
+            row = meets(popularity, replicas, policy, rate, b.seed + len(runs))
+            runs.append(row)
+            if row["meets"]:
+                met = rate if met is None else max(met, rate)
+            else:
+                missed = rate if missed is None else min(missed, rate)
+            rate = B.next_rate(rate, met, missed, b.resolution)
+        log(f"{popularity:6s} {replicas} replica(s) {policy:13s}: peak {met or 0:7.2f} req/s (lowest miss "
+            f"{missed or 0:.2f}, {len(runs)} runs)")
+        return dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=met, lowest_miss_rps=missed,
+                    runs=runs)
+
+    rows = []
+    for popularity in b.popularities:
+        one = search(popularity, 1, "round_robin", b.start_rate)
+        rows.append(one)
+        for policy in b.policies:
+            rows.append(search(popularity, b.replicas, policy, b.replicas * (one["peak_rps"] or b.start_rate)))
+    return dict(costs=args.costs or "test table", costs_meta=costs.meta, served=vars(costs.served), batch_cap=cap,
+                bench_settings={k: v for k, v in vars(b).items() if k != "out"}, peaks=rows)
+
+
 # -- (b) scale study ----------------------------------------------------------------------------------
 WORKLOADS = ("synthetic", "skewed", "dynamic")
 
@@ -384,6 +431,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="indices (0-based, the order of results.json's runs) of the runs to fit on")
     c.add_argument("--out-table", type=Path, default=None,
                    help="table JSON to write (default: OUT/costs-served.json)")
+    k = sub.add_parser("peaks", parents=[common], help="bench_cluster.py's peak-rate search, simulated")
+    k.add_argument("--popularities", default="zipf,skewed", help="adapter popularities (zipf, skewed)")
+    k.add_argument("--policies", default="consolidate,affinity,round_robin,least_loaded",
+                   help="placement policies with all replicas")
+    k.add_argument("--batch-cap", type=int, default=None, help="batch cap in the reports (default: profiled)")
     s = sub.add_parser("scale", parents=[common], help="the policies at 8-256 simulated GPUs, with plots")
     s.add_argument("--gpus", type=csv_ints, default=[8, 32, 128, 256], help="cluster sizes")
     s.add_argument("--policies", default=",".join(POLICIES), help="placement policies to compare")
@@ -391,8 +443,9 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--adapters", type=int, default=1000, help="adapters (ranks 8, 16, 32, 64 in turn)")
     s.add_argument("--load", type=float, default=0.7, help="request rate as a share of the estimated capacity")
     s.add_argument("--rate-per-gpu", type=float, default=None, help="request rate per GPU (overrides --load)")
-    s.add_argument("--requests-per-gpu", type=int, default=40,
-                   help="requests per simulated GPU (sets the arrival window: the run's cost grows with it)")
+    s.add_argument("--requests-per-gpu", type=int, default=200,
+                   help="requests per simulated GPU (sets the arrival window: long enough for the batches to reach "
+                        "steady state; the run's cost grows with it)")
     s.add_argument("--input-range", type=csv_ints, default=[8, 512], help="MIN,MAX prompt tokens")
     s.add_argument("--output-range", type=csv_ints, default=[8, 512], help="MIN,MAX output tokens")
     s.add_argument("--batch-cap", type=int, default=None, help="batch cap in the reports (default: profiled)")
@@ -412,7 +465,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    res = {"validate": validate, "calibrate": calibrate, "scale": scale}[args.cmd](args)
+    res = {"validate": validate, "calibrate": calibrate, "peaks": peaks, "scale": scale}[args.cmd](args)
     res["test_table"] = bool(args.test_table)
     out = args.out or RESULTS / f"sim-cluster-{args.cmd}{'-test-table' if args.test_table else ''}"
     out.mkdir(parents=True, exist_ok=True)
