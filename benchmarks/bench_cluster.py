@@ -66,7 +66,8 @@ TRACE_FORMAT = {
     "replicas": "replica ids that served it, in order (more than one: it migrated or failed over)",
     "moves": "migrations and failovers it went through",
     "placed_s": "when the front's policy first placed it (seconds from the start of its run; null: never)",
-    "submitted_s": "when a replica first accepted it",
+    "submitted_s": "when the front had a replica's acceptance (the reply to its submit call; the first token may "
+                   "already have left the replica)",
     "first_token_replica_s": "when its first token left the replica (the replica's output list was sent)",
     "first_token_front_s": "when its first token reached the front (arrival_s + ttft_s: when the client had it)",
 }
@@ -476,10 +477,10 @@ def write_summary(results: dict, out: Path) -> Path:
         peak = ("" if p["bounded"] or p["peak_rps"] is None else ">= ") + _fmt(p["peak_rps"])
         lines.append(f"| {p['popularity']} | {p['replicas']} | {p['policy']} | {peak} | "
                      f"{_fmt(p.get('lowest_miss_rps'))} | {ratio} |")
-    lines += ["", "Per run; the TTFT split (means, ms): arrival to a replica's acceptance, acceptance to the first "
-              "token leaving the replica, replica to front.", "",
-              "| popularity | replicas | policy | rate | mean TTFT s | p99 TTFT s | mean latency s | complete | "
-              "moves | to replica | engine | stream |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Per run; the TTFT split (means, ms): arrival to placement by the front's policy, placement to the "
+              "first token leaving the replica (the submit call, the engine's queue, the prefill), replica to front.",
+              "", "| popularity | replicas | policy | rate | mean TTFT s | p99 TTFT s | mean latency s | complete | "
+              "moves | placement | replica | stream |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         split = ttft_split(r["records"])
         lines.append(f"| {r['popularity']} | {r['replicas']} | {r['policy']} | {r['rate']:.2f} | "
@@ -504,14 +505,14 @@ def write_summary(results: dict, out: Path) -> Path:
 
 
 def ttft_split(records: list[dict]) -> tuple[float | None, float | None, float | None]:
-    """Mean seconds from arrival to a replica's acceptance, from acceptance to the first token leaving the replica,
-    and from there to the front, over the requests whose stamps are all there."""
-    rows = [r for r in records if None not in (r.get("submitted_s"), r.get("first_token_replica_s"),
+    """Mean seconds from arrival to placement, from placement to the first token leaving the replica, and from
+    there to the front, over the requests whose stamps are all there."""
+    rows = [r for r in records if None not in (r.get("placed_s"), r.get("first_token_replica_s"),
                                                 r.get("first_token_front_s"))]
     if not rows:
         return None, None, None
-    return (statistics.fmean(r["submitted_s"] - r["arrival_s"] for r in rows),
-            statistics.fmean(r["first_token_replica_s"] - r["submitted_s"] for r in rows),
+    return (statistics.fmean(r["placed_s"] - r["arrival_s"] for r in rows),
+            statistics.fmean(r["first_token_replica_s"] - r["placed_s"] for r in rows),
             statistics.fmean(r["first_token_front_s"] - r["first_token_replica_s"] for r in rows))
 
 

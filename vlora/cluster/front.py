@@ -79,8 +79,9 @@ class _Flight:
     moves: int = 0                                       # migrations and failovers
     detok: Seq | None = None                             # after a move: the text is detokenized here
     inbox: asyncio.Queue | None = None                   # its replica's outputs (or _LOST), while on one
-    # wall-clock times of its first placement ("placed"), first acceptance by a replica ("submitted"), and of its
-    # first token leaving the replica ("first_replica") and reaching the front ("first_front"): where its TTFT goes
+    # wall-clock times of its first placement ("placed"), of the first acceptance by a replica reaching the front
+    # ("submitted"), and of its first token leaving the replica ("first_replica") and reaching the front
+    # ("first_front"): where its TTFT goes
     stamps: dict[str, float] = field(default_factory=dict)
 
     def info(self) -> RequestInfo:
