@@ -399,6 +399,8 @@ def plot_scale(res: dict, path: Path) -> None:
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
     src = res["costs_meta"].get("device", "?")
+    if any(v for k, v in (res.get("served") or {}).items() if k != "source"):
+        src += "; served path calibrated"
     fig.suptitle(f"simulated cluster, {res['settings']['adapters']} adapters, {res['rate_per_gpu']:.2f} req/s per "
                  f"GPU, batch cap {res['batch_cap']} (cost table: {src})", fontsize=10)
     fig.tight_layout()
