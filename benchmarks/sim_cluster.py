@@ -212,11 +212,40 @@ FIT_START = (0.002, 0.0001, 0.02)      # iteration_s, seq_s, stream_s: where the
 FIT_STEP = (0.001, 0.00005, 0.01)      # and its first steps (halved each round)
 
 
+def measured_stream_s(runs: list[dict]) -> float | None:
+    """Mean seconds from a first token leaving its replica to the front, over the requests of ``runs`` that
+    recorded both (bench_cluster.py's stamps); None when none did."""
+    gaps = [r["first_token_front_s"] - r["first_token_replica_s"] for run in runs for r in run.get("records") or ()
+            if r.get("first_token_front_s") is not None and r.get("first_token_replica_s") is not None]
+    return statistics.fmean(gaps) if gaps else None
+
+
+def step_gaps(run: dict, idle_s: float = 0.05) -> dict | None:
+    """What a run's engine step logs say of the served loop: per step, the time from its end to the next step's
+    start (the async engine's loop, the actor's outputs, under one interpreter lock), fitted as a line in the
+    step's outputs over consecutive steps less than ``idle_s`` apart; and the mean Engine.step time."""
+    pts, steps_s = [], []
+    for log_ in (run.get("steps") or {}).values():
+        for (b0, d0, n0, _), (b1, _, _, _) in zip(log_, log_[1:]):
+            steps_s.append(d0)
+            gap = b1 - b0 - d0
+            if 0 <= gap < idle_s:
+                pts.append((n0, gap))
+    if len(pts) < 2:
+        return None
+    mx, my = statistics.fmean(n for n, _ in pts), statistics.fmean(g for _, g in pts)
+    var = sum((n - mx) ** 2 for n, _ in pts)
+    slope = sum((n - mx) * (g - my) for n, g in pts) / var if var else 0.0
+    return dict(steps=len(pts), mean_gap_s=my, gap_per_step_s=my - slope * mx, gap_per_output_s=slope,
+                mean_step_s=statistics.fmean(steps_s))
+
+
 def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], report_s: float,
-               rounds: int = 6) -> tuple[ServedCosts, float]:
+               rounds: int = 6, stream_s: float | None = None) -> tuple[ServedCosts, float]:
     """Served-path costs (per iteration, per sequence, stream delay; all >= 0) that make the simulated mean
     latency and mean TTFT of ``runs`` closest to the real ones (sum of squared relative errors), by coordinate
-    descent with steps halved each round. Returns them and the objective."""
+    descent with steps halved each round. ``stream_s``: the stream delay as measured (then not fitted).
+    Returns them and the objective."""
     def objective(x) -> float:
         table = costs.with_served(ServedCosts(x[0], x[1], 0.0, x[2]))
         total = 0.0
@@ -226,12 +255,15 @@ def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], repor
         return total
 
     x, steps = list(FIT_START), list(FIT_STEP)
+    free = range(3)
+    if stream_s is not None:
+        x[2], free = stream_s, range(2)
     best = objective(x)
     for _ in range(rounds):
         moved = True
         while moved:
             moved = False
-            for k in range(len(x)):
+            for k in free:
                 for sign in (1, -1):
                     y = list(x)
                     y[k] = max(0.0, y[k] + sign * steps[k])
@@ -252,11 +284,18 @@ def calibrate(args) -> dict:
             raise SystemExit(f"run {i}: not a run of {args.real} with every request complete")
     chosen = [runs[i] for i in args.runs]
     t0 = time.perf_counter()
-    served, obj = fit_served(costs, chosen, ranks, args.report_s)
+    stream = None if args.fit_stream else measured_stream_s(chosen)
+    served, obj = fit_served(costs, chosen, ranks, args.report_s, stream_s=stream)
     labels = ", ".join(f"#{i} ({run_label(runs[i])})" for i in args.runs)
+    how = "the stream delay measured from the runs' stamps, the rest " if stream is not None else ""
     served = ServedCosts(served.iteration_s, served.seq_s, served.submit_s, served.stream_s,
-                         source=f"fitted by sim_cluster.py calibrate on runs {labels} of {args.real} "
+                         source=f"{how}fitted by sim_cluster.py calibrate on runs {labels} of {args.real} "
                                 f"({(real.get('meta') or {}).get('date')})")
+    gaps = {i: step_gaps(runs[i]) for i in args.runs}
+    for i, g in gaps.items():
+        if g is not None:
+            print(f"run {i}: {g['steps']} busy steps, Engine.step {g['mean_step_s'] * 1e3:.2f} ms on average, then "
+                  f"{g['gap_per_step_s'] * 1e3:.3f} ms + {g['gap_per_output_s'] * 1e3:.4f} ms per output to the next")
     table = costs.with_served(served)
     table.meta = dict(costs.meta, served_fit=dict(real=str(args.real), real_date=(real.get("meta") or {}).get("date"),
                                                   runs=list(args.runs), objective=obj))
@@ -267,7 +306,7 @@ def calibrate(args) -> dict:
           f"{served.stream_s * 1e3:.1f} ms to the client (objective {obj:.4g}, {time.perf_counter() - t0:.0f} s)")
     print(f"table: {out_table}")
     return dict(costs=args.costs, real=str(args.real), runs=list(args.runs), served=vars(served), objective=obj,
-                table=str(out_table))
+                measured_stream_s=stream, step_gaps=gaps, table=str(out_table))
 
 
 # -- the peak rates bench_cluster.py searches, simulated -----------------------------------------------
@@ -433,6 +472,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="indices (0-based, the order of results.json's runs) of the runs to fit on")
     c.add_argument("--out-table", type=Path, default=None,
                    help="table JSON to write (default: OUT/costs-served.json)")
+    c.add_argument("--fit-stream", action="store_true",
+                   help="fit the stream delay even when the runs' stamps measure it (first token leaving the "
+                        "replica to reaching the front)")
     k = sub.add_parser("peaks", parents=[common], help="bench_cluster.py's peak-rate search, simulated")
     k.add_argument("--popularities", default="zipf,skewed", help="adapter popularities (zipf, skewed)")
     k.add_argument("--policies", default="consolidate,affinity,round_robin,least_loaded",

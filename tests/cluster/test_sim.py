@@ -276,6 +276,9 @@ def test_calibration_fits_served_costs_that_predict_the_other_runs(tmp_path):
         recs = mod.sim_records(ClusterSim(truth, n, make_policy("least_loaded")).run(specs))
         for r in recs:
             r["replicas"] = [r.pop("replica")]
+            # the stamps bench_cluster.py records: the first token left the replica 20 ms before the client had it
+            r["first_token_front_s"] = r["arrival_s"] + r["ttft_s"]
+            r["first_token_replica_s"] = r["first_token_front_s"] - 0.02
         runs.append(dict(popularity="zipf", replicas=n, policy="least_loaded", rate=rate, records=recs))
     real = tmp_path / "results.json"
     real.write_text(json.dumps(dict(meta=dict(date="d1"), config=dict(ranks=[8, 16, 32, 64]), runs=runs)))
@@ -283,6 +286,7 @@ def test_calibration_fits_served_costs_that_predict_the_other_runs(tmp_path):
     res = mod.main(["calibrate", "--test-table", "--real", str(real), "--runs", "1", "--out-table", str(table),
                     "--out", str(tmp_path / "c")])
     assert res["objective"] < 1e-3 and CostTable.load(table).meta["served_fit"]["runs"] == [1]
+    assert res["measured_stream_s"] == pytest.approx(0.02) == CostTable.load(table).served.stream_s
     v = mod.main(["validate", "--costs", str(table), "--real", str(real), "--out", str(tmp_path / "v")])
     rows = {r["index"]: r for r in v["rows"]}
     assert rows[1]["calibration"] and not rows[0]["calibration"]
@@ -304,3 +308,16 @@ def test_cluster_config_profiles_the_batch_cap_from_a_cost_table(tmp_path):
     assert ClusterConfig().profiled_batch_cap() is None                    # the engine's max_num_seqs
     with pytest.raises(ConfigError, match="cost_table"):
         ClusterConfig(cost_table=str(tmp_path / "missing.json"))
+
+
+def test_step_logs_give_the_served_loop_between_steps():
+    mod = _bench_module("sim_cluster")
+    log, t = [], 0.0
+    for i in range(40):                      # steps of 10 ms, then 1 ms + 0.1 ms per output to the next one
+        n = 1 + i % 7
+        log.append([t, 0.010, n, n])
+        t += 0.010 + 0.001 + 0.0001 * n
+    log.append([t + 1.0, 0.010, 1, 1])       # after an idle second: not a gap of the loop
+    g = mod.step_gaps({"steps": {"0": log}})
+    assert g["steps"] == 39 and g["mean_step_s"] == pytest.approx(0.010)
+    assert g["gap_per_step_s"] == pytest.approx(0.001) and g["gap_per_output_s"] == pytest.approx(0.0001)
