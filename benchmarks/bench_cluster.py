@@ -8,22 +8,28 @@ two popularities: zipf (adapter i's share proportional to 1/(i+1)) and skewed (t
 ``--skewness`` of the requests, the others share the rest).
 
 One cluster of ``--replicas`` replicas (TP=1, one GPU each through Ray's num_gpus) serves every run; a
-"1 replica" run restricts placement to replica 0, so both sides pay the same front and Ray costs. For each
-(popularity, replicas, policy) the request rate is searched: x or / ``--rate-step`` until one rate meets the
-mean-TTFT target ``--ttft-slo`` (with every request complete) and one misses it, then bisected (geometric
-mean), ``--max-points`` runs for one replica (from ``--start-rate``) and one fewer per policy with all
-replicas (from 0.95 x replicas x one replica's peak: a first run that meets the target shows the scaling).
-The peak is the highest rate that met it. 1-replica runs do not depend on the policy and run once per
-popularity. Last, the kill run: all replicas under ``--kill-policy`` at ``--kill-load`` of its peak rate, the
-last replica killed (ray.kill; Ray restarts it) ``--kill-at`` of the way in: requests lost (not finished with
-all their tokens), failovers, the latency of requests in flight at the kill against the others, and when
-the replica rejoined.
+"1 replica" run restricts placement to replica 0, so both sides pay the same front and Ray costs. Before
+the sweep a warm-up burst (``--warmup-requests`` per replica, at once) runs every replica through the batch
+sizes of the runs, so that CUDA-graph captures and kernel compilations do not land in a measured run.
+
+For each (popularity, replicas, policy) the peak rate is searched: a run meets the target when its mean TTFT
+is at most ``--ttft-slo`` with every request complete. From the first rate (``--start-rate`` per replica for
+one replica; twice one replica's peak for all replicas) the rate doubles until a run misses (or halves until
+one meets), then the bracket is bisected (geometric mean) until its ends are within ``--resolution`` of
+each other; the peak is the highest rate that met the target. A run stops as soon as its mean TTFT is sure
+to miss (the TTFTs so far, counting the requests still waiting at their wait so far, exceed the target
+times the requests of the run), so overloaded runs cost little. 1-replica runs do not depend on the policy
+and run once per popularity. Last, the kill run: all replicas under ``--kill-policy`` at ``--kill-load`` of
+its peak rate, the last replica killed (ray.kill; Ray restarts it) ``--kill-at`` of the way in: requests
+lost (not finished with all their tokens), failovers, the latency of requests in flight at the kill against
+the others, and when the replica rejoined.
 
 Runs are ordered by importance and skipped once ``--budget-s`` would be exceeded (the kill run keeps its
-share). Writes ``--out``/results.json (config, every run with its per-request records, peaks, the kill run,
-the trace format) after each run, and summary.md at the end.
+share). After every run results.json (config, every run with its per-request records and each replica's
+engine steps, peaks, the kill run, the trace format) and summary.md are written again, so a run cut short
+keeps what finished.
 
-    python benchmarks/bench_cluster.py --out benchmarks/results/cluster-h100x2     # two GPUs: about 8 minutes
+    python benchmarks/bench_cluster.py --popularities zipf --out benchmarks/results/cluster-h100x2   # 2 GPUs
     python benchmarks/bench_cluster.py --dry-run --out /tmp/cluster-dry            # tiny model on CPUs: ~1 minute
 """
 
@@ -59,16 +65,25 @@ TRACE_FORMAT = {
     "finish_reason": "length when complete; abort / error / null otherwise",
     "replicas": "replica ids that served it, in order (more than one: it migrated or failed over)",
     "moves": "migrations and failovers it went through",
+    "placed_s": "when the front's policy first placed it (seconds from the start of its run; null: never)",
+    "submitted_s": "when the front had a replica's acceptance (the reply to its submit call; the first token may "
+                   "already have left the replica)",
+    "first_token_replica_s": "when its first token left the replica (the replica's output list was sent)",
+    "first_token_front_s": "when its first token reached the front (arrival_s + ttft_s: when the client had it)",
 }
+STEP_FORMAT = ("each run's steps[replica id]: [began_s, seconds, outputs, running] per engine step of that replica: "
+               "when it began (from the start of the run), how long Engine.step took, the outputs it gave, the "
+               "sequences running after it")
 DRY_RUN = dict(model="random:tiny-llama", dtype="float32", device="cpu", adapters=4, ranks="4,8",
                input_range="4,24", output_range="4,16", duration=2.0, start_rate=4.0, max_points=2,
-               kill_duration=4.0, budget_s=120.0, num_blocks=64, ray_num_cpus=2, drain_s=20.0, rejoin_wait=0.0)
+               kill_duration=4.0, budget_s=120.0, num_blocks=64, ray_num_cpus=2, drain_s=20.0, rejoin_wait=0.0,
+               warmup_requests=4)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Expected duration on two H100s: about "
-                                "8 minutes: start-up 1-2 min (weights, kernels, writing and loading the adapters), "
-                                "the sweep and kill run --budget-s, the killed replica's rejoin up to --rejoin-wait.")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " Expected duration on two H100s: start-up "
+                                "about 1 min (weights, kernels, writing and loading the adapters), the warm-up, the "
+                                "sweep and kill run within --budget-s, the killed replica's rejoin up to --rejoin-wait.")
     p.add_argument("--model", default="random:llama-2-7b", help="model of every replica")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="auto", help="replicas' device (auto: CUDA when the replica sees a GPU)")
@@ -83,15 +98,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policies", default=None, help="placement policies (default: every one vlora.cluster knows)")
     p.add_argument("--input-range", default="8,256", help="MIN,MAX prompt tokens")
     p.add_argument("--output-range", default="8,128", help="MIN,MAX output tokens")
-    p.add_argument("--duration", type=float, default=6.0, help="seconds of arrivals per run")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per run")
     p.add_argument("--drain-s", type=float, default=15.0, help="after the arrivals, seconds a run waits for its "
                    "requests before aborting the rest (they count as not meeting the TTFT target)")
     p.add_argument("--ttft-slo", type=float, default=0.5, help="mean TTFT target (s) that defines the peak rate")
-    p.add_argument("--start-rate", type=float, default=6.0, help="first rate tried, req/s per replica")
-    p.add_argument("--rate-step", type=float, default=1.5, help="factor between two rates tried until the peak is "
-                   "bracketed (then bisected)")
-    p.add_argument("--max-points", type=int, default=4, help="most rates tried for one replica's peak (one fewer "
-                   "per policy with all replicas)")
+    p.add_argument("--start-rate", type=float, default=8.0, help="first rate tried for one replica, req/s (all "
+                   "replicas start at twice one replica's peak)")
+    p.add_argument("--resolution", type=float, default=0.1, help="the search stops when the lowest rate that "
+                   "missed is within this share above the highest that met the target")
+    p.add_argument("--max-points", type=int, default=9, help="most rates tried per peak search")
+    p.add_argument("--warmup-requests", type=int, default=256, help="requests per replica sent at once before the "
+                   "sweep, so that graph captures and kernel compilations land in no measured run (0: none)")
+    p.add_argument("--kill", action=argparse.BooleanOptionalAction, default=True,
+                   help="end with the kill run (with more than one replica)")
     p.add_argument("--kill-policy", default="round_robin", help="policy of the kill run")
     p.add_argument("--kill-load", type=float, default=0.5, help="kill run rate, as a share of its peak rate with "
                    "all replicas (0.5 of two replicas' peak: what the survivor can carry alone)")
@@ -102,7 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=300.0, help="seconds the sweep and the kill run may take after "
                    "start-up (runs that would not fit are skipped and listed)")
     p.add_argument("--batch-cap", type=int, default=None, help="batch cap the replicas report to the policies "
-                   "(Punica's consolidation fills a replica up to it; default: the engine's max_num_seqs)")
+                   "(Punica's consolidation fills a replica up to it; default: profiled from --costs, else the "
+                   "engine's max_num_seqs)")
+    p.add_argument("--costs", default=None, help="cost table of this model and GPU (benchmarks/cluster_costs.py, "
+                   "served costs included when calibrated) to profile the batch cap from")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pages per replica (default: sized to the GPU)")
     p.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray cluster")
     p.add_argument("--seed", type=int, default=0)
@@ -179,17 +201,22 @@ class Only:
 
 
 # -- one run ----------------------------------------------------------------------------------------------
-async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None) -> list[dict]:
+async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None, slo: float | None = None,
+                   t0: list | None = None) -> list[dict]:
     """Send ``specs`` open loop, each at its arrival; per-request records. ``at = (t, fn)``: ``await fn()``
-    ``t`` seconds in."""
+    ``t`` seconds in. ``slo``: stop (aborting what is left) as soon as the mean TTFT is sure to exceed it.
+    ``t0``: a list the run's start (wall clock) is appended to."""
     from vlora.engine.async_engine import Job
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(s.input_len)] for s in specs]
     records = [dict(arrival_s=s.arrival_s, adapter=s.adapter, input_len=s.input_len, output_len=s.output_len,
-                    ttft_s=None, latency_s=None, tokens=0, finish_reason=None, replicas=[], moves=0)
+                    ttft_s=None, latency_s=None, tokens=0, finish_reason=None, replicas=[], moves=0,
+                    placed_s=None, submitted_s=None, first_token_replica_s=None, first_token_front_s=None)
                for s in specs]
-    start = time.monotonic()
+    start, wall = time.monotonic(), time.time()
+    if t0 is not None:
+        t0.append(wall)
 
     async def one(i, spec):
         rec, rid = records[i], f"bench-{seed}-{i}"
@@ -209,6 +236,12 @@ async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None)
                     rec["replicas"].append(f.replica.replica_id)
                 if out.delta_token_ids and rec["ttft_s"] is None:
                     rec["ttft_s"] = now - spec.arrival_s
+                    rec["first_token_front_s"] = now
+                    if f is not None:
+                        for key, name in (("placed", "placed_s"), ("submitted", "submitted_s"),
+                                          ("first_replica", "first_token_replica_s")):
+                            if key in f.stamps:
+                                rec[name] = f.stamps[key] - wall
                 rec["tokens"] = len(out.token_ids)
                 if f is not None:
                     rec["moves"] = f.moves
@@ -227,11 +260,27 @@ async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None)
             await at[1]()
         tasks.append(asyncio.ensure_future(trigger()))
     horizon = (specs[-1].arrival_s if specs else 0.0) + drain_s
-    done, pending = await asyncio.wait(tasks, timeout=horizon + 1.0)
+    ends = [asyncio.gather(*tasks[:len(specs)], return_exceptions=True)]       # every request done
+    if slo is not None:
+        ends.append(asyncio.ensure_future(_watch_slo(records, start, slo)))    # or the target missed for sure
+    await asyncio.wait(ends, timeout=horizon + 1.0, return_when=asyncio.FIRST_COMPLETED)
+    pending = [t for t in tasks + ends if not t.done()]
     for t in pending:                 # overloaded: what has not finished by now is aborted (group.abort above)
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     return records
+
+
+async def _watch_slo(records: list[dict], start: float, slo: float) -> None:
+    """Return once the run's mean TTFT is sure to exceed ``slo``: the TTFTs so far plus the waits so far of the
+    requests that have arrived without a first token exceed ``slo`` times the requests of the run."""
+    while True:
+        await asyncio.sleep(0.1)
+        now = time.monotonic() - start
+        total = sum(r["ttft_s"] if r["ttft_s"] is not None else max(0.0, now - r["arrival_s"]) for r in records)
+        if total > slo * len(records):
+            log(f"the mean TTFT is past {slo} s whatever comes: stopping the run {now:.1f} s in")
+            return
 
 
 def summarize(records: list[dict], duration: float, slo: float) -> dict:
@@ -255,83 +304,112 @@ def summarize(records: list[dict], duration: float, slo: float) -> dict:
 
 
 # -- the sweep --------------------------------------------------------------------------------------------
+def next_rate(rate: float, met: float | None, missed: float | None, resolution: float) -> float | None:
+    """The peak search's next rate after ``rate``, given the highest rate that met the target and the lowest that
+    missed so far: double until one misses (halve until one meets), then the geometric mean of the two; None
+    once the lowest miss is within ``resolution`` above the highest meet (or below it: noise)."""
+    if met is not None and missed is not None:
+        return None if missed <= met * (1 + resolution) else math.sqrt(met * missed)
+    return rate * 2 if missed is None else rate / 2
+
+
 class Bench:
     def __init__(self, front, args, adapters: dict[str, str], out: Path, meta: dict):
         self.front, self.args, self.adapters, self.out = front, args, adapters, out
         self.results = dict(meta=meta, config={k: v for k, v in vars(args).items()}, trace_format=TRACE_FORMAT,
+                            step_format=STEP_FORMAT, batch_cap=getattr(front, "batch_cap", None), warmup=None,
                             runs=[], peaks=[], kill=None, skipped=[])
         self.t0 = time.monotonic()
         self.run_cost = args.duration + 5.0          # a run at a sustainable rate: arrivals + the last requests
 
     def save(self) -> None:
+        """results.json and summary.md as they stand (after every run: a run cut short keeps what finished)."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1, default=str))
+        write_summary(self.results, self.out)
 
     def time_left(self) -> float:
-        kill = 0.0 if self.results["kill"] is not None else self.args.kill_duration + 15.0
+        kill = 0.0 if self.results["kill"] is not None or not self.args.kill else self.args.kill_duration + 15.0
         return self.args.budget_s - (time.monotonic() - self.t0) - kill
+
+    async def warmup(self) -> None:
+        """--warmup-requests per replica at once, round robin: every replica's batch passes through the sizes of
+        the runs (graph captures, kernel compilations) before any measured run."""
+        a, front = self.args, self.front
+        n = a.warmup_requests * len(front.replicas)
+        if n <= 0:
+            return
+        front.policy = make_policy("round_robin")
+        specs = workload(a, a.popularities[0], n, 1.0, a.seed + 999)        # about n requests within a second
+        t = time.monotonic()
+        records = await run_load(front, specs, front.info.vocab_size, a.seed + 999, a.drain_s)
+        await front.step_logs()                      # not part of any run
+        done = sum(r["finish_reason"] == "length" for r in records)
+        self.results["warmup"] = dict(requests=len(specs), complete=done, wall_s=time.monotonic() - t)
+        log(f"warm-up: {done}/{len(specs)} requests in {time.monotonic() - t:.1f} s")
 
     async def run(self, popularity: str, replicas: int, policy: str, rate: float, seed: int) -> dict:
         base = make_policy(policy)
         self.front.policy = base if replicas == len(self.front.replicas) else Only(base, range(replicas))
         specs = workload(self.args, popularity, rate, self.args.duration, seed)
-        t, lists = time.monotonic(), self.front.output_lists
-        records = await run_load(self.front, specs, self.front.info.vocab_size, seed, self.args.drain_s)
+        t, lists, t0 = time.monotonic(), self.front.output_lists, []
+        await self.front.step_logs()                 # drop what came before the run
+        records = await run_load(self.front, specs, self.front.info.vocab_size, seed, self.args.drain_s,
+                                 slo=self.args.ttft_slo, t0=t0)
+        steps = {rid: [[round(b - t0[0], 4), round(d, 5), n, k] for b, d, n, k in log_]
+                 for rid, log_ in (await self.front.step_logs()).items()}
         summary = summarize(records, self.args.duration, self.args.ttft_slo)
         row = dict(popularity=popularity, replicas=replicas, policy=policy, rate=rate, wall_s=time.monotonic() - t,
-                   **summary, output_lists=self.front.output_lists - lists, records=records)
+                   **summary, output_lists=self.front.output_lists - lists, records=records, steps=steps)
         self.results["runs"].append(row)
         self.save()
         log(f"{popularity:6s} {replicas} replica(s) {policy:14s} {rate:6.2f} req/s: mean TTFT "
             f"{_fmt(summary['mean_ttft_s'])} s, {summary['complete']}/{summary['requests']} complete, "
             f"{'meets' if summary['meets_slo'] else 'misses'} the target")
-        self.run_cost = max(self.run_cost, row["wall_s"])
+        if summary["meets_slo"]:
+            self.run_cost = max(self.run_cost, row["wall_s"])
         return row
 
-    async def peak(self, popularity: str, replicas: int, policy: str, start: float, points: int) -> float | None:
-        """The highest rate found whose mean TTFT meets the target (None: none did, or no time was left): rates
-        x/÷ --rate-step from ``start`` until one meets it and one misses, then the geometric mean of the two
-        closest, up to ``points`` runs."""
-        a, rate, best, worst = self.args, start, None, None
-        for k in range(points):
+    async def peak(self, popularity: str, replicas: int, policy: str, start: float) -> float | None:
+        """The highest rate found whose mean TTFT meets the target (None: none did, or no time was left): from
+        ``start`` the rate doubles until a run misses (halves until one meets), then the bracket is bisected
+        (geometric mean) until the lowest miss is within --resolution above the highest meet."""
+        a, rate = self.args, start
+        met, missed, points = None, None, 0
+        while points < a.max_points:
             if self.time_left() < self.run_cost:
                 self.results["skipped"].append(dict(popularity=popularity, replicas=replicas, policy=policy,
                                                     rate=rate))
                 log(f"out of time: skipping {popularity} {replicas} replica(s) {policy} at {rate:.2f} req/s")
                 break
-            row = await self.run(popularity, replicas, policy, rate, a.seed + k)
+            row = await self.run(popularity, replicas, policy, rate, a.seed + points)
+            points += 1
             if row["meets_slo"]:
-                best = rate if best is None else max(best, rate)
+                met = rate if met is None else max(met, rate)
             else:
-                worst = rate if worst is None else min(worst, rate)
-            if best is not None and worst is not None:
-                if worst <= best:                 # noise: a lower rate missed where a higher one met
-                    break
-                rate = math.sqrt(best * worst)
-            else:
-                rate = rate * a.rate_step if worst is None else rate / a.rate_step
+                missed = rate if missed is None else min(missed, rate)
+            rate = next_rate(rate, met, missed, a.resolution)
+            if rate is None:
+                break
         # bounded: a rate above the peak was tried and missed (else the peak is only a lower bound)
-        self.results["peaks"].append(dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=best,
-                                          bounded=worst is not None))
+        self.results["peaks"].append(dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=met,
+                                          bounded=missed is not None, lowest_miss_rps=missed, runs=points))
         self.save()
-        return best
+        return met
 
     async def sweep(self) -> None:
-        """One replica's peak per popularity, then each policy's with all replicas, searched from the target
-        (replicas x 0.95 x one replica's peak) so that a first run meeting it already answers the question.
-        Order: for every popularity one replica and the first policy, then the other policies (what the budget
-        leaves out comes last)."""
+        """One replica's peak per popularity, then each policy's with all replicas, searched from twice one
+        replica's peak. Order: for every popularity one replica and the first policy, then the other policies
+        (what the budget leaves out comes last)."""
         a, n = self.args, len(self.front.replicas)
         ones = {}
         for popularity in a.popularities:
-            ones[popularity] = await self.peak(popularity, 1, "round_robin", a.start_rate, a.max_points)
+            ones[popularity] = await self.peak(popularity, 1, "round_robin", a.start_rate)
             if n > 1:
-                await self.peak(popularity, n, a.policies[0], 0.95 * n * (ones[popularity] or a.start_rate),
-                                max(1, a.max_points - 1))
+                await self.peak(popularity, n, a.policies[0], n * (ones[popularity] or a.start_rate))
         for policy in a.policies[1:] if n > 1 else ():
             for popularity in a.popularities:
-                await self.peak(popularity, n, policy, 0.95 * n * (ones[popularity] or a.start_rate),
-                                max(1, a.max_points - 1))
+                await self.peak(popularity, n, policy, n * (ones[popularity] or a.start_rate))
 
     async def kill(self) -> None:
         """All replicas under --kill-policy; the last one killed --kill-at of the way through."""
@@ -388,20 +466,27 @@ def write_summary(results: dict, out: Path) -> Path:
              f"Model {cfg['model']} ({cfg['dtype']}), {cfg['adapters']} adapters (ranks {cfg['ranks']}), "
              f"inputs {cfg['input_range']}, outputs {cfg['output_range']} tokens, {cfg['duration']} s of arrivals "
              f"per run; peak = highest rate tried whose mean TTFT <= {cfg['ttft_slo']} s with every request "
-             "complete (>=: no rate tried missed it).", "",
-             "| popularity | replicas | policy | peak req/s | x one replica |", "|---|---|---|---|---|"]
+             "complete (>=: no rate tried missed it); the lowest rate that missed bounds it from above. Batch cap "
+             f"reported by the replicas: {results.get('batch_cap') or 'max_num_seqs'}.", "",
+             "| popularity | replicas | policy | peak req/s | lowest miss req/s | x one replica |",
+             "|---|---|---|---|---|---|"]
     ones = {p["popularity"]: p["peak_rps"] for p in results["peaks"] if p["replicas"] == 1}
     for p in results["peaks"]:
         one = ones.get(p["popularity"])
         ratio = f"{p['peak_rps'] / one:.2f}" if p["peak_rps"] and one else "-"
         peak = ("" if p["bounded"] or p["peak_rps"] is None else ">= ") + _fmt(p["peak_rps"])
-        lines.append(f"| {p['popularity']} | {p['replicas']} | {p['policy']} | {peak} | {ratio} |")
-    lines += ["", "| popularity | replicas | policy | rate | mean TTFT s | p99 TTFT s | mean latency s | complete | "
-              "moves |", "|---|---|---|---|---|---|---|---|---|"]
+        lines.append(f"| {p['popularity']} | {p['replicas']} | {p['policy']} | {peak} | "
+                     f"{_fmt(p.get('lowest_miss_rps'))} | {ratio} |")
+    lines += ["", "Per run; the TTFT split (means, ms): arrival to placement by the front's policy, placement to the "
+              "first token leaving the replica (the submit call, the engine's queue, the prefill), replica to front.",
+              "", "| popularity | replicas | policy | rate | mean TTFT s | p99 TTFT s | mean latency s | complete | "
+              "moves | placement | replica | stream |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
+        split = ttft_split(r["records"])
         lines.append(f"| {r['popularity']} | {r['replicas']} | {r['policy']} | {r['rate']:.2f} | "
                      f"{_fmt(r['mean_ttft_s'])} | {_fmt(r['p99_ttft_s'])} | {_fmt(r['mean_latency_s'])} | "
-                     f"{r['complete']}/{r['requests']} | {r['moves']} |")
+                     f"{r['complete']}/{r['requests']} | {r['moves']} | " + " | ".join(
+                         "-" if v is None else f"{v * 1e3:.1f}" for v in split) + " |")
     k = results.get("kill")
     if k:
         lines += ["", f"Kill run ({k['policy']}, {k['rate']:.2f} req/s, replica {k['killed_replica']} killed at "
@@ -417,6 +502,18 @@ def write_summary(results: dict, out: Path) -> Path:
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def ttft_split(records: list[dict]) -> tuple[float | None, float | None, float | None]:
+    """Mean seconds from arrival to placement, from placement to the first token leaving the replica, and from
+    there to the front, over the requests whose stamps are all there."""
+    rows = [r for r in records if None not in (r.get("placed_s"), r.get("first_token_replica_s"),
+                                                r.get("first_token_front_s"))]
+    if not rows:
+        return None, None, None
+    return (statistics.fmean(r["placed_s"] - r["arrival_s"] for r in rows),
+            statistics.fmean(r["first_token_replica_s"] - r["placed_s"] for r in rows),
+            statistics.fmean(r["first_token_front_s"] - r["first_token_replica_s"] for r in rows))
 
 
 def meta(front) -> dict:
@@ -440,8 +537,10 @@ async def bench(front, args, out: Path) -> dict:
     b = Bench(front, args, adapters, out, meta(front))
     policy = front.policy
     try:
+        await b.warmup()
+        b.t0 = time.monotonic()                      # the budget is the sweep's and the kill run's
         await b.sweep()
-        if len(front.replicas) > 1:
+        if len(front.replicas) > 1 and args.kill:
             await b.kill()
     finally:
         front.policy = policy
@@ -458,7 +557,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     t = time.monotonic()
     front = ClusterFront(engine_config(args), ClusterConfig(replicas=args.replicas, ray_num_cpus=args.ray_num_cpus,
-                                                            batch_cap=args.batch_cap, max_restarts=-1))
+                                                            batch_cap=args.batch_cap, cost_table=args.costs,
+                                                            max_restarts=-1))
+    log(f"batch cap reported by the replicas: {front.batch_cap or 'the engine max_num_seqs'}")
     log(f"{args.replicas} replicas of {args.model} on {front.device} up in {time.monotonic() - t:.0f} s")
     try:
         front.set_adapters(write_adapters(args, front.adapter_shape))   # all at once, before serving

@@ -59,8 +59,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="adapter ranks, given to adapters a0, a1, ... in turn (as the cluster benchmarks do)")
     p.add_argument("--targets", default=",".join(LORA_TARGETS),
                    help="projections the adapters change (bench_cluster.py's --targets, to match its runs)")
-    p.add_argument("--prefill", type=ints, default=[0, 256, 1024, 4096],
-                   help="prefill-token grid axis; the engine's token budget is added as its last point")
+    p.add_argument("--prefill", type=ints, default=[0, 16, 256, 1024, 4096],
+                   help="prefill-token grid axis; the engine's token budget is added as its last point (a small "
+                        "point beside 0 prices the step from graph-replayed decodes to an eager prefill)")
     p.add_argument("--decode", type=ints, default=[0, 1, 8, 32, 64, 128, 224], help="decode-batch grid axis")
     p.add_argument("--adapters", type=ints, default=[0, 1, 4, 16, 64],
                    help="distinct-adapters grid axis (0: the base model only)")
@@ -77,7 +78,7 @@ def parse(argv=None) -> argparse.Namespace:
     a.targets = tuple(a.targets.split(","))
     if a.dry_run:
         a.model, a.dtype = "random:tiny-llama", "float32"
-        a.prefill, a.decode, a.adapters, a.ranks = [0, 32], [0, 2], [0, 1, 2], [8, 16]
+        a.prefill, a.decode, a.adapters, a.ranks = [0, 8, 32], [0, 2], [0, 1, 2], [8, 16]
         a.context, a.long_context, a.reps = 8, 24, 1
     for name in ("prefill", "decode", "adapters"):
         axis = getattr(a, name)

@@ -5,19 +5,30 @@
         --real benchmarks/results/cluster-h100x2/results.json
     # (b) scale study: the placement policies at 8 to 256 simulated GPUs, 1,000 adapters, with plots
     python benchmarks/sim_cluster.py scale --costs benchmarks/results/cluster-costs-h100.json
+    # calibration: fit the served path's costs on some real runs (then validate on the others)
+    python benchmarks/sim_cluster.py calibrate --costs TABLE.json --real results.json --runs 2 \\
+        --out-table TABLE-served.json
+    # the peak rates benchmarks/bench_cluster.py searches for, predicted
+    python benchmarks/sim_cluster.py peaks --costs TABLE-served.json
 
 (a) rebuilds each real run's trace from its per-request records (arrival, adapter, input and output lengths),
 runs it through the simulator with the run's replica count and policy, and compares the mean latency and
 throughput as bench_cluster.py computes them (complete requests; throughput = complete requests / the last
 finish since the run's start). Runs that lost requests (aborted past the drain time) are left out: the
-simulator has no drain limit. The target: within 10% for 1 and 2 replicas.
+simulator has no drain limit. The target: within 10% for 1 and 2 replicas. A run is marked cold when it is
+the first to use one of its replicas (that replica's first CUDA-graph captures and kernel compilations land
+in it); runs a table was calibrated on (its ``served.source``) are reported but left out of the error.
+
+Calibration fits the table's served-path costs (vlora/cluster/costs.py, ``ServedCosts``: seconds per
+iteration, per sequence in an iteration, and the delay from an iteration to the client) on the named runs,
+minimizing the squared relative errors of their mean latency and mean TTFT by coordinate descent.
 
 (b) runs every policy on the same seeded trace per setting (common random numbers): the workloads of
 ../shared/BENCHMARKS.md (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
 set) over ``--adapters`` adapters, at ``--load`` of the cluster's estimated capacity (one replica's decode
 throughput at its batch cap, from the table, times the GPUs), ``--requests-per-gpu`` requests per GPU. The
-batch cap of the reports is Punica's profiled cap from the table (the smallest decode batch reaching 90% of
-the table's best decode throughput). Plots the output tokens per second the cluster sustains while requests
+batch cap of the reports is Punica's profiled cap from the table (vlora.cluster.sim.profiled_batch_cap: the
+decode batch beyond which a doubled batch slows each token more than it raises throughput). Plots the output tokens per second the cluster sustains while requests
 arrive (second half of the arrival window: finished requests over the whole run would count the drain after
 the last arrival), mean TTFT, busy GPUs (busy GPU-seconds per second; results.json also has the GPUs that ran
 anything) and migrations per request against the GPU count.
@@ -36,9 +47,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # bench_cluster (peaks)
 
 from vlora.bench import workloads as W  # noqa: E402
-from vlora.cluster.costs import CostTable, ReplicaLimits, linear_table  # noqa: E402
+from vlora.cluster.costs import CostTable, ReplicaLimits, ServedCosts, linear_table  # noqa: E402
 from vlora.cluster.policy import POLICIES, make_policy  # noqa: E402
 from vlora.cluster.sim import ClusterSim, SimResult, cycled_rank, profiled_batch_cap  # noqa: E402
 
@@ -60,10 +72,14 @@ def test_table() -> CostTable:
 
 def load_costs(args) -> CostTable:
     if args.test_table:
-        return test_table()
-    if not args.costs:
+        table = test_table()
+    elif not args.costs:
         raise SystemExit("--costs TABLE.json is required (benchmarks/cluster_costs.py writes it), or --test-table")
-    return CostTable.load(args.costs)
+    else:
+        table = CostTable.load(args.costs)
+    if getattr(args, "served", None):
+        table = table.with_served(CostTable.load(args.served).served)
+    return table
 
 
 def summarize(records: list[dict]) -> dict:
@@ -91,28 +107,63 @@ def rel_err(sim: float | None, real: float | None) -> float | None:
 
 
 # -- (a) validation -----------------------------------------------------------------------------------
+def complete(recs: list[dict]) -> bool:
+    return bool(recs) and all(r["finish_reason"] == "length" and r["tokens"] == r["output_len"] for r in recs)
+
+
+def replay(costs: CostTable, run: dict, ranks: tuple[int, ...], report_s: float) -> tuple[SimResult, dict, dict]:
+    """A real run's trace through the simulator with its replica count and policy: (result, simulated summary,
+    real summary)."""
+    recs = run["records"]
+    specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
+                   key=lambda s: s.arrival_s)
+    sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=report_s,
+                     adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
+    return sim, summarize(sim_records(sim)), summarize(recs)
+
+
+def cold_runs(runs: list[dict]) -> set[int]:
+    """Indices of the runs that were the first to use one of their replicas."""
+    seen, cold = set(), set()
+    for i, run in enumerate(runs):
+        used = {x for r in run.get("records") or () for x in r.get("replicas") or ()}
+        if used - seen:
+            cold.add(i)
+        seen |= used
+    return cold
+
+
+def run_label(run: dict) -> str:
+    return f"{run.get('popularity')} {run.get('replicas')} replica(s) {run.get('policy')} {run.get('rate')}"
+
+
+def calibration_runs(costs: CostTable, real: dict) -> set[int]:
+    """The runs of ``real`` the table's served costs were fitted on (none if fitted on another file)."""
+    fit = costs.meta.get("served_fit") or {}
+    if fit.get("real_date") and fit.get("real_date") == (real.get("meta") or {}).get("date"):
+        return set(fit.get("runs", ()))
+    return set()
+
+
 def validate(args) -> dict:
     costs = load_costs(args)
     real = json.loads(Path(args.real).read_text())
     cfg = real.get("config", {})
     ranks = tuple(cfg.get("ranks") or (8, 16, 32, 64))
+    runs = real.get("runs", [])
+    cold, calib = cold_runs(runs), calibration_runs(costs, real)
     rows, skipped = [], []
-    for run in real.get("runs", []):
+    for i, run in enumerate(runs):
         recs = run.get("records") or []
-        label = f"{run.get('popularity')} {run.get('replicas')} replica(s) {run.get('policy')} {run.get('rate')}"
         if not recs:
             continue
-        lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
-        if lost:
-            skipped.append(dict(run=label, reason=f"{lost} requests lost (overloaded past the drain time)"))
+        if not complete(recs):
+            lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
+            skipped.append(dict(run=run_label(run), reason=f"{lost} requests lost (overloaded past the drain time)"))
             continue
-        specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
-                       key=lambda s: s.arrival_s)
-        sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=args.report_s,
-                         adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
-        s, r = summarize(sim_records(sim)), summarize(recs)
-        row = dict(popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
-                   rate=run.get("rate"), requests=len(recs),
+        sim, s, r = replay(costs, run, ranks, args.report_s)
+        row = dict(index=i, popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
+                   rate=run.get("rate"), requests=len(recs), cold=i in cold, calibration=i in calib,
                    real_mean_latency_s=r["mean_latency_s"], sim_mean_latency_s=s["mean_latency_s"],
                    real_throughput_rps=r["throughput_rps"], sim_throughput_rps=s["throughput_rps"],
                    real_mean_ttft_s=r["mean_ttft_s"], sim_mean_ttft_s=s["mean_ttft_s"],
@@ -123,25 +174,183 @@ def validate(args) -> dict:
         rows.append(row)
     by_n = {}
     for n in sorted({r["replicas"] for r in rows}):
-        sel = [r for r in rows if r["replicas"] == n]
-        by_n[n] = dict(runs=len(sel),
-                       mean_abs_latency_err=statistics.fmean(abs(r["latency_err"]) for r in sel),
-                       mean_abs_throughput_err=statistics.fmean(abs(r["throughput_err"]) for r in sel),
-                       within_10pct=sum(abs(r["latency_err"]) <= 0.1 and abs(r["throughput_err"]) <= 0.1
-                                        for r in sel))
-    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, real=str(args.real),
-               real_meta=real.get("meta"), report_s=args.report_s, rows=rows, by_replicas=by_n, skipped=skipped)
-    print("\npopularity replicas policy          rate   lat real / sim (err)        tput real / sim (err)")
+        for key, sel in ((str(n), [r for r in rows if r["replicas"] == n and not r["calibration"]]),
+                         (f"{n} warm", [r for r in rows if r["replicas"] == n and not r["calibration"]
+                                        and not r["cold"]])):
+            if sel:
+                by_n[key] = errors(sel)
+    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, served=vars(costs.served),
+               real=str(args.real), real_meta=real.get("meta"), report_s=args.report_s, rows=rows, by_replicas=by_n,
+               skipped=skipped)
+    print("\n  # popularity replicas policy          rate   lat real / sim (err)      TTFT real / sim (err)"
+          "       tput real / sim (err)")
     for r in rows:
-        print(f"{r['popularity'] or '-':10s} {r['replicas']:>8} {r['policy']:14s} {r['rate'] or 0:6.2f}  "
-              f"{r['real_mean_latency_s']:6.3f} / {r['sim_mean_latency_s']:6.3f} ({r['latency_err']:+6.1%})   "
-              f"{r['real_throughput_rps']:6.2f} / {r['sim_throughput_rps']:6.2f} ({r['throughput_err']:+6.1%})")
+        mark = "calibration" if r["calibration"] else "cold" if r["cold"] else ""
+        print(f"{r['index']:>3} {r['popularity'] or '-':10s} {r['replicas']:>8} {r['policy']:14s} {r['rate'] or 0:6.2f}  "
+              f"{r['real_mean_latency_s']:6.3f} / {r['sim_mean_latency_s']:6.3f} ({r['latency_err']:+6.1%})  "
+              f"{r['real_mean_ttft_s']:6.3f} / {r['sim_mean_ttft_s']:6.3f} ({r['ttft_err']:+6.1%})  "
+              f"{r['real_throughput_rps']:6.2f} / {r['sim_throughput_rps']:6.2f} ({r['throughput_err']:+6.1%})  {mark}")
     for n, v in by_n.items():
-        print(f"{n} replica(s): {v['runs']} runs, mean |error| latency {v['mean_abs_latency_err']:.1%}, "
-              f"throughput {v['mean_abs_throughput_err']:.1%}; {v['within_10pct']} within 10% on both")
+        print(f"{n} replica(s): {v['runs']} runs, mean |error| latency {v['mean_abs_latency_err']:.1%} "
+              f"(max {v['max_abs_latency_err']:.1%}), TTFT {v['mean_abs_ttft_err']:.1%}, throughput "
+              f"{v['mean_abs_throughput_err']:.1%}; {v['within_10pct']} within 10% on latency and throughput")
     if skipped:
         print(f"left out: {len(skipped)} runs that lost requests")
     return out
+
+
+def errors(rows: list[dict]) -> dict:
+    return dict(runs=len(rows), mean_abs_latency_err=statistics.fmean(abs(r["latency_err"]) for r in rows),
+                max_abs_latency_err=max(abs(r["latency_err"]) for r in rows),
+                mean_abs_ttft_err=statistics.fmean(abs(r["ttft_err"]) for r in rows),
+                mean_abs_throughput_err=statistics.fmean(abs(r["throughput_err"]) for r in rows),
+                within_10pct=sum(abs(r["latency_err"]) <= 0.1 and abs(r["throughput_err"]) <= 0.1 for r in rows))
+
+
+# -- calibration ----------------------------------------------------------------------------------------
+FIT_START = (0.002, 0.0001, 0.02)      # iteration_s, seq_s, stream_s: where the descent starts
+FIT_STEP = (0.001, 0.00005, 0.01)      # and its first steps (halved each round)
+
+
+def measured_stream_s(runs: list[dict]) -> float | None:
+    """Mean seconds from a first token leaving its replica to the front, over the requests of ``runs`` that
+    recorded both (bench_cluster.py's stamps); None when none did."""
+    gaps = [r["first_token_front_s"] - r["first_token_replica_s"] for run in runs for r in run.get("records") or ()
+            if r.get("first_token_front_s") is not None and r.get("first_token_replica_s") is not None]
+    return statistics.fmean(gaps) if gaps else None
+
+
+def step_gaps(run: dict, idle_s: float = 0.05) -> dict | None:
+    """What a run's engine step logs say of the served loop: per step, the time from its end to the next step's
+    start (the async engine's loop, the actor's outputs, under one interpreter lock), fitted as a line in the
+    step's outputs over consecutive steps less than ``idle_s`` apart; and the mean Engine.step time."""
+    pts, steps_s = [], []
+    for log_ in (run.get("steps") or {}).values():
+        for (b0, d0, n0, _), (b1, _, _, _) in zip(log_, log_[1:]):
+            steps_s.append(d0)
+            gap = b1 - b0 - d0
+            if 0 <= gap < idle_s:
+                pts.append((n0, gap))
+    if len(pts) < 2:
+        return None
+    mx, my = statistics.fmean(n for n, _ in pts), statistics.fmean(g for _, g in pts)
+    var = sum((n - mx) ** 2 for n, _ in pts)
+    slope = sum((n - mx) * (g - my) for n, g in pts) / var if var else 0.0
+    return dict(steps=len(pts), mean_gap_s=my, gap_per_step_s=my - slope * mx, gap_per_output_s=slope,
+                mean_step_s=statistics.fmean(steps_s))
+
+
+def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], report_s: float,
+               rounds: int = 6, stream_s: float | None = None) -> tuple[ServedCosts, float]:
+    """Served-path costs (per iteration, per sequence, stream delay; all >= 0) that make the simulated mean
+    latency and mean TTFT of ``runs`` closest to the real ones (sum of squared relative errors), by coordinate
+    descent with steps halved each round. ``stream_s``: the stream delay as measured (then not fitted).
+    Returns them and the objective."""
+    def objective(x) -> float:
+        table = costs.with_served(ServedCosts(x[0], x[1], 0.0, x[2]))
+        total = 0.0
+        for run in runs:
+            _, s, r = replay(table, run, ranks, report_s)
+            total += (s["mean_latency_s"] / r["mean_latency_s"] - 1) ** 2 + (s["mean_ttft_s"] / r["mean_ttft_s"] - 1) ** 2
+        return total
+
+    x, steps = list(FIT_START), list(FIT_STEP)
+    free = range(3)
+    if stream_s is not None:
+        x[2], free = stream_s, range(2)
+    best = objective(x)
+    for _ in range(rounds):
+        moved = True
+        while moved:
+            moved = False
+            for k in free:
+                for sign in (1, -1):
+                    y = list(x)
+                    y[k] = max(0.0, y[k] + sign * steps[k])
+                    v = objective(y)
+                    if v < best - 1e-12:
+                        best, x, moved = v, y, True
+        steps = [s / 2 for s in steps]
+    return ServedCosts(x[0], x[1], 0.0, x[2]), best
+
+
+def calibrate(args) -> dict:
+    costs = load_costs(args)
+    real = json.loads(Path(args.real).read_text())
+    runs = real.get("runs", [])
+    ranks = tuple(real.get("config", {}).get("ranks") or (8, 16, 32, 64))
+    for i in args.runs:
+        if not 0 <= i < len(runs) or not complete(runs[i].get("records") or []):
+            raise SystemExit(f"run {i}: not a run of {args.real} with every request complete")
+    chosen = [runs[i] for i in args.runs]
+    t0 = time.perf_counter()
+    stream = None if args.fit_stream else measured_stream_s(chosen)
+    served, obj = fit_served(costs, chosen, ranks, args.report_s, stream_s=stream)
+    labels = ", ".join(f"#{i} ({run_label(runs[i])})" for i in args.runs)
+    how = "the stream delay measured from the runs' stamps, the rest " if stream is not None else ""
+    served = ServedCosts(served.iteration_s, served.seq_s, served.submit_s, served.stream_s,
+                         source=f"{how}fitted by sim_cluster.py calibrate on runs {labels} of {args.real} "
+                                f"({(real.get('meta') or {}).get('date')})")
+    gaps = {i: step_gaps(runs[i]) for i in args.runs}
+    for i, g in gaps.items():
+        if g is not None:
+            print(f"run {i}: {g['steps']} busy steps, Engine.step {g['mean_step_s'] * 1e3:.2f} ms on average, then "
+                  f"{g['gap_per_step_s'] * 1e3:.3f} ms + {g['gap_per_output_s'] * 1e3:.4f} ms per output to the next")
+    table = costs.with_served(served)
+    table.meta = dict(costs.meta, served_fit=dict(real=str(args.real), real_date=(real.get("meta") or {}).get("date"),
+                                                  runs=list(args.runs), objective=obj))
+    out_table = args.out_table or (args.out or RESULTS / "sim-cluster-calibrate") / "costs-served.json"
+    out_table.parent.mkdir(parents=True, exist_ok=True)
+    table.save(out_table)
+    print(f"served path: {served.iteration_s * 1e3:.3f} ms per iteration, {served.seq_s * 1e3:.4f} ms per sequence, "
+          f"{served.stream_s * 1e3:.1f} ms to the client (objective {obj:.4g}, {time.perf_counter() - t0:.0f} s)")
+    print(f"table: {out_table}")
+    return dict(costs=args.costs, real=str(args.real), runs=list(args.runs), served=vars(served), objective=obj,
+                measured_stream_s=stream, step_gaps=gaps, table=str(out_table))
+
+
+# -- the peak rates bench_cluster.py searches, simulated -----------------------------------------------
+def peaks(args) -> dict:
+    """bench_cluster.py's peak search (its workload, seeds, target and search) on the simulator: the peaks a
+    GPU run of it should find, per popularity, replica count and policy."""
+    import bench_cluster as B
+
+    costs = load_costs(args)
+    b = B.parse_args(["--out", "-", "--popularities", args.popularities, "--policies", args.policies])
+    cap = args.batch_cap or profiled_batch_cap(costs)
+    ranks = tuple(b.ranks)
+
+    def meets(popularity: str, replicas: int, policy: str, rate: float, seed: int) -> dict:
+        specs = B.workload(b, popularity, rate, b.duration, seed)
+        res = ClusterSim(costs, replicas, make_policy(policy), report_s=args.report_s, batch_cap=cap,
+                         adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
+        m = res.metrics()
+        return dict(rate=rate, mean_ttft_s=m["mean_ttft_s"], mean_latency_s=m["mean_latency_s"],
+                    meets=m["mean_ttft_s"] <= b.ttft_slo and m["unserved"] == 0)
+
+    def search(popularity: str, replicas: int, policy: str, start: float) -> dict:
+        rate, met, missed, runs = start, None, None, []
+        while rate is not None and len(runs) < b.max_points:
+            row = meets(popularity, replicas, policy, rate, b.seed + len(runs))
+            runs.append(row)
+            if row["meets"]:
+                met = rate if met is None else max(met, rate)
+            else:
+                missed = rate if missed is None else min(missed, rate)
+            rate = B.next_rate(rate, met, missed, b.resolution)
+        log(f"{popularity:6s} {replicas} replica(s) {policy:13s}: peak {met or 0:7.2f} req/s (lowest miss "
+            f"{missed or 0:.2f}, {len(runs)} runs)")
+        return dict(popularity=popularity, replicas=replicas, policy=policy, peak_rps=met, lowest_miss_rps=missed,
+                    runs=runs)
+
+    rows = []
+    for popularity in b.popularities:
+        one = search(popularity, 1, "round_robin", b.start_rate)
+        rows.append(one)
+        for policy in b.policies:
+            rows.append(search(popularity, b.replicas, policy, b.replicas * (one["peak_rps"] or b.start_rate)))
+    return dict(costs=args.costs or "test table", costs_meta=costs.meta, served=vars(costs.served), batch_cap=cap,
+                bench_settings={k: v for k, v in vars(b).items() if k != "out"}, peaks=rows)
 
 
 # -- (b) scale study ----------------------------------------------------------------------------------
@@ -197,7 +406,8 @@ def scale(args) -> dict:
                 log(f"{kind:9s} {gpus:>4} GPUs {policy:13s}: {m['window_tok_s'] or 0:9.0f} tok/s, mean TTFT "
                     f"{m['mean_ttft_s']:7.3f} s, busy GPUs {m['mean_busy_gpus']:6.1f} (used {m['gpus_used']}), "
                     f"{m['migrations']} migrations  [{m['wall_s']:.1f} s]")
-    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, batch_cap=cap, rate_per_gpu=per_gpu,
+    out = dict(costs=args.costs or "test table", costs_meta=costs.meta, served=vars(costs.served), batch_cap=cap,
+               rate_per_gpu=per_gpu,
                settings={k: v for k, v in vars(args).items() if k not in ("func",)}, rows=rows,
                wall_s=time.perf_counter() - t_all)
     return out
@@ -228,6 +438,8 @@ def plot_scale(res: dict, path: Path) -> None:
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
     src = res["costs_meta"].get("device", "?")
+    if any(v for k, v in (res.get("served") or {}).items() if k != "source"):
+        src += "; served path calibrated"
     fig.suptitle(f"simulated cluster, {res['settings']['adapters']} adapters, {res['rate_per_gpu']:.2f} req/s per "
                  f"GPU, batch cap {res['batch_cap']} (cost table: {src})", fontsize=10)
     fig.tight_layout()
@@ -246,11 +458,28 @@ def parse(argv=None) -> argparse.Namespace:
     common.add_argument("--costs", help="cost table JSON written by benchmarks/cluster_costs.py")
     common.add_argument("--test-table", action="store_true",
                         help="a constructed table instead of --costs (checks the script; its numbers mean nothing)")
+    common.add_argument("--served", default=None,
+                        help="take the served path's costs from this table (one that calibrate wrote) instead of those of --costs")
     common.add_argument("--report-s", type=float, default=0.05,
                         help="seconds between replica reports (the cluster's report_interval_s)")
     common.add_argument("--out", type=Path, default=None, help="folder for the JSON (and plots)")
     v = sub.add_parser("validate", parents=[common], help="replay real cluster runs and report the error")
     v.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
+    c = sub.add_parser("calibrate", parents=[common],
+                       help="fit the served path's costs on some real runs; writes the table with them")
+    c.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
+    c.add_argument("--runs", type=csv_ints, required=True,
+                   help="indices (0-based, the order of results.json's runs) of the runs to fit on")
+    c.add_argument("--out-table", type=Path, default=None,
+                   help="table JSON to write (default: OUT/costs-served.json)")
+    c.add_argument("--fit-stream", action="store_true",
+                   help="fit the stream delay even when the runs' stamps measure it (first token leaving the "
+                        "replica to reaching the front)")
+    k = sub.add_parser("peaks", parents=[common], help="bench_cluster.py's peak-rate search, simulated")
+    k.add_argument("--popularities", default="zipf,skewed", help="adapter popularities (zipf, skewed)")
+    k.add_argument("--policies", default="consolidate,affinity,round_robin,least_loaded",
+                   help="placement policies with all replicas")
+    k.add_argument("--batch-cap", type=int, default=None, help="batch cap in the reports (default: profiled)")
     s = sub.add_parser("scale", parents=[common], help="the policies at 8-256 simulated GPUs, with plots")
     s.add_argument("--gpus", type=csv_ints, default=[8, 32, 128, 256], help="cluster sizes")
     s.add_argument("--policies", default=",".join(POLICIES), help="placement policies to compare")
@@ -258,8 +487,9 @@ def parse(argv=None) -> argparse.Namespace:
     s.add_argument("--adapters", type=int, default=1000, help="adapters (ranks 8, 16, 32, 64 in turn)")
     s.add_argument("--load", type=float, default=0.7, help="request rate as a share of the estimated capacity")
     s.add_argument("--rate-per-gpu", type=float, default=None, help="request rate per GPU (overrides --load)")
-    s.add_argument("--requests-per-gpu", type=int, default=40,
-                   help="requests per simulated GPU (sets the arrival window: the run's cost grows with it)")
+    s.add_argument("--requests-per-gpu", type=int, default=200,
+                   help="requests per simulated GPU (sets the arrival window: long enough for the batches to reach "
+                        "steady state; the run's cost grows with it)")
     s.add_argument("--input-range", type=csv_ints, default=[8, 512], help="MIN,MAX prompt tokens")
     s.add_argument("--output-range", type=csv_ints, default=[8, 512], help="MIN,MAX output tokens")
     s.add_argument("--batch-cap", type=int, default=None, help="batch cap in the reports (default: profiled)")
@@ -279,7 +509,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    res = validate(args) if args.cmd == "validate" else scale(args)
+    res = {"validate": validate, "calibrate": calibrate, "peaks": peaks, "scale": scale}[args.cmd](args)
     res["test_table"] = bool(args.test_table)
     out = args.out or RESULTS / f"sim-cluster-{args.cmd}{'-test-table' if args.test_table else ''}"
     out.mkdir(parents=True, exist_ok=True)

@@ -263,6 +263,15 @@ def test_bench_dry_run_writes_its_report(setup, tmp_path):
     run = saved["runs"][0]
     assert run["records"] and set(run["records"][0]) == set(TRACE_FORMAT)
     assert all(r["replicas"] == [0] for r in run["records"])         # the 1-replica run stays on replica 0
+    for r in run["records"]:                  # where the TTFT goes: each stamp after the one before
+        stamps = [r["arrival_s"], r["placed_s"], r["first_token_replica_s"], r["first_token_front_s"]]
+        assert all(a <= b + 0.01 for a, b in zip(stamps, stamps[1:])), stamps   # wall vs monotonic clocks
+        assert r["placed_s"] <= r["submitted_s"] + 0.01
+        assert r["first_token_front_s"] == pytest.approx(r["arrival_s"] + r["ttft_s"])
+    steps = run["steps"]["0"]                 # replica 0's engine steps; replica 1 had none
+    assert steps and all(d > 0 and n >= 0 for _, d, n, _ in steps) and not run["steps"].get("1")
+    assert sum(n for _, _, n, _ in steps) >= sum(r["tokens"] for r in run["records"])
+    assert saved["warmup"]["complete"] == saved["warmup"]["requests"] > 0
     kill = results["kill"]
     assert kill["requests"] > 0 and kill["lost"] == 0
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from vlora.bench.workloads import RequestSpec, multi_turn, synthetic
-from vlora.cluster.costs import CostTable, ReplicaLimits, linear_table
+from vlora.cluster.costs import CostTable, ReplicaLimits, ServedCosts, linear_table
 from vlora.cluster.policy import make_policy
 from vlora.cluster.sim import ClusterSim, cycled_rank, profiled_batch_cap
 
@@ -146,12 +146,52 @@ def test_table_interpolation_json_round_trip_and_batch_cap(tmp_path):
     assert t.load_s(16) == 0.4 and t.adapter_pages(16) == 4
     t.save(tmp_path / "t.json")
     assert CostTable.load(tmp_path / "t.json") == t
+    served = t.with_served(ServedCosts(0.001, 0.0002, 0.003, 0.004, source="test"))
+    served.save(tmp_path / "s.json")
+    assert CostTable.load(tmp_path / "s.json") == served != t
     with pytest.raises(ValueError, match="shape"):
         CostTable(LIMITS, [0], [0, 1], [0], [[[1.0]]])
-    # decode throughput d / t(d): 8/0.026 .. 64/0.138; the cap is the smallest reaching 90% of the best
-    lin = linear_table(LIMITS, 0.010, 0.001, 0.002, 0.0, decode=(1, 8, 16, 64))
-    rates = {d: d / (0.010 + 0.002 * d) for d in (1, 8, 16, 64)}
-    assert profiled_batch_cap(lin) == min(d for d, r in rates.items() if r >= 0.9 * max(rates.values()))
+
+
+def test_profiled_batch_cap_is_where_doubling_the_batch_slows_tokens_more_than_it_adds_throughput():
+    limits = ReplicaLimits(num_pages=100, page_tokens=16, max_num_seqs=256, max_num_batched_tokens=64)
+    # s(d) = 10 ms + 0.1 ms d: doubling d multiplies latency by s(2d)/s(d) and throughput by 2 s(d)/s(2d); they
+    # cross where s(2d)/s(d) = sqrt(2), at d = a / (sqrt(2) b) = 70.7
+    lin = linear_table(limits, 0.010, 0.0, 0.0001, 0.0, decode=(0, 1, 64, 256))
+    cap = profiled_batch_cap(lin)
+    assert cap == 71
+    s = lambda d: 0.010 + 0.0001 * d  # noqa: E731
+    assert s(2 * cap) / s(cap) > math.sqrt(2) > s(2 * (cap - 1)) / s(cap - 1)
+    # the served path's cost per sequence makes the step grow faster: a smaller cap
+    served = lin.with_served(ServedCosts(seq_s=0.0001))
+    assert profiled_batch_cap(served) == math.ceil(0.010 / (math.sqrt(2) * 0.0002)) == 36
+    assert profiled_batch_cap(lin, latency_s=0.012) == 20                     # s(20) = 12 ms
+    flat = linear_table(limits, 0.010, 0.0, 0.0, 0.0, decode=(0, 1, 256))    # no growth: the engine's cap
+    assert profiled_batch_cap(flat) == 256
+
+
+def test_served_costs_add_per_iteration_per_sequence_and_delays():
+    # TABLE's hand-computed run (test_one_replica_matches_hand_computed_latencies) with the served path's costs:
+    # +1 ms per iteration, +0.5 ms per sequence in it, 2 ms to reach the replica, 3 ms to the client
+    sv = ServedCosts(iteration_s=0.001, seq_s=0.0005, submit_s=0.002, stream_s=0.003)
+    a = RequestSpec(0.0, "a0", 10, 3)
+    b = RequestSpec(0.020, None, 20, 2)
+    ra, rb = by_arrival(run([a, b], table=TABLE.with_served(sv)))
+    t1 = 0.002 + 0.010 + 10 * 0.001 + 0.005 + 0.003 + 0.001 + 0.0005           # A alone
+    t2 = t1 + 0.010 + 20 * 0.001 + 0.002 + 0.005 + 0.001 + 2 * 0.0005          # B (arrived at 0.022) joins
+    t3 = t2 + 0.010 + 2 * 0.002 + 0.005 + 0.001 + 2 * 0.0005
+    assert ra.ttft == pytest.approx(t1 + 0.003) and ra.latency == pytest.approx(t3 + 0.003)
+    assert rb.ttft == pytest.approx(t2 + 0.003 - 0.020) and rb.latency == pytest.approx(t3 + 0.003 - 0.020)
+    assert TABLE.with_served(sv).step(0, 4, 1, seqs=6) == pytest.approx(TABLE.step(0, 4, 1) + 0.001 + 6 * 0.0005)
+
+
+def test_a_small_prefill_costs_what_the_eager_points_extrapolate_to():
+    # decode-only iterations (prefill 0) replay graphs; prefills run eagerly: 100 tokens cost 10 ms, 200 cost 12
+    t = CostTable(LIMITS, [0, 100, 200], [0, 10], [0], [[[0.0], [1.0]], [[10.0], [11.0]], [[12.0], [13.0]]])
+    assert t.step(50, 0, 0) == pytest.approx(10.0 - 50 * 0.02)                 # not 5.0, halfway to the graph
+    assert t.step(0, 10, 0) == 1.0 and t.step(150, 0, 0) == pytest.approx(11.0)
+    assert t.step(1, 5, 0) == pytest.approx(10.5 - 99 * 0.02)
+    assert TABLE.step(5, 2, 1) == pytest.approx(0.010 + 5 * 0.001 + 2 * 0.002 + 0.005)   # a linear table: a line
 
 
 def test_cycled_rank_follows_the_benchmarks_registration():
@@ -223,3 +263,61 @@ def test_scale_study_runs_every_policy_on_the_same_trace_and_plots(tmp_path):
             assert {r["policy"] for r in same} == {"consolidate", "affinity", "least_loaded", "round_robin"}
             assert len({r["requests"] for r in same}) == 1 and all(r["unserved"] == 0 for r in same)
     assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_calibration_fits_served_costs_that_predict_the_other_runs(tmp_path):
+    import json
+
+    mod = _bench_module("sim_cluster")
+    truth = mod.test_table().with_served(ServedCosts(iteration_s=0.003, seq_s=0.0002, stream_s=0.02))
+    runs = []
+    for i, (n, rate) in enumerate(((1, 4.0), (1, 8.0), (2, 12.0))):
+        specs = synthetic(num_adapters=10, rate=rate, duration_s=3, seed=10 + i)
+        recs = mod.sim_records(ClusterSim(truth, n, make_policy("least_loaded")).run(specs))
+        for r in recs:
+            r["replicas"] = [r.pop("replica")]
+            # the stamps bench_cluster.py records: the first token left the replica 20 ms before the client had it
+            r["first_token_front_s"] = r["arrival_s"] + r["ttft_s"]
+            r["first_token_replica_s"] = r["first_token_front_s"] - 0.02
+        runs.append(dict(popularity="zipf", replicas=n, policy="least_loaded", rate=rate, records=recs))
+    real = tmp_path / "results.json"
+    real.write_text(json.dumps(dict(meta=dict(date="d1"), config=dict(ranks=[8, 16, 32, 64]), runs=runs)))
+    table = tmp_path / "served.json"
+    res = mod.main(["calibrate", "--test-table", "--real", str(real), "--runs", "1", "--out-table", str(table),
+                    "--out", str(tmp_path / "c")])
+    assert res["objective"] < 1e-3 and CostTable.load(table).meta["served_fit"]["runs"] == [1]
+    assert res["measured_stream_s"] == pytest.approx(0.02) == CostTable.load(table).served.stream_s
+    v = mod.main(["validate", "--costs", str(table), "--real", str(real), "--out", str(tmp_path / "v")])
+    rows = {r["index"]: r for r in v["rows"]}
+    assert rows[1]["calibration"] and not rows[0]["calibration"]
+    assert rows[0]["cold"] and not rows[1]["cold"] and rows[2]["cold"]        # run 2 first used replica 1
+    for i in (0, 2):                                     # held out: predicted as the true costs do
+        assert abs(rows[i]["latency_err"]) < 0.05 and abs(rows[i]["ttft_err"]) < 0.1, rows[i]
+    assert v["by_replicas"]["1"]["runs"] == 1 and v["by_replicas"]["2"]["runs"] == 1
+
+
+def test_cluster_config_profiles_the_batch_cap_from_a_cost_table(tmp_path):
+    from vlora.cluster.config import ClusterConfig
+    from vlora.config import ConfigError
+
+    limits = ReplicaLimits(num_pages=100, page_tokens=16, max_num_seqs=256, max_num_batched_tokens=64)
+    table = linear_table(limits, 0.010, 0.0, 0.0001, 0.0, decode=(0, 1, 64, 256))
+    table.save(tmp_path / "t.json")
+    assert ClusterConfig(cost_table=str(tmp_path / "t.json")).profiled_batch_cap() == 71
+    assert ClusterConfig(cost_table=str(tmp_path / "t.json"), batch_cap=8).profiled_batch_cap() == 8
+    assert ClusterConfig().profiled_batch_cap() is None                    # the engine's max_num_seqs
+    with pytest.raises(ConfigError, match="cost_table"):
+        ClusterConfig(cost_table=str(tmp_path / "missing.json"))
+
+
+def test_step_logs_give_the_served_loop_between_steps():
+    mod = _bench_module("sim_cluster")
+    log, t = [], 0.0
+    for i in range(40):                      # steps of 10 ms, then 1 ms + 0.1 ms per output to the next one
+        n = 1 + i % 7
+        log.append([t, 0.010, n, n])
+        t += 0.010 + 0.001 + 0.0001 * n
+    log.append([t + 1.0, 0.010, 1, 1])       # after an idle second: not a gap of the loop
+    g = mod.step_gaps({"steps": {"0": log}})
+    assert g["steps"] == 39 and g["mean_step_s"] == pytest.approx(0.010)
+    assert g["gap_per_step_s"] == pytest.approx(0.001) and g["gap_per_output_s"] == pytest.approx(0.0001)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from vlora.cluster.policy import POLICIES
 from vlora.config import ConfigError
@@ -24,8 +25,11 @@ class ClusterConfig:
     cpus_per_replica: float = 1.0
     """CPUs each replica holds (the replica's torch threads follow it)."""
     batch_cap: int | None = None
-    """Batch size beyond which a replica's throughput stops growing, reported to the placement policy (Punica's
-    consolidation fills a replica up to it); default: the engine's max_num_seqs."""
+    """Batch size a replica reports as full to the placement policy (Punica's consolidation fills a replica up to
+    it); default: profiled from --cost-table when given, else the engine's max_num_seqs."""
+    cost_table: str | None = None
+    """Cost table of this model and GPU (benchmarks/cluster_costs.py) to profile the batch cap from: the decode
+    batch beyond which a larger batch slows each token more than it raises throughput."""
     report_interval_s: float = 0.05
     """Seconds between two reports a replica gives the placement policy (load, free KV pages, adapters)."""
     max_restarts: int = 4
@@ -43,6 +47,8 @@ class ClusterConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.batch_cap is not None and self.batch_cap < 1:
             raise ConfigError(f"batch_cap must be >= 1, got {self.batch_cap}")
+        if self.cost_table is not None and not Path(self.cost_table).is_file():
+            raise ConfigError(f"cost_table {self.cost_table!r} is not a file")
         if self.gpus_per_replica is not None and self.gpus_per_replica < 0:
             raise ConfigError(f"gpus_per_replica must be >= 0, got {self.gpus_per_replica}")
 
@@ -50,3 +56,13 @@ class ClusterConfig:
     def enabled(self) -> bool:
         """Whether to serve through a cluster front rather than one engine in this process."""
         return self.replicas > 1 or self.ray_address is not None
+
+    def profiled_batch_cap(self) -> int | None:
+        """The batch cap replicas report: ``batch_cap``, else profiled from ``cost_table``, else None (the
+        engine's max_num_seqs)."""
+        if self.batch_cap is not None or self.cost_table is None:
+            return self.batch_cap
+        from vlora.cluster.costs import CostTable
+        from vlora.cluster.sim import profiled_batch_cap
+
+        return profiled_batch_cap(CostTable.load(self.cost_table))

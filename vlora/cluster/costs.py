@@ -11,12 +11,19 @@ with ``grid`` measured at each decode's context ``grid_context`` and interpolate
 points (clamped at the grid's edges). Loading an adapter into the pool adds ``adapter_load_s`` for its rank
 to the iteration that needs it; a migration adds ``migration_s`` (cancel and re-add through the front)
 before the request reaches its new replica, whose recompute is an ordinary prefill.
+
+The grid times ``Engine.step`` alone. A served replica does more per iteration: the async engine's thread
+hands each output to the actor's event loop, the actor streams them through Ray, and the front forwards them,
+all in the same processes and under the same interpreter locks as the next step's host work. Those terms
+are :class:`ServedCosts` (zero: the bare engine): a cost per iteration, a cost per sequence in it (its
+output's way out), the delay from a request's arrival at the front until its replica's engine can schedule
+it, and the delay from an iteration's end until the client holds its tokens.
 """
 from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 
@@ -28,6 +35,16 @@ class ReplicaLimits:
     max_num_seqs: int
     max_num_batched_tokens: int        # chunked-prefill budget per iteration (prefill + decode tokens)
     adapter_pages: dict[int, int] = field(default_factory=dict)   # pool pages one adapter of each rank takes
+
+
+@dataclass(frozen=True)
+class ServedCosts:
+    """What serving through the cluster adds to the engine's own iterations (zeros: the bare engine)."""
+    iteration_s: float = 0.0           # per iteration (the async engine's loop around Engine.step)
+    seq_s: float = 0.0                 # per sequence in an iteration (its output: async engine, actor, Ray, front)
+    submit_s: float = 0.0              # from arrival at the front until the replica's engine can schedule it
+    stream_s: float = 0.0              # from an iteration's end until the client holds its tokens
+    source: str = ""                   # how the values were obtained (measured by ..., fitted on ...)
 
 
 @dataclass
@@ -43,6 +60,7 @@ class CostTable:
     migration_s: float = 0.0
     mode: str = "unmerged"
     meta: dict = field(default_factory=dict)   # device, model, dtype, adapter ranks, date: what was measured
+    served: ServedCosts = field(default_factory=ServedCosts)
 
     def __post_init__(self) -> None:
         shape = (len(self.prefill), len(self.decode), len(self.adapters))
@@ -54,11 +72,29 @@ class CostTable:
             if axis != sorted(set(axis)):
                 raise ValueError(f"a grid axis must be strictly increasing, got {axis}")
 
-    def step(self, prefill: int, decodes: int, adapters: int, context: int = 0) -> float:
-        """Seconds of one iteration with ``prefill`` prompt tokens, ``decodes`` decoding sequences holding
-        ``context`` tokens of KV between them, and ``adapters`` distinct adapters in the batch."""
+    def step(self, prefill: int, decodes: int, adapters: int, context: int = 0, seqs: int | None = None) -> float:
+        """Seconds of one served iteration with ``prefill`` prompt tokens, ``decodes`` decoding sequences
+        holding ``context`` tokens of KV between them, ``adapters`` distinct adapters in the batch and ``seqs``
+        sequences in all (default: the decodes; a prefill chunk is one more)."""
         t = _interp3(self.prefill, self.decode, self.adapters, self.step_s, prefill, decodes, adapters)
-        return t + self.kv_s_per_token * max(0, context - decodes * self.grid_context)
+        px = self.prefill
+        if 0 < prefill < px[1] and len(px) > 2 and px[0] == 0:
+            # decode-only iterations replay CUDA graphs, any prefill runs eagerly: the first segment of the
+            # prefill axis crosses that step, so a small prefill costs what the two smallest prefill points
+            # extrapolate to (never below the decode-only cost)
+            t1 = _interp3(px, self.decode, self.adapters, self.step_s, px[1], decodes, adapters)
+            t2 = _interp3(px, self.decode, self.adapters, self.step_s, px[2], decodes, adapters)
+            t0 = _interp3(px, self.decode, self.adapters, self.step_s, 0, decodes, adapters)
+            t = max(t0, t1 - max(0.0, (t2 - t1) / (px[2] - px[1])) * (px[1] - prefill))
+        t += self.kv_s_per_token * max(0, context - decodes * self.grid_context)
+        sv = self.served
+        if sv.iteration_s or sv.seq_s:
+            t += sv.iteration_s + sv.seq_s * (decodes if seqs is None else seqs)
+        return t
+
+    def with_served(self, served: ServedCosts) -> CostTable:
+        """This table with the served path's costs ``served``."""
+        return replace(self, served=served)
 
     def load_s(self, rank: int) -> float:
         """Seconds to bring an adapter of ``rank`` into the pool (the nearest measured rank at or above it)."""
@@ -87,6 +123,7 @@ class CostTable:
         lim = dict(d.pop("limits"))
         lim["adapter_pages"] = {int(k): int(v) for k, v in lim.get("adapter_pages", {}).items()}
         d["adapter_load_s"] = {int(k): float(v) for k, v in d.get("adapter_load_s", {}).items()}
+        d["served"] = ServedCosts(**d.get("served", {}))
         return cls(limits=ReplicaLimits(**lim), **d)
 
     def save(self, path: str | Path) -> None:

@@ -79,6 +79,10 @@ class _Flight:
     moves: int = 0                                       # migrations and failovers
     detok: Seq | None = None                             # after a move: the text is detokenized here
     inbox: asyncio.Queue | None = None                   # its replica's outputs (or _LOST), while on one
+    # wall-clock times of its first placement ("placed"), of the first acceptance by a replica reaching the front
+    # ("submitted"), and of its first token leaving the replica ("first_replica") and reaching the front
+    # ("first_front"): where its TTFT goes
+    stamps: dict[str, float] = field(default_factory=dict)
 
     def info(self) -> RequestInfo:
         return RequestInfo(self.job.request_id, self.job.adapter, len(self.prompt_ids or ()),
@@ -111,7 +115,8 @@ class ClusterFront:
                                             max_restarts=cluster.max_restarts, max_task_retries=0,
                                             max_concurrency=4096)
         self._started = False
-        self.replicas = [_ReplicaHandle(i, actor.remote(i, config, max_queued_requests, cluster.batch_cap))
+        self.batch_cap = cluster.profiled_batch_cap()
+        self.replicas = [_ReplicaHandle(i, actor.remote(i, config, max_queued_requests, self.batch_cap))
                          for i in range(cluster.replicas)]
         infos = ray.get([r.actor.info.remote() for r in self.replicas])
         if infos[0]["is_lmm"]:
@@ -368,6 +373,7 @@ class ClusterFront:
             choice = self.policy.place(info, self.reports())
             if choice is not None and 0 <= choice < len(self.replicas) and self.replicas[choice].ready:
                 self.policy.placed(info, choice)
+                f.stamps.setdefault("placed", time.time())
                 return self.replicas[choice]
             await self._next_change()
         return None
@@ -414,6 +420,7 @@ class ClusterFront:
                 if not f.done:          # placed again after a pause (e.g. the replica's queue was full)
                     await asyncio.sleep(self.cluster.report_interval_s)
                 return
+            f.stamps.setdefault("submitted", time.time())
             if not f.accepted.done():
                 f.accepted.set_result(None)
             if f.aborted:
@@ -548,9 +555,13 @@ class ClusterFront:
             try:
                 async for ref in r.actor.outputs.remote():
                     self.output_lists += 1
-                    for request_id, item in await ref:
+                    sent, items = await ref
+                    got = time.time()
+                    for request_id, item in items:
                         f = self._by_engine.get(request_id)
                         if f is not None and f.inbox is not None:
+                            if "first_replica" not in f.stamps and getattr(item, "delta_token_ids", None):
+                                f.stamps["first_replica"], f.stamps["first_front"] = sent, got
                             f.inbox.put_nowait(item)
             except ray.exceptions.RayError as e:
                 log.warning("replica %d: its output stream broke (%s)", r.replica_id, type(e).__name__)
@@ -558,6 +569,12 @@ class ClusterFront:
             for f in list(self._by_engine.values()):
                 if f.replica is r and f.inbox is not None:
                     f.inbox.put_nowait(_LOST)
+
+    async def step_logs(self) -> dict[int, list[tuple[float, float, int, int]]]:
+        """Each ready replica's engine steps since the last call (:meth:`Replica.step_log`)."""
+        ready = [r for r in self.replicas if r.ready]
+        logs = await asyncio.gather(*(_awaitable(r.actor.step_log.remote()) for r in ready), return_exceptions=True)
+        return {r.replica_id: log for r, log in zip(ready, logs) if isinstance(log, list)}
 
     async def _next_change(self) -> None:
         """Until the next report (or a few report intervals, whichever comes first)."""

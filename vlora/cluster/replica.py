@@ -5,8 +5,9 @@ The cluster front (:mod:`vlora.cluster.front`) talks to a replica through these 
     info()                      the model served (name, tokenizer, context, vocabulary), once at start
     status(adapters_version)    a ReplicaReport and the engine's stats, pulled every report interval
     submit(job)                 None (taken) or a Refusal
-    outputs()                   a streaming method: lists of (request id, RequestOutput delta or Refusal) of every
-                                request, about one list per engine step
+    outputs()                   a streaming method: (wall time sent, [(request id, RequestOutput delta or Refusal),
+                                ...]) of every request, about one list per engine step
+    step_log()                  the engine steps since the last call: (wall time begun, seconds, outputs, running)
     abort(ids) / migrate(ids)   stop requests; migrate finishes them "migrate" so the front resumes them elsewhere
     sync_adapters(version, {name: path})   make the registered adapters exactly these (idempotent)
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -78,6 +80,8 @@ class Replica:
         self.batch_cap = batch_cap
         engine = Engine(config)
         engine.hand_back_preempted = True
+        self._steps: deque = deque(maxlen=1 << 18)      # the step log, read (and emptied) by step_log()
+        engine.step = self._timed(engine.step)
         self.engine = AsyncEngine(engine, max_queued_requests, on_fatal=self._fatal)
         self.engine.start()
         self.incarnation = uuid.uuid4().hex
@@ -87,6 +91,26 @@ class Replica:
         self._arrived = asyncio.Event()      # set when the outbox gets an item (or a newer stream starts)
         self._stream = 0                     # the newest outputs() call; older ones end
         self._pumps: set[asyncio.Task] = set()
+
+    def _timed(self, step):
+        """``step`` logging each call: when it began (wall clock, comparable across the host's processes), how
+        long it took, the outputs it gave and the sequences then running; what the served path's costs are
+        measured from (benchmarks/bench_cluster.py records it)."""
+        steps = self._steps
+
+        def timed():
+            began, t0 = time.time(), time.perf_counter()
+            outs = step()
+            steps.append((began, time.perf_counter() - t0, len(outs), len(self.engine.engine.scheduler.running)))
+            return outs
+        return timed
+
+    def step_log(self) -> list[tuple[float, float, int, int]]:
+        """The steps logged since the last call, oldest first."""
+        out = []
+        while self._steps:
+            out.append(self._steps.popleft())
+        return out
 
     def _fatal(self, exc: BaseException) -> None:
         """The engine cannot go on: the process exits, so the front reruns its requests elsewhere (as for any
@@ -103,15 +127,21 @@ class Replica:
                     device_name=torch.cuda.get_device_name(e.device) if cuda else e.device.type,
                     incarnation=self.incarnation)
 
-    def status(self) -> ReplicaStatus:
-        e, stats = self.engine.engine, self.engine.stats
-        resident = _resident(e)
-        report = ReplicaReport(self.replica_id, stats.num_running, stats.num_waiting,
-                               free_kv_pages=e.pool.num_free, total_kv_pages=e.pool.num_pages,
+    async def status(self) -> ReplicaStatus:
+        """The load report: read on the engine thread between two steps (the pool and the adapter store are
+        the engine thread's), so running, waiting, free pages and resident adapters are one consistent state.
+        Free pages are those KV can have: the pool's free pages plus what it would reclaim (idle adapters,
+        cached prefixes)."""
+        e = self.engine.engine
+        if self.engine.is_running:
+            running, waiting, free, resident = await self.engine.call(_load)
+        else:                               # no engine thread to ask (stopping or failed): nothing to offer
+            running, waiting, free, resident = 0, 0, 0, frozenset()
+        report = ReplicaReport(self.replica_id, running, waiting, free_kv_pages=free, total_kv_pages=e.pool.num_pages,
                                page_tokens=e.block_size, resident_adapters=resident,
                                batch_cap=self.batch_cap or e.config.scheduler.max_num_seqs,
                                alive=self.engine.accepting)
-        return ReplicaStatus(report, stats, self.incarnation, self.adapters_version)
+        return ReplicaStatus(report, self.engine.stats, self.incarnation, self.adapters_version)
 
     # -- requests --------------------------------------------------------------------------------
     async def submit(self, job: Job) -> Refusal | None:
@@ -139,8 +169,8 @@ class Replica:
         self._arrived.set()
 
     async def outputs(self):
-        """Streaming, for the front: every request's outputs as ``[(request id, RequestOutput or Refusal), ...]``,
-        each list what arrived since the last one. One stream for all requests keeps the Ray objects to about one
+        """Streaming, for the front: every request's outputs as ``(wall time, [(request id, RequestOutput or
+        Refusal), ...])``, each list what arrived since the last one, stamped when sent. One stream for all requests keeps the Ray objects to about one
         per engine step, not one per request and token. A new call (the front reconnecting) ends the older one,
         so no item goes to a stream nobody reads."""
         self._stream += 1
@@ -155,7 +185,7 @@ class Replica:
             if self._outbox:
                 items = list(self._outbox)
                 self._outbox.clear()
-                yield items
+                yield time.time(), items
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine._abort(list(request_ids))
@@ -200,13 +230,9 @@ class Replica:
         return await self.engine.shutdown(timeout)
 
 
-def _resident(engine: Engine) -> frozenset[str]:
-    """Adapters in device memory now (the torch path keeps every registered one there). The engine thread may
-    change the set while this reads it; a read that races it is retried."""
+def _load(engine: Engine) -> tuple[int, int, int, frozenset[str]]:
+    """Running and waiting sequences, the pages KV can have and the adapters in device memory (the torch path
+    keeps every registered one there); on the engine thread."""
     store = engine.adapters.store
-    for _ in range(100):
-        try:
-            return frozenset(store.resident) if store is not None else frozenset(engine.adapters.names())
-        except RuntimeError:        # changed during iteration
-            continue
-    return frozenset()
+    resident = frozenset(store.resident) if store is not None else frozenset(engine.adapters.names())
+    return len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.available(), resident

@@ -121,6 +121,7 @@ class Replica:
         self.finished: list[SimRequest] = []
         self.left: list[SimRequest] = []    # migrated away at the end of the last iteration
         self.by_id: dict[str, _Seq] = {}    # requests on the replica
+        self.stream_s = costs.served.stream_s   # an iteration's tokens reach the client this much later
         self.tokens_at: Counter[int] = Counter()   # tokens sampled in each second of the run
         self.cancels = 0                    # of them, marked to migrate
         self._orders = itertools.count()
@@ -286,7 +287,7 @@ class Replica:
                 prefill += n
             if seq.adapter is not None:
                 adapters.add(seq.adapter)
-        return self.costs.step(prefill, decodes, len(adapters), context) + load_s
+        return self.costs.step(prefill, decodes, len(adapters), context, len(chunks)) + load_s
 
     def start(self, now: float, fast_forward: bool) -> float | None:
         """Plan the next iteration (or run of decode iterations) from ``now``; its end time, or None if idle."""
@@ -383,7 +384,7 @@ class Replica:
         seq.out += tokens
         req.generated += tokens
         if req.first_token is None:
-            req.first_token = now
+            req.first_token = now + self.stream_s
         if seq.out >= seq.target:
             self._finish(seq, "length", now)
 
@@ -392,9 +393,9 @@ class Replica:
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)
-        seq.req.finish, seq.req.finish_reason = now, reason
-        if now is None:           # truncated: it cannot fit even an empty pool
-            seq.req.finish = math.inf
+        seq.req.finish_reason = reason
+        # truncated (now None): it cannot fit even an empty pool
+        seq.req.finish = math.inf if now is None else now + self.stream_s
         self.finished.append(seq.req)
 
     def cancel(self, request_id: str) -> bool:
@@ -492,8 +493,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 # event kinds, in the order events at the same time are handled: an idle replica starts after every request
-# arriving at that instant has been placed (an engine steps once for requests queued together)
-_DONE, _ARRIVE, _TICK, _START = 0, 1, 2, 3
+# arriving (or reaching it) at that instant has been placed (an engine steps once for requests queued together)
+_DONE, _ARRIVE, _ADMIT, _TICK, _START = 0, 1, 2, 3, 4
 
 
 class ClusterSim:
@@ -534,7 +535,8 @@ class ClusterSim:
         queue: deque[SimRequest] = deque()           # at the front, first come first served
         reports: list[ReplicaReport] = []
         ticks = itertools.count(1)
-        pending = len(heap)                           # arrivals (and migrated requests) still to come
+        pending = len(heap)                           # arrivals (and migrated or admitted requests) still to come
+        submit_s = self.costs.served.submit_s
         now = 0.0
 
         def push(t: float, kind: int, payload) -> None:
@@ -545,11 +547,21 @@ class ClusterSim:
                 push(end, _DONE, (rep.id, rep.iteration.version))
 
         def place(req: SimRequest) -> bool:
+            nonlocal pending
             info = req.info()
             rid = self.policy.place(info, reports)
             if rid is None:
                 return False
             self.policy.placed(info, rid)
+            if submit_s:                              # on its way to the replica's engine
+                req.replica = rid
+                push(now + submit_s, _ADMIT, req)
+                pending += 1
+            else:
+                admit(req, rid)
+            return True
+
+        def admit(req: SimRequest, rid: int) -> None:
             rep = self.replicas[rid]
             rep.add(req)
             if rep.iteration is not None:
@@ -557,7 +569,6 @@ class ClusterSim:
             elif not rep.kicked:
                 rep.kicked = True
                 push(now, _START, rep.id)
-            return True
 
         def submit(req: SimRequest) -> None:
             pages = -(-(req.spec.input_len + req.generated + 1) // self.costs.limits.page_tokens)
@@ -592,12 +603,15 @@ class ClusterSim:
                 rep.complete(now)
                 for req in rep.finished:
                     turns = later.get(req.spec.session) if req.spec.session is not None else None
-                    if turns and req.finish_reason == "length":
-                        push(now + turns[0].after_s, _ARRIVE, turns.pop(0))
+                    if turns and req.finish_reason == "length":      # the client's think time after the answer
+                        push(req.finish + turns[0].after_s, _ARRIVE, turns.pop(0))
                         pending += 1
                 rep.finished.clear()
                 scheduled(rep, rep.start(now, self.fast_forward))
                 send_off(rep)
+            elif kind == _ADMIT:
+                pending -= 1
+                admit(payload, payload.replica)
             elif kind == _START:
                 rep = self.replicas[payload]
                 rep.kicked = False
@@ -635,15 +649,26 @@ class ClusterSim:
                           "batch_cap": self.batch_cap}, tokens_at)
 
 
-def profiled_batch_cap(costs: CostTable, share: float = 0.9) -> int:
-    """Punica's profiled batch cap: the smallest decode batch of the table whose decode throughput (tokens per
-    second, one adapter per request up to the table's largest count) reaches ``share`` of the best measured."""
-    rates = []
-    for d in costs.decode:
-        if d > 0:
-            a = min(d, costs.adapters[-1])
-            rates.append((d, d / costs.step(0, d, a, d * costs.grid_context)))
-    if not rates:
-        return costs.limits.max_num_seqs
-    best = max(r for _, r in rates)
-    return min(d for d, r in rates if r >= share * best)
+def profiled_batch_cap(costs: CostTable, latency_s: float | None = None) -> int:
+    """Punica's profiled batch cap: the decode batch beyond which a larger batch slows each token more than it
+    raises throughput. With the decode step a line ``s(d) = a + b d`` (least squares over the table's decode
+    points, served costs included, one adapter per request up to the table's largest count), doubling the batch
+    multiplies throughput by ``2 s(d) / s(2d)`` and each token's latency by ``s(2d) / s(d)``; the second is the
+    larger from ``d = a / (sqrt(2) b)`` on, which is the cap. ``latency_s``: also keep the decode step at most
+    this long. Between 1 and the engine's max_num_seqs (that, when the step does not grow with the batch)."""
+    top = costs.limits.max_num_seqs
+    pts = [(d, costs.step(0, d, min(d, costs.adapters[-1]), d * costs.grid_context))
+           for d in costs.decode if 0 < d <= top]
+    cap = top
+    if len(pts) >= 2:
+        mx = statistics.fmean(d for d, _ in pts)
+        my = statistics.fmean(t for _, t in pts)
+        var = sum((d - mx) ** 2 for d, _ in pts)
+        b = sum((d - mx) * (t - my) for d, t in pts) / var
+        a = my - b * mx
+        if b > 0 and a > 0:
+            cap = math.ceil(a / (math.sqrt(2) * b))
+    if latency_s is not None:
+        step = lambda d: costs.step(0, d, min(d, costs.adapters[-1]), d * costs.grid_context)  # noqa: E731
+        cap = min(cap, max((d for d in range(1, top + 1) if step(d) <= latency_s), default=1))
+    return max(1, min(top, cap))
