@@ -186,3 +186,24 @@ def test_host_tables_equal_a_rebuild(data):
         tables.fill(lists, counts)
         for r, (t, k) in enumerate(zip(lists, counts)):
             assert tables.tensor[r, :k].tolist() == t[:k]
+
+
+@pytest.mark.gpu
+def test_cuda_async_scheduling_keeps_tokens(tmp_path):
+    """The real decode graphs (fp32, adapters): greedy, seeded and stop-token requests give the synchronous
+    loop's tokens with async scheduling on, and iterations were queued behind one another."""
+    from tests.models.test_fast_path import GRAPH_NAMES, GRAPH_PROMPTS, GRAPH_SPS
+    from tests.models.test_parity import build
+
+    path, paths, _ = build(tmp_path)
+    kw = dict(adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, device="cuda", dtype="float32")
+    sync = LLM(str(path), async_scheduling=False, **kw)
+    llm = LLM(str(path), **kw)
+    greedy = [o.token_ids for o in sync.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
+    stops = [SamplingParams(max_tokens=9, stop_token_ids=[toks[2]]) for toks in greedy]
+    seeded = [SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(7)]
+    for sps in (GRAPH_SPS, stops, seeded):
+        want = [o.token_ids for o in sync.generate(GRAPH_PROMPTS, GRAPH_NAMES, sps)]
+        assert [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, sps)] == want
+    assert llm.engine.num_overlapped > 0 and sync.engine.num_overlapped == 0
+    assert llm.engine.pool.kv_pages == 0

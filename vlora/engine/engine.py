@@ -408,12 +408,14 @@ class Engine:
         eligible, pages = [], 0
         limit = None
         for seq in sched.running:
-            if seq.num_tokens - seq.num_computed != 1 or seq.params.task_head:
+            out, done, p = seq.output_token_ids, seq.num_computed, seq.params
+            total = len(seq.prompt_token_ids) + len(out)
+            if total - done != 1 or p.task_head:
                 return None
-            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= mml:
+            if len(out) >= p.max_tokens or total >= mml:
                 continue                               # its pending token is its last
             eligible.append(seq.request_id)
-            if len(seq.blocks) * bs <= seq.num_computed:
+            if len(seq.blocks) * bs <= done:          # its next token starts a page
                 pages += 1
                 limit = pool.num_blocks if limit is None else limit
                 if len(seq.blocks) + 1 > limit:
