@@ -3,7 +3,9 @@
 
 :class:`PhaseTimer` wraps the engine's phase methods for as long as it is open (nothing in the engine pays for it
 otherwise). Each phase's time is its own, without the phases it calls; ``wait`` is the time the host blocks on
-sampled tokens (with async scheduling the next forward is already queued by then). On CUDA it also records an
+sampled tokens (with async scheduling the next forward is already queued by then); ``runner`` is the runner's
+own time (the whole eager forward of an iteration no graph replays); ``other`` is the step's own (the
+lookahead's checks, counting queued tokens). On CUDA it also records an
 event pair around every graph replay; ``gpu_gaps_ms`` are the times between one replay's end and the next one's
 start on the GPU (sampling, the token copy and the GPU's idle time between forwards).
 """
@@ -18,7 +20,7 @@ import torch
 
 from vlora.engine import sampler
 
-PHASES = ("schedule", "memory.prepare", "inputs", "stage+replay", "sample", "wait", "eager forward", "finish",
+PHASES = ("schedule", "memory.prepare", "inputs", "stage+replay", "sample", "wait", "runner", "finish",
           "memory.after", "other")
 
 
@@ -35,7 +37,7 @@ class PhaseTimer:
         self._wrap(engine, "_schedule", "schedule")
         self._wrap(engine.memory, "prepare", "memory.prepare")
         self._wrap(runner, "_replay", "inputs")
-        self._wrap(runner, "run", "eager forward")
+        self._wrap(runner, "run", "runner")
         self._wrap(engine, "_finish", "finish")
         self._wrap(engine.memory, "after", "memory.after")
         self._wrap(sampler, "sample_async", "sample")

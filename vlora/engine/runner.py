@@ -73,7 +73,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from vlora.memory.pinned import pinned_empty
 
-            self._host_tokens = pinned_empty((2, self.graphs.max_batch), torch.long)
+            self._host_tokens = pinned_empty((2, 2 * self.graphs.max_batch), torch.long)   # tokens + flags
 
     def capture_graphs(self, mixed: bool = False) -> None:
         """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands

@@ -29,10 +29,14 @@ class Sampled:
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, host: torch.Tensor | None,
                  checks: list[tuple[int, torch.Tensor]], errors: dict[int, RequestFailed]):
-        self.seqs, self.tokens, self._host, self._checks, self._errors = seqs, tokens, host, checks, errors
+        self.seqs, self.tokens, self._checks, self._errors = seqs, tokens, checks, errors
+        # the tokens, then the sampled rows' validity flags: one copy, one wait
+        payload = tokens if not checks else torch.cat([tokens, torch.stack([c for _, c in checks]).long()])
+        self._host = payload
         self._event = None
         if host is not None:              # page-locked: the copy is queued, nothing waits
-            host.copy_(tokens, non_blocking=True)
+            self._host = host[:payload.shape[0]]
+            self._host.copy_(payload, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -40,12 +44,11 @@ class Sampled:
         """One token id per sequence (or why it could not be had)."""
         if self._event is not None:
             self._event.synchronize()
-            tokens = self._host.tolist()
-        else:
-            tokens = self.tokens.tolist()
-        errors, seqs = self._errors, self.seqs
+        values = self._host.tolist()
+        n, errors, seqs = len(self.seqs), self._errors, self.seqs
+        tokens = values[:n] if self._checks else values
         if self._checks:
-            for (i, _), ok in zip(self._checks, torch.stack([c for _, c in self._checks]).tolist()):
+            for (i, _), ok in zip(self._checks, values[n:]):
                 if not ok:
                     errors[i] = RequestFailed(f"sampling failed: the next-token probabilities are not finite at "
                                               f"temperature {seqs[i].params.temperature!r}")
@@ -60,7 +63,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int,
 def sample_async(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...],
                  host: torch.Tensor | None = None) -> Sampled:
     """Queue the sampling of ``logits`` [S, V] (one row per sequence); ``host``: a page-locked buffer of at
-    least S tokens the result is copied into without a wait (None: :meth:`Sampled.result` copies)."""
+    least 2 S int64 the result is copied into without a wait (None: :meth:`Sampled.result` copies)."""
     vocab = logits.shape[-1]
     errors: dict[int, RequestFailed] = {}
     for i, seq in enumerate(seqs):
@@ -96,4 +99,4 @@ def sample_async(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tupl
             if is_fatal(e):
                 raise
             errors[i] = RequestFailed(f"sampling failed: {describe(e)}")
-    return Sampled(seqs, out, None if host is None else host[:len(seqs)], checks, errors)
+    return Sampled(seqs, out, host, checks, errors)
