@@ -331,9 +331,9 @@ class Engine:
         self.memory.prepare(plan, self.runner.modes)  # the plan's adapters pinned, the merged one resident
         if not plan.is_empty and self._may_overlap() and self.runner.can_launch(plan.scheduled):
             failed = self._launch(plan, None)       # queued: the next decode goes in behind it before its tokens
-            if failed is None:                      # are read
+            if self._flight is not None:            # are read
                 return self._step_in_flight()
-            tokens = failed
+            tokens = failed if failed is not None else self._run(plan)
         else:
             tokens = self._run(plan) if not plan.is_empty else {}   # forward + sample
         outputs = self._finish(plan, tokens)         # append, stop checks, free pages, stream deltas
@@ -344,20 +344,25 @@ class Engine:
     def _may_overlap(self) -> bool:
         """Whether decode iterations may be queued behind one another: the engine's setting, one GPU, the
         unmerged policy with nothing merged, no swapper (its copies run on their own stream), graphs to
-        replay."""
-        return (self.config.scheduler.async_scheduling and self.runner.graphs is not None
+        replay (with the LoRA kernels, when there are adapters)."""
+        graphs = self.runner.graphs
+        return (self.config.scheduler.async_scheduling and graphs is not None
                 and self.config.model.tensor_parallel_size == 1 and self.config.scheduler.policy == "unmerged"
-                and self.runner.modes.merged is None and self.swapper is None)
+                and self.runner.modes.merged is None and self.swapper is None
+                and (graphs.lora_setup is not None or not len(self.adapters)))
 
     def _launch(self, plan: StepPlan, prev: Launched | None, commit: bool = True) -> dict[str, RequestFailed] | None:
-        """Queue ``plan`` (a graph-replayed decode) as the iteration in flight; None, or, when queueing failed,
-        every request's :class:`RequestFailed`. ``commit``: count its tokens computed now (:meth:`_commit`)."""
+        """Queue ``plan`` (a graph-replayed decode) as the iteration in flight (``self._flight``; left None when
+        the graphs cannot replay it); returns None, or, when queueing failed, every request's
+        :class:`RequestFailed`. ``commit``: count its tokens computed now (:meth:`_commit`)."""
         mode = self.runner.modes.mode_for([s.seq.adapter for s in plan.scheduled])
         t0 = time.perf_counter()
         try:
             launched = self.runner.launch(plan.scheduled, prev)
         except Exception as e:
             return self._forward_failed(plan, e)
+        if launched is None:                       # not one the graphs replay: nothing queued
+            return None
         self._forward_failures = 0
         self._flight = _Flight(plan, launched, mode, t0)
         if commit:
@@ -381,6 +386,8 @@ class Engine:
             self.memory.prepare(nxt, self.runner.modes)
             failed = self._launch(nxt, flight.launched, commit=False)
         queued, self._flight = self._flight, None
+        if nxt is not None and queued is None and failed is None:
+            raise RuntimeError("async scheduling: the lookahead decode could not be queued")
         # the sequences hold the pending tokens of ``flight`` until it is finished; then ``queued``'s count
         outputs = self._finish(flight.plan, self._land(flight), committed=True)
         live = tuple(s for s in nxt.scheduled if not s.seq.is_finished) if nxt is not None else ()

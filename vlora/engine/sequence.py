@@ -93,11 +93,6 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
-    @property
-    def has_pending(self) -> bool:
-        """Whether the last output token is still on the device."""
-        return bool(self.output_token_ids) and self.output_token_ids[-1] == Sequence.PENDING
-
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's t/h/w positions, then (like
         every text token) the same position thrice."""
