@@ -38,6 +38,7 @@ class PhaseTimer:
         self._wrap(engine.memory, "prepare", "memory.prepare")
         self._wrap(runner, "_replay", "inputs")
         self._wrap(runner, "run", "runner")
+        self._wrap(runner, "launch", "runner")
         self._wrap(engine, "_finish", "finish")
         self._wrap(engine.memory, "after", "memory.after")
         self._wrap(sampler, "sample_async", "sample")

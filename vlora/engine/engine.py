@@ -431,8 +431,7 @@ class Engine:
                 or len(eligible) > self.config.scheduler.max_num_batched_tokens):
             return None
         plan = self._schedule(only=eligible)
-        if plan.preempted or plan.truncated or len(plan.scheduled) != len(eligible) \
-                or not self.runner.can_launch(plan.scheduled):
+        if plan.preempted or plan.truncated or len(plan.scheduled) != len(eligible):
             raise RuntimeError("async scheduling: the lookahead schedule is not the decode its checks promise")
         return plan
 
@@ -574,7 +573,7 @@ class Engine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.detokenizer.update(seq)
             return "stop"
-        if self.detokenizer.update(seq):
+        if self.detokenizer.tokenizer is not None and self.detokenizer.update(seq):
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -230,7 +230,8 @@ class ModelRunner:
         """Whether the iteration is a decode the graphs replay (:meth:`launch` queues it without waiting)."""
         g = self.graphs
         return (g is not None and 0 < len(scheduled) <= g.max_batch
-                and all(s.num_tokens == 1 and s.samples and not s.seq.params.task_head for s in scheduled))
+                and all(n == 1 and start + 1 == len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                        and not seq.params.task_head for seq, start, n in scheduled))
 
     @torch.inference_mode()
     def launch(self, scheduled: tuple[ScheduledSeq, ...], prev: Launched | None = None) -> Launched | None:
