@@ -104,6 +104,7 @@ def main() -> None:
         return
     # GPU kernels of one eager decode forward (no graph) of the same batch
     runner = eng.runner
+    eng.land_in_flight()                      # every sequence's tokens on the host (none pending)
     sched = eng.scheduler.schedule()
     ordered = runner.order(sched.scheduled)
     fb = runner.prepare(ordered)

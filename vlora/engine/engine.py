@@ -15,7 +15,7 @@ sequence decodes, nothing waits, no page has to be reclaimed and no sequence
 preempted, one GPU, the unmerged policy. A sequence that turns out finished by
 the tokens read back has a wasted row in the iteration queued behind; its output
 stops where the tokens did. Anything that changes the engine from outside the loop
-(abort, merges, unregistering) first lands the iteration in flight (``_land_flight``).
+(abort, merges, unregistering) first lands the iteration in flight (``land_in_flight``).
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ class Engine:
         return self._stop(request_id, "migrate")
 
     def _stop(self, request_id: str, reason: str) -> bool:
-        self._land_flight()
+        self.land_in_flight()
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -273,7 +273,7 @@ class Engine:
         """Forget an adapter no request uses; unmerged first if it is the merged one."""
         if any(s.adapter_name == name for s in self._seqs.values()):
             raise RequestError(f"adapter {name!r} is in use by running requests")
-        self._land_flight()
+        self.land_in_flight()
         merged = self.runner.modes.merged
         if merged is not None and merged.name == name:
             self.runner.modes.unmerge()
@@ -286,12 +286,12 @@ class Engine:
     # -- inference modes (the orchestrator decides; these are the mechanics) -------------------
     def merge_adapter(self, name: str) -> float:
         """Fold adapter ``name`` into the base weights (exact; other requests keep their outputs)."""
-        self._land_flight()
+        self.land_in_flight()
         return self.runner.modes.merge(self.adapters.get(name))
 
     def unmerge_adapter(self) -> float:
         """Restore the base weights bit for bit."""
-        self._land_flight()
+        self.land_in_flight()
         return self.runner.modes.unmerge()
 
     def profile_modes(self, reps: int = 10) -> ModeCosts | None:
@@ -302,7 +302,7 @@ class Engine:
         the GPU."""
         from vlora.engine.mode_costs import profile_modes
 
-        self._land_flight()
+        self.land_in_flight()
         store, names = self.adapters.store, self.adapters.names()[:9]
         if self.runner.graphs is None or store is None or len(names) < 2 or self.runner.modes.merged is not None:
             return None
@@ -316,7 +316,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
-        self._land_flight()
+        self.land_in_flight()
         if hasattr(self.model, "close"):
             self.model.close()
 
@@ -396,7 +396,7 @@ class Engine:
             self._commit(live)
             self._flight = queued
             if not live:                   # every row ended with the tokens just read: nothing left to wait for
-                self._land_flight()
+                self.land_in_flight()
         elif failed is not None and live:
             outputs += self._finish(replace(nxt, scheduled=live), failed)
         self.memory.after(flight.plan, list(self.scheduler.waiting), idle=not self.scheduler.num_unfinished)
@@ -450,7 +450,7 @@ class Engine:
         self.last_mode = flight.mode
         return tokens
 
-    def _land_flight(self) -> None:
+    def land_in_flight(self) -> None:
         """Finish the iteration in flight, if any (its outputs go out with the next step's)."""
         flight, self._flight = self._flight, None
         if flight is not None:
