@@ -267,10 +267,11 @@ class ModelRunner:
 
     def _replay(self, ordered: list[ScheduledSeq], prev: Launched | None = None) -> torch.Tensor | None:
         """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
-        runs = tuple(s.seq.adapter for s in ordered)
-        merged = self.modes.merged
-        if self._seg_cache is not None and self._seg_cache[0] == runs and self._seg_cache[1] is merged:
-            own, minus = self._seg_cache[2]          # the same adapters row by row: the same segments
+        runs = [s.seq.adapter for s in ordered]
+        merged, cache = self.modes.merged, self._seg_cache
+        if (cache is not None and cache[1] is merged and len(cache[0]) == len(runs)
+                and all(a is b for a, b in zip(cache[0], runs))):
+            own, minus = cache[2]                    # the same adapters row by row: the same segments
         else:
             own, minus = self.modes.segments([(i, i + 1, a) for i, a in enumerate(runs)], self.lora_launch.mixed)
             self._seg_cache = (runs, merged, (own, minus))
