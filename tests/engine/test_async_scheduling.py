@@ -130,6 +130,23 @@ def test_abort_and_arrivals_mid_run():
     assert eng.pool.kv_pages == 0
 
 
+def test_a_full_batch_keeps_queueing_with_requests_waiting():
+    """With the batch at max_num_seqs and requests waiting, decodes are still queued behind one another (a
+    waiting request joins once a sequence ends); every request gets the tokens of the sync loop."""
+    prompts, sps = requests(10, 5)
+    llm = stub_llm(True, max_num_seqs=4)
+    eng = llm.engine
+    ids = [eng.add_request(p, None, sp) for p, sp in zip(prompts, sps)]
+    outs, queued_with_waiting = {}, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs[out.request_id] = out
+        queued_with_waiting += eng._flight is not None and bool(eng.scheduler.waiting)
+    assert queued_with_waiting > 0
+    assert [outs[r].token_ids for r in ids] == [expected(p, sp) for p, sp in zip(prompts, sps)]
+    assert eng.pool.kv_pages == 0
+
+
 def test_seeded_sampling_and_min_tokens():
     """Seeded (non-greedy) rows draw from their own generators in the same order; min_tokens bans the stop
     token by the count of tokens sampled so far, pending ones included."""

@@ -11,7 +11,7 @@ step then schedules and queues the next decode behind it, its input tokens taken
 on the device, before it reads the first one's tokens and finishes it, so the host
 work of one iteration overlaps the forward of the next (``async_scheduling``,
 ``_step_in_flight``). That lookahead runs only where it is exact: every running
-sequence decodes, nothing waits, no page has to be reclaimed and no sequence
+sequence decodes, no waiting request could join, no page has to be reclaimed and no sequence
 preempted, one GPU, the unmerged policy. A sequence that turns out finished by
 the tokens read back has a wasted row in the iteration queued behind; its output
 stops where the tokens did. Anything that changes the engine from outside the loop
@@ -399,17 +399,21 @@ class Engine:
                 self.land_in_flight()
         elif failed is not None and live:
             outputs += self._finish(replace(nxt, scheduled=live), failed)
-        self.memory.after(flight.plan, list(self.scheduler.waiting), idle=not self.scheduler.num_unfinished)
+        # no adapter prefetch for the queue while a decode is in flight: its copy stream could fill pages that
+        # sequences finished just now still have a (wasted) row writing to
+        waiting = [] if self._flight is not None else list(self.scheduler.waiting)
+        self.memory.after(flight.plan, waiting, idle=not self.scheduler.num_unfinished)
         return outputs
 
     def _lookahead(self, flight: _Flight) -> StepPlan | None:
         """The next decode, scheduled while the tokens of ``flight`` are still on the device: every running
         sequence continues but those its pending token ends (``max_tokens``, ``max_model_len``). None where that
-        would not be exact or not a graph replay: something waits (admission, SLO rejections, prefill), a
-        running sequence has more than one token to compute, a new page would have to be reclaimed or a
-        sequence preempted, or the batch outgrows the graphs."""
+        would not be exact or not a graph replay: a waiting request could be admitted (the batch has room; with
+        none, it is admitted once a sequence ends, one iteration later than without the lookahead), a running
+        sequence has more than one token to compute, a new page would have to be reclaimed or a sequence
+        preempted, or the batch outgrows the graphs."""
         sched = self.scheduler
-        if sched.waiting or not self._may_overlap():
+        if not self._may_overlap() or (sched.waiting and len(sched.running) < self.config.scheduler.max_num_seqs):
             return None
         pool, bs, mml = self.allocator, self.block_size, self.max_model_len
         eligible, pages = [], 0
