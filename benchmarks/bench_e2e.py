@@ -23,7 +23,10 @@ table is not, only its looked-up rows) / copy bandwidth; adapter bytes (the A
 and B of every adapter active in the batch, all layers) / copy bandwidth; at
 batch 64 the KV cache read by attention is reported as its own floor term. Prefill (the time until every
 prompt has its first token): its matmul FLOPs / the dense bf16 matmul rate measured in the same run. The
-engine-loop decode step less the graph replay is the host work between forwards (the GPU idles).
+engine-loop decode step less the graph replay is the host work between forwards (the GPU idles). Each run also
+reports the host time of a decode step per phase (``vlora.bench.phases``) and, on CUDA, the GPU's time between
+one graph replay and the next (sampling, the token copy and idle time); ``--also-sync`` repeats both runs with
+async scheduling off, on the same engine.
 
     python benchmarks/bench_e2e.py --out benchmarks/results            # GPU, the issue's setting
     python benchmarks/bench_e2e.py --model random:tiny-llama --device cpu --requests 4 --input-len 16 \\
@@ -40,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from vlora import LLM, SamplingParams  # noqa: E402
 from vlora.bench.baselines import PeftBaseline  # noqa: E402
+from vlora.bench.phases import PhaseTimer, format_summary  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
@@ -132,11 +137,12 @@ class StepTimer:
         self._full = 0                  # decode-only steps of probe_batch sequences so far
 
         def timed():
+            # no device sync after the step: every step waits for its own tokens already, and with async
+            # scheduling the next forward is queued when it returns (a sync would drain that queue)
             sched = engine.scheduler
             before = {s.request_id: s.num_computed for s in sched.unfinished()}
             t0 = time.perf_counter()
             out = self._step()
-            sync(dev)
             dt_ = time.perf_counter() - t0
             decode_only = all(s.num_computed - before.get(s.request_id, s.num_computed) <= 1
                               for s in sched.unfinished())
@@ -234,7 +240,7 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
               max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory_gb=args.kv_gb,
               max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank or 128, check_base_model=False,
               lora_overlap=args.lora_overlap,
-              lora_pdl=args.lora_pdl)
+              lora_pdl=args.lora_pdl, async_scheduling=args.async_scheduling)
     eng = llm.engine
     res["engine"] = engine_settings(eng)
     log(f"vlora: {eng.model_name}, {eng.sizing.describe()}")
@@ -265,11 +271,21 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         log(f"decode forward B={b} (graph replay mid-run): with adapters {res['vlora_graph_lora_ms']:.2f} ms, "
             f"base {res['vlora_graph_base_ms']:.2f} ms")
 
-    for label, adapters in (("adapters", names), ("base", None)):
+    runs = [("adapters", names), ("base", None)]
+    if args.also_sync and args.async_scheduling:
+        runs += [("adapters_sync", names), ("base_sync", None)]
+    for label, adapters in runs:
+        sc = eng.config.scheduler             # the same engine, async scheduling switched for the _sync runs
+        eng.config = replace(eng.config, scheduler=replace(sc, async_scheduling=args.async_scheduling
+                                                           and not label.endswith("_sync")))
         probe = replay_full_batch if graphs is not None and label == "adapters" else None
         timer = StepTimer(eng, dev, probe, b, probe_after=min(8, args.output_len // 2))
+        phases = PhaseTimer(eng)
         run = run_offline(eng, prompts, adapters, sp, dev)
+        phases.close()
         timer.close()
+        res[f"vlora_{label}_phases"] = phases.summary(b)
+        log(f"vlora {label}: decode step (B={b}) host phases, median: {format_summary(res[f'vlora_{label}_phases'])}")
         assert all(n == args.output_len for n in run["tokens"])
         wall = run["wall_s"] - timer.probe_s      # every first token came before the probe
         step = timer.decode_median_ms(b)
@@ -383,14 +399,16 @@ def summarize(res: dict) -> list[str]:
                      f"compute floor {floor:.3f} s ({res['prefill_flops'] / 1e12:.0f} TFLOP at "
                      f"{res['matmul_flops_s'] / 1e12:.0f} TFLOP/s dense matmul) = {res['base_prefill_vs_floor']:.2f}x / "
                      f"{res['adapters_prefill_vs_floor']:.2f}x (target <= 1.3)")
-    for label in ("base", "adapters"):
-        graph = res.get(f"vlora_graph_{'lora' if label == 'adapters' else 'base'}_ms")
+    for label in ("base", "adapters", "base_sync", "adapters_sync"):
+        graph = res.get(f"vlora_graph_{'lora' if label.startswith('adapters') else 'base'}_ms")
         step = res.get(f"vlora_{label}_decode_step_ms")
         if graph and step:            # the GPU idles while the host finishes one step and prepares the next
             res[f"{label}_host_gap_ms"] = step - graph
+            gap = res.get(f"vlora_{label}_phases", {}).get("gpu_gap_us")
+            between = "" if gap is None else f"; GPU time between graph replays {gap:.0f} us (median; target < 500)"
             lines.append(f"batch-{res['requests']} decode, {label}: engine-loop step {step:.2f} ms vs forward "
-                         f"{graph:.2f} ms: {step - graph:.2f} ms ({(step - graph) / step:.0%}) host work between "
-                         f"forwards")
+                         f"{graph:.2f} ms: {step - graph:.2f} ms ({(step - graph) / step:.0%}) not in the "
+                         f"forward{between}")
     return lines
 
 
@@ -450,6 +468,10 @@ def main() -> None:
                     help="LoRA kernels beside the base projection (the engine's lora_overlap)")
     ap.add_argument("--lora-pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="LoRA expand as a programmatic dependent of its shrink (the engine's lora_pdl)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="queue each decode behind the one in flight (the engine's async_scheduling)")
+    ap.add_argument("--also-sync", action="store_true",
+                    help="repeat both vlora runs with async scheduling off, on the same engine (before/after)")
     ap.add_argument("--skip-peft", action="store_true", help="leave out the transformers+PEFT mixed run")
     ap.add_argument("--skip-hf", action="store_true", help="leave out both transformers runs")
     ap.add_argument("--out", type=Path, required=True)

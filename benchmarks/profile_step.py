@@ -1,8 +1,15 @@
-"""Where a decode step's time goes: host functions (cProfile over engine steps) and GPU kernels (torch.profiler
-over one eager forward), for a random-weight model with or without adapters.
+"""Where a decode step's time goes: host time per phase of the engine step (``vlora.bench.phases``: schedule,
+inputs, staging and replay, sampling, waiting for tokens, finish, ...; on CUDA the GPU's time between forwards),
+host functions (cProfile over engine steps) and GPU kernels (torch.profiler over one eager forward), for a
+random-weight model with or without adapters.
+
+``--stub-forward`` replaces the model's forward with one that costs next to nothing (the LM head of a zero hidden
+state), so the step is the host work alone, whatever the model; on a CPU it also replays the decode graphs' CPU
+emulation, so the graph path's host side is what is timed.
 
     python benchmarks/profile_step.py --batch 64 --adapters 32          # GPU, Llama-2-7B shapes
-    python benchmarks/profile_step.py --model random:tiny-llama --device cpu --batch 8 --adapters 2
+    python benchmarks/profile_step.py --model random:tiny-llama --device cpu --batch 256 --adapters 32 \
+        --stub-forward --input-len 32        # the host work of a 256-sequence decode step on this CPU
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vlora import LLM, SamplingParams  # noqa: E402
+from vlora.bench.phases import PhaseTimer, format_summary  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 
@@ -35,13 +43,25 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--kv-gb", type=float, default=32.0)
+    ap.add_argument("--kv-gb", type=float, default=None, help="unified pool, GiB (default: the engine's)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="a forward that costs next to nothing: time the host work alone")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="queue each decode behind the one in flight (the engine's async_scheduling)")
+    ap.add_argument("--no-cprofile", action="store_true", help="time the phases only (cProfile slows the host)")
     args = ap.parse_args()
+    cpu = args.device == "cpu"
+    if cpu:                   # a tiny model's ops gain nothing from threads; a busy second core only delays them
+        torch.set_num_threads(1)
     llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.kv_gb,
-              max_num_batched_tokens=8192, max_model_len=args.input_len + args.steps + 64, check_base_model=False)
+              max_num_batched_tokens=max(8192, args.batch), max_model_len=args.input_len + 2 * args.steps + 64,
+              check_base_model=False, async_scheduling=args.async_scheduling,
+              **(dict(kernels="triton", lora_kernel="triton") if cpu and args.stub_forward else {}))
     eng = llm.engine
     cfg = eng.model.cfg
+    if args.stub_forward:
+        stub_forward(eng)
     ins, outs = cfg.lora_in_out()
     shape = ModelShape(cfg.name, cfg.num_layers, ins, outs)
     tmp = tempfile.mkdtemp()
@@ -51,7 +71,7 @@ def main() -> None:
     if args.adapters:
         names = [f"a{i % args.adapters}" for i in range(args.batch)]
     prompts = torch.randint(3, cfg.vocab_size, (args.batch, args.input_len)).tolist()
-    sp = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
+    sp = SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True)
     for p, a in zip(prompts, names):
         eng.add_request(p, a, sp)
     while any(s.num_computed < len(s.prompt_token_ids) for s in eng.scheduler.unfinished()):
@@ -61,19 +81,30 @@ def main() -> None:
     cuda = eng.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
-    pr = cProfile.Profile()
+    phases = PhaseTimer(eng)
     t0 = time.perf_counter()
-    pr.enable()
     for _ in range(args.steps):
         eng.step()
-    pr.disable()
     ms = 1e3 * (time.perf_counter() - t0) / args.steps
-    print(f"engine step, batch {args.batch}, {args.adapters} adapters: {ms:.2f} ms")
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
-    print(s.getvalue())
+    phases.close()
+    print(f"engine step, batch {args.batch}, {args.adapters} adapters, async scheduling "
+          f"{'on' if args.async_scheduling else 'off'}{', forward stubbed' if args.stub_forward else ''}: "
+          f"{ms:.2f} ms")
+    print(f"  median decode step (us): {format_summary(phases.summary(args.batch))}")
+    if not args.no_cprofile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.steps):
+            eng.step()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
+        print(s.getvalue())
+    if args.stub_forward:
+        return
     # GPU kernels of one eager decode forward (no graph) of the same batch
     runner = eng.runner
+    eng.land_in_flight()                      # every sequence's tokens on the host (none pending)
     sched = eng.scheduler.schedule()
     ordered = runner.order(sched.scheduled)
     fb = runner.prepare(ordered)
@@ -89,6 +120,20 @@ def main() -> None:
                 torch.cuda.synchronize()
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
+
+
+def stub_forward(eng) -> None:
+    """The model's forward returns a zero hidden state (its LM head still runs); on a CPU the decode graphs'
+    emulation replays nothing, so that a step is its host work."""
+    hidden = eng.model.cfg.hidden_size
+    eng.model.forward = lambda fb, kv: torch.zeros(fb.input_ids.shape[0], hidden, dtype=eng.dtype,
+                                                   device=eng.device)
+    if eng.runner.graphs is None and eng.device.type == "cpu":
+        from vlora.engine import cuda_graphs
+
+        cuda_graphs._Rerun.replay = lambda self: None
+        sc = eng.config.scheduler
+        eng.runner.enable_graphs(sc.max_num_seqs, eng.max_model_len)
 
 
 if __name__ == "__main__":

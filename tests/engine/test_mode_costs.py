@@ -21,7 +21,7 @@ class FakeGraphs:
         self.calls = []
         self.launch = LoRALaunch(mixed=mixed)
 
-    def run(self, ids, positions, slots, tables, lens, segments, minus=()):
+    def run(self, ids, positions, slots, lens, tables, counts, segments, minus=()):
         self.calls.append((len(ids), set(slots), list(segments), list(minus)))
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
@@ -175,8 +175,8 @@ class RequestGroup:
                 if item.finished:
                     self._open -= 1
                 prev = folded.get(item.request_id)
-                folded[item.request_id] = item if prev is None else replace(
-                    item, delta_text=prev.delta_text + item.delta_text,
+                folded[item.request_id] = item if prev is None else item._replace(
+                    delta_text=prev.delta_text + item.delta_text,
                     delta_token_ids=prev.delta_token_ids + item.delta_token_ids)
             if folded:
                 yield list(folded.values())
@@ -367,8 +367,10 @@ class AsyncEngine:
                         except Exception:
                             log.exception("on_fatal callback failed")
                 self._dispatch(outputs)
-                if any(o.finish_reason == "error" for o in outputs):
-                    self._deliver_held()         # a failed group's other requests were aborted: tell it now
+                # a decode queued behind this step runs on the GPU now (async scheduling), or a failed group's
+                # other requests were aborted: hand the outputs over at once
+                if self.engine.in_flight or any(o.finish_reason == "error" for o in outputs):
+                    self._deliver_held()
                 if self._unloads:
                     self._finish_unloads()
                 self.stats = self._snapshot()

@@ -8,6 +8,13 @@ single host-to-device copy per step), the segment scales, and the block tables.
 Each adapter the graphs have seen owns a column of per-layer offset tables; the
 graph itself gathers the columns of the step's segments, so the host never
 assembles per-layer offsets.
+The host side of a step writes into persistent host buffers (page-locked on
+CUDA) and copies them with ``non_blocking`` copies: the block tables are
+rewritten only where a row changed (:class:`HostTables`), the LoRA segment rows
+only when the step's segments differ from the last step's. A step launched
+before its predecessor's tokens reached the host takes those tokens on the
+device: ``src`` names, per row, the row of the previous step's sampled tensor
+that holds its input token.
 Rows ``n..B`` are padding: context length 0 (attention writes zeros), their
 KV goes to a scratch slot no sequence owns, and no LoRA segment covers them.
 
@@ -39,7 +46,7 @@ from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, 
                               SegmentMeta)
 from vlora.models.forward_batch import ForwardBatch
 
-_IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL = range(8)
+_IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL, _SRC = range(9)
 BASE, LORA, MIXED, PAIRED = 0, 1, 2, 3    # graph kinds (0 and 1 also read as False / True: "with LoRA")
 
 
@@ -65,8 +72,15 @@ class DecodeGraphs:
         self.scratch_slot = scratch_slot
         self.page = kv_cache.shape[3]
         self.device = dev = kv_cache.device
-        self.meta = torch.zeros(8, b, dtype=torch.long, device=dev)
+        self.meta = torch.zeros(9, b, dtype=torch.long, device=dev)
         self.meta[_SLOTS] = scratch_slot
+        # host staging of meta, the scales and the block tables; rewritten only once their last copy has left
+        self.host_meta = _host_zeros((9, b), torch.long, dev)
+        self.host_scales = _host_zeros((b,), torch.float32, dev)
+        self.host_tables = HostTables(b, max_blocks, dev)
+        self._meta_np, self._scales_np = self.host_meta.numpy(), self.host_scales.numpy()
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
+        self._seg_key = None             # (segments, columns, cap, bucket) whose rows the host buffers hold
         self.scales = torch.zeros(b, dtype=torch.float32, device=dev)
         # mixed mode's second pass: start/len/rank/column; or, paired, rows 2-3: each slot's pair rank/column
         self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)
@@ -132,6 +146,7 @@ class DecodeGraphs:
         return col
 
     def _drop_lora_graphs(self) -> None:
+        self._seg_key = None
         self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}
         self._other_sets = {w: {key: v for key, v in g.items() if not key[1]} for w, g in self._other_sets.items()}
         if not self.graphs and not any(self._other_sets.values()):   # no graph holds the shared memory pool any
@@ -229,11 +244,19 @@ class DecodeGraphs:
                     self.capture(b, kind)
 
     # -- replay --------------------------------------------------------------------------------
-    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int], segments: list[LoRASegment], minus: list[LoRASegment] = ()) -> torch.Tensor | None:
-        """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph. Mixed mode:
+    def fits(self, n: int, lora: bool) -> bool:
+        """Whether a decode iteration of ``n`` rows (with LoRA segments or not) can replay a graph."""
+        return self.bucket(n) is not None and (not lora or self.lora_setup is not None)
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
+            tables: list[list[int]], counts: list[int], segments: list[LoRASegment],
+            minus: list[LoRASegment] = (), src: list[int] | None = None,
+            prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits [n, vocab] of a decode iteration, or None when it cannot run from a graph. Row ``i`` reads
+        the first ``counts[i]`` pages of ``tables[i]`` (a sequence's block list, read in place). Mixed mode:
         ``segments`` that carry the merged adapter as their pair, or ``minus``, a second pass (the merged adapter
-        subtracted from the rows of the others)."""
+        subtracted from the rows of the others). ``prev_tokens``: the previous step's sampled tokens on the
+        device; row ``i`` takes ``prev_tokens[src[i]]`` as its input token where ``src[i] >= 0``."""
         self._use_weights(getattr(self.model, "weights_key", None))
         n = len(ids)
         b = self.bucket(n)
@@ -251,15 +274,24 @@ class DecodeGraphs:
         if (b, kind) not in self.graphs:
             self.capture(b, kind)
         graph, logits, cap = self.graphs[(b, kind)]
-        pad = b - n
-        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, lens + [0] * pad]
+        if self._copied is not None:
+            self._copied.synchronize()        # the last step's copies have left the host buffers (long since)
+        m = self._meta_np
+        m[_IDS, :n], m[_POS, :n], m[_SLOTS, :n], m[_LENS, :n] = ids, positions, slots, lens
+        m[_IDS:_LENS + 1, n:b] = 0
+        m[_SLOTS, n:b] = self.scratch_slot
         if kind:
-            seg_rows, scales = self._pieces(segments, cols, cap, b)
-            rows += seg_rows
-        host = torch.tensor(rows, dtype=torch.long)
-        self.meta[:host.shape[0], :b].copy_(host, non_blocking=True)
+            key = (segments, cols, cap, b)
+            if self._seg_key is None or not _same(self._seg_key, key):     # else the rows are still there
+                seg_rows, scales = self._pieces(segments, cols, cap, b)
+                m[_SEG_START:_SEG_COL + 1, :b] = seg_rows
+                self._scales_np[:b] = scales
+                self._seg_key = key
+        if src is not None:
+            m[_SRC, :n] = src
+        self.meta.copy_(self.host_meta, non_blocking=True)
         if kind:
-            self.scales[:b].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
+            self.scales.copy_(self.host_scales, non_blocking=True)
         if kind == MIXED:
             seg_rows, scales = self._pieces(minus, cols2, cap, b)
             self.meta2[:, :b].copy_(torch.tensor(seg_rows, dtype=torch.long), non_blocking=True)
@@ -271,9 +303,14 @@ class DecodeGraphs:
             self.meta2[2:, :b].copy_(torch.tensor([[p[0] for p in pairs], [p[1] for p in pairs]],
                                                   dtype=torch.long), non_blocking=True)
             self.scales2[:b].copy_(torch.tensor([p[2] for p in pairs], dtype=torch.float32), non_blocking=True)
-        nb = max(len(t) for t in tables)
-        self.tables[:n, :nb].copy_(torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.int32),
-                                   non_blocking=True)
+        self.host_tables.fill(tables, counts)
+        self.tables[:n].copy_(self.host_tables.tensor[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if prev_tokens is not None:           # input tokens sampled by the step before, still on the device
+            rows = self.meta[_SRC, :n]
+            picked = prev_tokens.index_select(0, rows.clamp(min=0))
+            self.meta[_IDS, :n].copy_(torch.where(rows >= 0, picked, self.meta[_IDS, :n]))
         graph.replay()
         self.num_replays += 1
         return logits[:n]
@@ -300,3 +337,51 @@ class _Rerun:
 
     def replay(self) -> None:
         self.out.copy_(self.fn())
+
+
+class HostTables:
+    """The block tables of a graph's rows in one host array (page-locked on CUDA). A row remembers the block
+    list it was filled from and how many of its pages are written, so a step where the rows hold the same
+    sequences writes only the pages they gained; a row whose sequence changed is rewritten. Block lists only
+    grow in place (a sequence that loses its pages gets a new list), and entries past a row's count are never
+    read, so what a row holds past it is left as it is."""
+
+    def __init__(self, rows: int, cols: int, device: torch.device):
+        self.tensor = _host_zeros((rows, cols), torch.int32, device)
+        self._np = self.tensor.numpy()
+        self._lists: list[list[int] | None] = [None] * rows
+        self._filled = [0] * rows
+
+    def fill(self, tables: list[list[int]], counts: list[int]) -> None:
+        """Row ``i`` holds ``tables[i][:counts[i]]``."""
+        lists, filled, arr = self._lists, self._filled, self._np
+        for i, (blocks, k) in enumerate(zip(tables, counts)):
+            if lists[i] is blocks:
+                f = filled[i]
+                if f >= k:
+                    continue
+                arr[i, f:k] = blocks[f:k]
+            else:
+                arr[i, :k] = blocks[:k]
+                lists[i] = blocks
+            filled[i] = k
+
+
+def _host_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed host staging buffer: page-locked when it feeds a GPU (``non_blocking`` copies from pageable
+    memory are staged by the driver, and may wait for the stream)."""
+    if device.type != "cuda":
+        return torch.zeros(shape, dtype=dtype)
+    from vlora.memory.pinned import pinned_empty
+
+    t = pinned_empty(shape, dtype)
+    t.zero_()
+    return t
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two (segments, columns, cap, bucket) keys describe the same segment rows: the same segment
+    objects' values, columns, tile height and bucket."""
+    return a[1] == b[1] and a[2] == b[2] and a[3] == b[3] and len(a[0]) == len(b[0]) and all(
+        x.start == y.start and x.end == y.end and x.adapter is y.adapter and x.scale == y.scale
+        for x, y in zip(a[0], b[0]))

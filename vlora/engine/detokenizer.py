@@ -35,6 +35,8 @@ class Detokenizer:
 
     def stream_delta(self, seq: Sequence) -> str:
         """Text not yet emitted that is safe to emit now; advances the emitted mark."""
+        if self.tokenizer is None:                 # token ids in and out: there is no text
+            return ""
         end = len(seq.text)
         if not seq.is_finished:
             while end > seq.num_emitted_chars and seq.text[end - 1] == "\ufffd":

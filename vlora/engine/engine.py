@@ -5,6 +5,17 @@
     tokens = self._run(plan)        # forward + sample
     outputs = self._finish(plan, tokens)  # append, stop checks, free, stream
     memory.after(plan, ...)         # swapper monitor, adapter prefetch, drain when idle
+
+A decode iteration the CUDA graphs replay is only queued (``runner.launch``): the
+step then schedules and queues the next decode behind it, its input tokens taken
+on the device, before it reads the first one's tokens and finishes it, so the host
+work of one iteration overlaps the forward of the next (``async_scheduling``,
+``_step_in_flight``). That lookahead runs only where it is exact: every running
+sequence decodes, no waiting request could join, no page has to be reclaimed and no sequence
+preempted, one GPU, the unmerged policy. A sequence that turns out finished by
+the tokens read back has a wasted row in the iteration queued behind; its output
+stops where the tokens did. Anything that changes the engine from outside the loop
+(abort, merges, unregistering) first lands the iteration in flight (``land_in_flight``).
 """
 
 from __future__ import annotations
@@ -13,7 +24,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +34,7 @@ from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.orchestrator import Orchestrator
-from vlora.engine.runner import ModelRunner
+from vlora.engine.runner import Launched, ModelRunner
 from vlora.engine.plan import StepPlan
 from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import RequestOutput, Sequence
@@ -142,6 +153,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []       # outputs of aborts, flushed by the next step
         self._forward_failures = 0                    # iterations in a row whose forward failed
+        self._flight: _Flight | None = None           # a decode queued on the device, its tokens not yet read
+        self._last_landed = 0.0                       # when the tokens of the last queued iteration were read
+        self.num_overlapped = 0                       # iterations queued behind another one (async_scheduling)
         # cluster replicas: a request preempted for KV goes back to the cluster front (finish "migrate") to resume
         # elsewhere by recompute, rather than wait here for pages this replica is short of
         self.hand_back_preempted = False
@@ -237,6 +251,7 @@ class Engine:
         return self._stop(request_id, "migrate")
 
     def _stop(self, request_id: str, reason: str) -> bool:
+        self.land_in_flight()
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -260,6 +275,7 @@ class Engine:
         """Forget an adapter no request uses; unmerged first if it is the merged one."""
         if any(s.adapter_name == name for s in self._seqs.values()):
             raise RequestError(f"adapter {name!r} is in use by running requests")
+        self.land_in_flight()
         merged = self.runner.modes.merged
         if merged is not None and merged.name == name:
             self.runner.modes.unmerge()
@@ -272,10 +288,12 @@ class Engine:
     # -- inference modes (the orchestrator decides; these are the mechanics) -------------------
     def merge_adapter(self, name: str) -> float:
         """Fold adapter ``name`` into the base weights (exact; other requests keep their outputs)."""
+        self.land_in_flight()
         return self.runner.modes.merge(self.adapters.get(name))
 
     def unmerge_adapter(self) -> float:
         """Restore the base weights bit for bit."""
+        self.land_in_flight()
         return self.runner.modes.unmerge()
 
     def profile_modes(self, reps: int = 10) -> ModeCosts | None:
@@ -286,6 +304,7 @@ class Engine:
         the GPU."""
         from vlora.engine.mode_costs import profile_modes
 
+        self.land_in_flight()
         store, names = self.adapters.store, self.adapters.names()[:9]
         if self.runner.graphs is None or store is None or len(names) < 2 or self.runner.modes.merged is not None:
             return None
@@ -299,22 +318,156 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.land_in_flight()
         if hasattr(self.model, "close"):
             self.model.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+        return self.scheduler.num_unfinished > 0 or bool(self._pending) or self._flight is not None
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._flight is not None:
+            return self._step_in_flight()
         plan = self._schedule()                     # who runs, how many tokens each, in which mode
         self.memory.prepare(plan, self.runner.modes)  # the plan's adapters pinned, the merged one resident
-        tokens = self._run(plan) if not plan.is_empty else {}   # forward + sample
+        if not plan.is_empty and self._may_overlap() and self.runner.can_launch(plan.scheduled):
+            failed = self._launch(plan, None)       # queued: the next decode goes in behind it before its tokens
+            if self._flight is not None:            # are read
+                return self._step_in_flight()
+            tokens = failed if failed is not None else self._run(plan)
+        else:
+            tokens = self._run(plan) if not plan.is_empty else {}   # forward + sample
         outputs = self._finish(plan, tokens)         # append, stop checks, free pages, stream deltas
         self.memory.after(plan, list(self.scheduler.waiting), idle=not self.scheduler.num_unfinished)
         return outputs
 
-    def _schedule(self) -> StepPlan:
+    # -- async scheduling: the next decode queued before the tokens of the one in flight are read ----------
+    def _may_overlap(self) -> bool:
+        """Whether decode iterations may be queued behind one another: the engine's setting, one GPU, the
+        unmerged policy with nothing merged, no swapper (its copies run on their own stream), graphs to
+        replay (with the LoRA kernels, when there are adapters)."""
+        graphs = self.runner.graphs
+        return (self.config.scheduler.async_scheduling and graphs is not None
+                and self.config.model.tensor_parallel_size == 1 and self.config.scheduler.policy == "unmerged"
+                and self.runner.modes.merged is None and self.swapper is None
+                and (graphs.lora_setup is not None or not len(self.adapters)))
+
+    def _launch(self, plan: StepPlan, prev: Launched | None, commit: bool = True) -> dict[str, RequestFailed] | None:
+        """Queue ``plan`` (a graph-replayed decode) as the iteration in flight (``self._flight``; left None when
+        the graphs cannot replay it); returns None, or, when queueing failed, every request's
+        :class:`RequestFailed`. ``commit``: count its tokens computed now (:meth:`_commit`)."""
+        mode = self.runner.modes.mode_for([s.seq.adapter for s in plan.scheduled])
+        t0 = time.perf_counter()
+        try:
+            launched = self.runner.launch(plan.scheduled, prev)
+        except Exception as e:
+            return self._forward_failed(plan, e)
+        if launched is None:                       # not one the graphs replay: nothing queued
+            return None
+        self._forward_failures = 0
+        self._flight = _Flight(plan, launched, mode, t0)
+        if commit:
+            self._commit(plan.scheduled)
+        return None
+
+    @staticmethod
+    def _commit(scheduled) -> None:
+        """The queued tokens count as computed; each sequence holds a pending token until they are read."""
+        for s in scheduled:
+            s.seq.num_computed += 1
+            s.seq.output_token_ids.append(Sequence.PENDING)
+
+    def _step_in_flight(self) -> list[RequestOutput]:
+        """With a decode in flight: queue the next one behind it where that is exact, then read the first one's
+        tokens and finish it. Returns the outputs of the iteration whose tokens were read."""
+        flight, self._flight = self._flight, None
+        nxt = self._lookahead(flight)
+        failed = None
+        if nxt is not None:
+            self.memory.prepare(nxt, self.runner.modes)
+            failed = self._launch(nxt, flight.launched, commit=False)
+        queued, self._flight = self._flight, None
+        if nxt is not None and queued is None and failed is None:
+            raise RuntimeError("async scheduling: the lookahead decode could not be queued")
+        # the sequences hold the pending tokens of ``flight`` until it is finished; then ``queued``'s count
+        outputs = self._finish(flight.plan, self._land(flight), committed=True)
+        live = tuple(s for s in nxt.scheduled if not s.seq.is_finished) if nxt is not None else ()
+        if queued is not None:
+            self.num_overlapped += 1
+            self._commit(live)
+            self._flight = queued
+            if not live:                   # every row ended with the tokens just read: nothing left to wait for
+                self.land_in_flight()
+        elif failed is not None and live:
+            outputs += self._finish(replace(nxt, scheduled=live), failed)
+        # no adapter prefetch for the queue while a decode is in flight: its copy stream could fill pages that
+        # sequences finished just now still have a (wasted) row writing to
+        waiting = [] if self._flight is not None else list(self.scheduler.waiting)
+        self.memory.after(flight.plan, waiting, idle=not self.scheduler.num_unfinished)
+        return outputs
+
+    def _lookahead(self, flight: _Flight) -> StepPlan | None:
+        """The next decode, scheduled while the tokens of ``flight`` are still on the device: every running
+        sequence continues but those its pending token ends (``max_tokens``, ``max_model_len``). None where that
+        would not be exact or not a graph replay: a waiting request could be admitted (the batch has room; with
+        none, it is admitted once a sequence ends, one iteration later than without the lookahead), a running
+        sequence has more than one token to compute, a new page would have to be reclaimed or a sequence
+        preempted, or the batch outgrows the graphs."""
+        sched = self.scheduler
+        if not self._may_overlap() or (sched.waiting and len(sched.running) < self.config.scheduler.max_num_seqs):
+            return None
+        pool, bs, mml = self.allocator, self.block_size, self.max_model_len
+        eligible, pages = [], 0
+        limit = None
+        for seq in sched.running:
+            out, done, p = seq.output_token_ids, seq.num_computed, seq.params
+            total = len(seq.prompt_token_ids) + len(out)
+            if total - done != 1 or p.task_head:
+                return None
+            if len(out) >= p.max_tokens or total >= mml:
+                continue                               # its pending token is its last
+            eligible.append(seq.request_id)
+            if len(seq.blocks) * bs <= done:          # its next token starts a page
+                pages += 1
+                limit = pool.num_blocks if limit is None else limit
+                if len(seq.blocks) + 1 > limit:
+                    return None
+        if (not eligible or len(eligible) > self.runner.graphs.max_batch or pages > pool.num_free
+                or len(eligible) > self.config.scheduler.max_num_batched_tokens):
+            return None
+        plan = self._schedule(only=eligible)
+        if plan.preempted or plan.truncated or len(plan.scheduled) != len(eligible):
+            raise RuntimeError("async scheduling: the lookahead schedule is not the decode its checks promise")
+        return plan
+
+    def _land(self, flight: _Flight) -> dict[str, int | RequestFailed]:
+        """Read the tokens of ``flight`` (waits for them); a failure fails each of its requests."""
+        plan = flight.plan
+        try:
+            tokens = flight.launched.result()
+        except Exception as e:
+            return self._forward_failed(plan, e)
+        now = time.perf_counter()
+        seconds = now - max(flight.t0, self._last_landed)   # queued behind another: from when that one landed
+        self._last_landed = now
+        self.orchestrator.observe(flight.mode, seconds, decode_only=True)
+        self.estimator.observe(0, len(plan.scheduled), seconds)
+        self.last_mode = flight.mode
+        return tokens
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a decode iteration is queued on the device and its tokens not read yet."""
+        return self._flight is not None
+
+    def land_in_flight(self) -> None:
+        """Finish the iteration in flight, if any (its outputs go out with the next step's)."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self._pending.extend(self._finish(flight.plan, self._land(flight), committed=True))
+
+    def _schedule(self, only: list[str] | None = None) -> StepPlan:
         """SLO rejections, the mode policy's pick, the requests whose adapters can be resident, then the
         scheduler's fit of them into the token budget and free pages; the policy's weights applied."""
         for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator):
@@ -325,7 +478,7 @@ class Engine:
         decision = self.orchestrator.plan(sched.unfinished(), modes, self.adapters)
         room = max(0, self.config.scheduler.max_num_seqs - len(sched.running))
         ready = self.memory.runnable(sched.running, list(sched.waiting), room, modes.merged)
-        out = sched.schedule(_both(None if decision is None else decision.batch, ready))
+        out = sched.schedule(_both(_both(None if decision is None else decision.batch, ready), only))
         preempted, truncated = out.preempted, out.truncated
         if out.is_empty and decision is not None:   # the policy's requests cannot run now (memory): run anyone;
             out = sched.schedule(ready)             # outputs never depend on the mode, only speed does
@@ -371,19 +524,26 @@ class Engine:
         failed = RequestFailed(f"the batched forward failed: {describe(exc)}")
         return {s.seq.request_id: failed for s in plan.scheduled}
 
-    def _finish(self, plan: StepPlan, tokens: dict) -> list[RequestOutput]:
+    def _finish(self, plan: StepPlan, tokens: dict, committed: bool = False) -> list[RequestOutput]:
         """Each request of the plan on its own: an error in one (its token a :class:`RequestFailed`, or its stop
-        checks or detokenizing raising) finishes it with ``finish_reason="error"`` and frees its memory."""
+        checks or detokenizing raising) finishes it with ``finish_reason="error"`` and frees its memory.
+        ``committed``: the plan was queued (:meth:`_launch`): its tokens are counted computed and each sampled
+        token takes the place of its sequence's pending one; a sequence finished meanwhile is skipped."""
         results, self._pending = self._pending, []
         for seq in plan.truncated:
             self._seqs.pop(seq.request_id, None)
             results.append(self._output(seq, []))
         for s in plan.scheduled:
             seq, token = s.seq, tokens.get(s.seq.request_id)
+            if committed:
+                if seq.is_finished:                 # by the iteration before (its row here was wasted)
+                    continue
+                seq.output_token_ids.pop()          # the pending token: the sampled one, or none on failure
             if isinstance(token, RequestFailed):    # its KV of this iteration is not counted computed
                 results.append(self._fail(seq, str(token)))
                 continue
-            seq.num_computed += s.num_tokens
+            if not committed:
+                seq.num_computed += s.num_tokens
             if token is None:
                 continue
             try:
@@ -424,7 +584,7 @@ class Engine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.detokenizer.update(seq)
             return "stop"
-        if self.detokenizer.update(seq):
+        if self.detokenizer.tokenizer is not None and self.detokenizer.update(seq):
             return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -498,3 +658,12 @@ def _load_tokenizer(model_dir):
                   for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     return AutoTokenizer.from_pretrained(model_dir) if has_tok else None
 
+
+@dataclass
+class _Flight:
+    """A decode iteration queued on the device whose tokens the engine has not read yet."""
+
+    plan: StepPlan
+    launched: Launched
+    mode: object              # the inference mode it runs in
+    t0: float                 # when it was queued

@@ -36,7 +36,8 @@ class LLM:
                  adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9, merged_copy: bool = False,
                  lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
                  all_reduce: str = "nccl", replicas: int = 1, ray_address: str | None = None,
-                 cluster_policy: str = "round_robin", config: EngineConfig | None = None):
+                 cluster_policy: str = "round_robin", async_scheduling: bool = True,
+                 config: EngineConfig | None = None):
         """``replicas`` > 1 (or a ``ray_address``): that many engine replicas on Ray, placed by
         ``cluster_policy`` (docs/cluster.md); ``self.engine`` is then None."""
         config = config or EngineConfig(
@@ -48,7 +49,8 @@ class LLM:
                               adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization,
                               merged_copy=merged_copy),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras, lora_overlap, lora_pdl),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s))
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s,
+                                      async_scheduling))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
         self.cluster = None
         if replicas > 1 or ray_address is not None:

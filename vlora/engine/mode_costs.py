@@ -88,7 +88,8 @@ def profile_steps(graphs, adapters: list[PackedAdapter], buckets: list[int], rep
     merged, others = adapters[0], adapters[1:]
     out: dict[Mode, dict[int, float]] = {m: {} for m in Mode}
     for b in buckets:
-        rows = dict(ids=[0] * b, positions=[0] * b, slots=[graphs.scratch_slot] * b, tables=[[0]] * b, lens=[1] * b)
+        rows = dict(ids=[0] * b, positions=[0] * b, slots=[graphs.scratch_slot] * b, tables=[[0]] * b, counts=[1] * b,
+                    lens=[1] * b)
         runs = [(i, i + 1, others[i % len(others)]) for i in range(b)]
         own, _ = mode_segments(runs, None)
         if b > 1:                                        # MIXED: row 0 is the merged adapter's (when b > 1)

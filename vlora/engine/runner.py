@@ -14,8 +14,9 @@ import torch
 
 from vlora.engine.faults import RequestFailed, describe, is_fatal
 from vlora.engine.modes import ModeSwitcher
-from vlora.engine.sampler import sample
+from vlora.engine.sampler import Sampled, sample, sample_async
 from vlora.engine.scheduler import ScheduledSeq
+from vlora.engine.sequence import Sequence
 from vlora.lora.batch import LoRABatch, LoRALaunch
 from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
@@ -53,6 +54,9 @@ class ModelRunner:
             # tensor parallelism: the kernels see this rank's slices (its heads and MLP columns)
             self.group_widths, self.group_in = lora_groups(getattr(model, "local_cfg", model.cfg))
         self.graphs = None
+        self._seg_cache = None        # (row adapters, merged adapter, segments) of the last replayed iteration
+        self._host_tokens = None      # two page-locked rows the sampled tokens land in (two iterations in flight)
+        self._slot = 0
         # called once per forward, after it is queued and before anything waits for it (the async engine
         # hands the previous iteration's outputs to the event loop then)
         self.before_sync: Callable[[], None] | None = None
@@ -70,6 +74,10 @@ class ModelRunner:
                                                  self.adapters.max_rank)
         self.graphs = make(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
                             scratch, lora, columns, self.lora_launch)
+        if self.device.type == "cuda":
+            from vlora.memory.pinned import pinned_empty
+
+            self._host_tokens = pinned_empty((2, 2 * self.graphs.max_batch), torch.long)   # tokens + flags
 
     def capture_graphs(self, mixed: bool = False) -> None:
         """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands
@@ -204,26 +212,49 @@ class ModelRunner:
     def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int | TaskResult | RequestFailed]:
         """One forward over the scheduled chunks; returns request_id -> sampled token (a task head's answer
         for ``task_head`` requests; a :class:`RequestFailed` for a request whose own part failed)."""
+        launched = self.launch(scheduled)
+        if launched is not None:
+            return launched.result()
         ordered = self.order(scheduled)
         samplers = [s.seq for s in ordered if s.samples]
-        logits = self._replay(ordered) if self.graphs is not None else None
-        answers = {}
-        if logits is None:
-            self.encode_images(ordered)
-            fb = self.prepare(ordered)
-            hidden = self.model(fb, self.kv_cache)
-            self._launched()
-            self._drop_images(ordered)
-            if not samplers:
-                return {}
-            answers, samplers, hidden = self._task_heads(samplers, hidden[fb.logits_rows])
-            if not samplers:
-                return answers
-            logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
-        else:
-            self._launched()
+        self.encode_images(ordered)
+        fb = self.prepare(ordered)
+        hidden = self.model(fb, self.kv_cache)
+        self._launched()
+        self._drop_images(ordered)
+        if not samplers:
+            return {}
+        answers, samplers, hidden = self._task_heads(samplers, hidden[fb.logits_rows])
+        if not samplers:
+            return answers
+        logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
         tokens = sample(logits, samplers, self.eos_token_ids)
         return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
+
+    def can_launch(self, scheduled: tuple[ScheduledSeq, ...]) -> bool:
+        """Whether the iteration is a decode the graphs replay (:meth:`launch` queues it without waiting)."""
+        g = self.graphs
+        return (g is not None and 0 < len(scheduled) <= g.max_batch
+                and all(n == 1 and start + 1 == len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                        and not seq.params.task_head for seq, start, n in scheduled))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: tuple[ScheduledSeq, ...], prev: Launched | None = None) -> Launched | None:
+        """Queue a decode iteration's graph replay and sampling on the device and return without waiting for its
+        tokens; None when it is not one the graphs replay (:meth:`run` computes it eagerly). A row whose input
+        token is still on the device (``Sequence.PENDING``) takes it from ``prev``, the iteration before."""
+        if not self.can_launch(scheduled):
+            return None
+        ordered = self.order(scheduled)
+        logits = self._replay(ordered, prev)
+        if logits is None:
+            return None
+        samplers = [s.seq for s in ordered]
+        slot, self._slot = self._slot, 1 - self._slot          # the iteration in flight holds the other one
+        out = None if self._host_tokens is None else self._host_tokens[slot]
+        launched = Launched(samplers, sample_async(logits, samplers, self.eos_token_ids, out))
+        self._launched()
+        return launched
 
     def _launched(self) -> None:
         """The forward is queued on the GPU and nothing has waited for it yet: the moment for ``before_sync``."""
@@ -246,22 +277,44 @@ class ModelRunner:
         return ({samplers[i].request_id: r for i, r in zip(heads, results)}, [samplers[i] for i in keep],
                 hidden[keep])
 
-    def _replay(self, ordered: list[ScheduledSeq]) -> torch.Tensor | None:
+    def _replay(self, ordered: list[ScheduledSeq], prev: Launched | None = None) -> torch.Tensor | None:
         """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
-        if len(ordered) > self.graphs.max_batch or not all(s.num_tokens == 1 and s.samples for s in ordered):
-            return None
-        own, minus = self.modes.segments([(i, i + 1, s.seq.adapter) for i, s in enumerate(ordered)],
-                                         self.lora_launch.mixed)
+        runs = [s.seq.adapter for s in ordered]
+        merged, cache = self.modes.merged, self._seg_cache
+        if (cache is not None and cache[1] is merged and len(cache[0]) == len(runs)
+                and all(a is b for a, b in zip(cache[0], runs))):
+            own, minus = cache[2]                    # the same adapters row by row: the same segments
+        else:
+            own, minus = self.modes.segments([(i, i + 1, a) for i, a in enumerate(runs)], self.lora_launch.mixed)
+            self._seg_cache = (runs, merged, (own, minus))
         bs = self.block_size
-        ids, positions, slots, tables, lens = [], [], [], [], []
-        for s in ordered:
-            seq, p = s.seq, s.start
-            ids.append(seq.tokens(p, p + 1)[0])
-            positions.append(p + seq.rope_delta)
-            slots.append(seq.blocks[p // bs] * bs + p % bs)
-            tables.append(seq.blocks[:p // bs + 1])
-            lens.append(p + 1)
-        return self.graphs.run(ids, positions, slots, tables, lens, own, minus)
+        seqs = [s.seq for s in ordered]
+        positions = [s.start for s in ordered]
+        ids = [seq.token_at(p) for seq, p in zip(seqs, positions)]
+        src = None
+        if prev is not None and Sequence.PENDING in ids:      # sampled by ``prev``: taken on the device
+            rows = prev.rows
+            src = [rows[seq.request_id] if t == Sequence.PENDING else -1 for seq, t in zip(seqs, ids)]
+            ids = [0 if t == Sequence.PENDING else t for t in ids]
+        lens = [p + 1 for p in positions]
+        slots = [seq.blocks[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        counts = [p // bs + 1 for p in positions]
+        rope = [p + seq.rope_delta for seq, p in zip(seqs, positions)] if any(s.rope_delta for s in seqs) \
+            else positions
+        return self.graphs.run(ids, rope, slots, lens, [seq.blocks for seq in seqs], counts, own, minus, src,
+                               None if src is None else prev.sampled.tokens)
+
+
+class Launched:
+    """An iteration queued on the device: its sampled tokens arrive in host memory without a wait; ``result``
+    waits for them. ``rows``: request id -> row of the sampled tensor."""
+
+    def __init__(self, seqs: list[Sequence], sampled: Sampled):
+        self.seqs, self.sampled = seqs, sampled
+        self.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
+
+    def result(self) -> dict[str, int | RequestFailed]:
+        return {seq.request_id: t for seq, t in zip(self.seqs, self.sampled.result())}
 
 
 def lora_groups(cfg) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:

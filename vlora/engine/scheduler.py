@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vlora.config import SchedulerConfig
 from vlora.engine.sequence import Sequence, Status
 from vlora.memory.pool import UnifiedPool
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):         # a tuple: one is made per sequence per iteration
     seq: Sequence
     start: int                  # first token index computed this iteration (= num_computed)
     num_tokens: int             # tokens computed this iteration
@@ -73,8 +73,12 @@ class Scheduler:
     def _count(self, seq: Sequence, n: int) -> None:
         start = seq.num_computed
         self.computed_tokens += n
-        self.prompt_tokens_computed += max(0, min(start + n, len(seq.prompt_token_ids)) - start)
-        self.recomputed_tokens += max(0, min(start + n, self._computed_before.get(seq.request_id, 0)) - start)
+        prompt = len(seq.prompt_token_ids)
+        if start < prompt:
+            self.prompt_tokens_computed += min(start + n, prompt) - start
+        before = self._computed_before.get(seq.request_id, 0)
+        if start < before:
+            self.recomputed_tokens += min(start + n, before) - start
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -153,26 +157,27 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         truncated: list[Sequence] = []
-        queue = [s for s in self.running if ok(s)]    # the others keep their KV and sit this one out
+        # the others keep their KV and sit this one out
+        queue = deque(self.running if eligible is None else [s for s in self.running if ok(s)])
         limit = self.allocator.num_blocks             # once per call: it sums over the resident adapters
+        bs = self.block_size
         while queue and budget > 0:
-            seq = queue.pop(0)
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if len(seq.blocks) + self._blocks_needed(seq, n) > limit:
+            seq = queue.popleft()
+            start = seq.num_computed
+            n = min(seq.num_tokens - start, budget)
+            held = len(seq.blocks)
+            need = -(-(start + n) // bs) - held        # most decodes need no new page
+            if held + max(0, need) > limit:
                 self.finish(seq, "length")      # preempting would only bring it back to the same wall
                 truncated.append(seq)
                 continue
-            while not self._grow(seq, n):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self._count(seq, n)
-                scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
-                budget -= n
+            if need > 0 and not self._grow_preempting(seq, n, queue, preempted):
+                continue                        # it was preempted itself
+            self._count(seq, n)
+            scheduled.append(ScheduledSeq(seq, start, n))
+            budget -= n
         # admit waiting sequences only when nothing was preempted (they would thrash)
+        admitted = False
         for seq in [s for s in self.waiting if ok(s)]:
             if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
@@ -192,11 +197,24 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            admitted = True
             self._count(seq, n)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
-        self.running.sort(key=lambda s: s.arrival)
+        if admitted:                            # preemptions keep the order; admissions may break it
+            self.running.sort(key=lambda s: s.arrival)
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(truncated))
+
+    def _grow_preempting(self, seq: Sequence, n: int, queue: deque, preempted: list) -> bool:
+        """Pages for ``seq``'s next ``n`` tokens, preempting the newest sequences of ``queue`` (then ``seq``
+        itself) until they fit; False when ``seq`` was preempted."""
+        while not self._grow(seq, n):
+            victim = queue.pop() if queue else seq
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and free its KV blocks (running or waiting)."""

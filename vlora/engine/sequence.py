@@ -4,6 +4,11 @@ A sequence's tokens are ``prompt + output``; ``num_computed`` of them have KV in
 the cache. Whatever the phase (prefill, chunked prefill, decode, recompute after
 preemption) an iteration computes ``tokens[num_computed : num_computed + n]`` and
 samples the next token when that reaches the end.
+
+While an iteration's tokens are still on the device (the engine queues the next
+decode before reading them), each of its sequences holds ``PENDING`` as its last
+output token and counts it computed; the engine writes the token in once it
+has it, and no output ever shows ``PENDING``.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -32,6 +37,8 @@ class Status(enum.Enum):
 
 @dataclass
 class Sequence:
+    PENDING = -1                             # an output token sampled on the device, not yet read back
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -81,6 +88,11 @@ class Sequence:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
 
+    def token_at(self, i: int) -> int:
+        """Token ``i`` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's t/h/w positions, then (like
         every text token) the same position thrice."""
@@ -105,9 +117,9 @@ class Sequence:
         return self.status is Status.FINISHED
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a request has produced so far; ``delta_*`` is what is new since the last one."""
+class RequestOutput(NamedTuple):
+    """What a request has produced so far; ``delta_*`` is what is new since the last one. (A named tuple: one is
+    made per request per iteration, and a frozen dataclass costs several times as much to make.)"""
 
     request_id: str
     adapter: str | None

@@ -202,7 +202,7 @@ class ShardGraphs(DecodeGraphs):
         self.tp._guard(lambda: (self.tp._send({}, self.kv_cache.shape, graphs=setup),
                                 super(ShardGraphs, self).capture_all(with_lora, mixed)))
 
-    def run(self, ids, positions, slots, tables, lens, segments, minus=()):
+    def run(self, ids, positions, slots, lens, tables, counts, segments, minus=(), src=None, prev_tokens=None):
         kind = MIXED if minus else LORA if segments else BASE
         if self.bucket(len(ids)) is None or (kind and self.lora_setup is None):
             return None
@@ -210,9 +210,10 @@ class ShardGraphs(DecodeGraphs):
         def replay():
             used = {s.adapter.name: s.adapter for s in list(segments) + list(minus)}
             self.tp._send(used, self.kv_cache.shape, replay=Replay(list(ids), list(positions), list(slots),
-                                                                   [list(t) for t in tables], list(lens),
+                                                                   [t[:c] for t, c in zip(tables, counts)], list(lens),
                                                                    by_name(segments), by_name(minus)))
-            return super(ShardGraphs, self).run(ids, positions, slots, tables, lens, segments, minus)
+            return super(ShardGraphs, self).run(ids, positions, slots, lens, tables, counts, segments, minus, src,
+                                                prev_tokens)
         return self.tp._guard(replay)
 
 

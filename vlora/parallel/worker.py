@@ -118,8 +118,8 @@ class Worker:
 
     def _replay(self, r: Replay) -> None:
         part = self.parts.__getitem__
-        self.graphs.run(r.ids, r.positions, r.slots, r.tables, r.lens, list(segments_of(r.segments, part)),
-                        list(segments_of(r.minus, part)))
+        self.graphs.run(r.ids, r.positions, r.slots, r.lens, r.tables, [len(t) for t in r.tables],
+                        list(segments_of(r.segments, part)), list(segments_of(r.minus, part)))
 
 
 def build_model(spec, device: torch.device, rank: int, world: int):
