@@ -96,6 +96,17 @@ class CostTable:
         """This table with the served path's costs ``served``."""
         return replace(self, served=served)
 
+    def scaled(self, decode: float, prefill: float | None = None, note: str = "") -> CostTable:
+        """This table with its iteration grid times ``decode`` where the iteration has no prefill (the CUDA-graph
+        replay) and times ``prefill`` (default: ``decode``) where it has one (the eager forward): a table of one
+        GPU carried over to another from step times measured there. ``note`` says where the factors come from
+        (kept in ``meta["step_scale"]``); the served costs are kept as they are."""
+        prefill = decode if prefill is None else prefill
+        grid = [[[t * (prefill if p else decode) for t in row] for row in plane]
+                for p, plane in zip(self.prefill, self.step_s)]
+        meta = dict(self.meta, step_scale=dict(decode=decode, prefill=prefill, note=note))
+        return replace(self, step_s=grid, kv_s_per_token=self.kv_s_per_token * decode, meta=meta)
+
     def load_s(self, rank: int) -> float:
         """Seconds to bring an adapter of ``rank`` into the pool (the nearest measured rank at or above it)."""
         if not self.adapter_load_s:
