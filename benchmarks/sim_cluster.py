@@ -114,14 +114,21 @@ def complete(recs: list[dict]) -> bool:
     return bool(recs) and all(r["finish_reason"] == "length" and r["tokens"] == r["output_len"] for r in recs)
 
 
+def policy_of(name: str, capped_affinity: bool = False):
+    """The placement policy ``name``; ``capped_affinity``: affinity holding requests at the front while every
+    replica is at its batch cap, as commit 9830b47 and earlier ran it (their runs replay so)."""
+    return make_policy(name, capped=True) if capped_affinity and name == "affinity" else make_policy(name)
+
+
 def replay(costs: CostTable, run: dict, ranks: tuple[int, ...], report_s: float,
-           batch_cap: int | None = None) -> tuple[SimResult, dict, dict]:
+           batch_cap: int | None = None, capped_affinity: bool = False) -> tuple[SimResult, dict, dict]:
     """A real run's trace through the simulator with its replica count, policy and the batch cap its replicas
     reported (None: the engine's max_num_seqs): (result, simulated summary, real summary)."""
     recs = run["records"]
     specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
                    key=lambda s: s.arrival_s)
-    sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=report_s, batch_cap=batch_cap,
+    sim = ClusterSim(costs, run["replicas"], policy_of(run["policy"], capped_affinity), report_s=report_s,
+                     batch_cap=batch_cap,
                      adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
     return sim, summarize(sim_records(sim)), summarize(recs)
 
@@ -165,7 +172,7 @@ def validate(args) -> dict:
             lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
             skipped.append(dict(run=run_label(run), reason=f"{lost} requests lost (overloaded past the drain time)"))
             continue
-        sim, s, r = replay(costs, run, ranks, args.report_s, real.get("batch_cap"))
+        sim, s, r = replay(costs, run, ranks, args.report_s, real.get("batch_cap"), args.capped_affinity)
         row = dict(index=i, popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
                    rate=run.get("rate"), requests=len(recs), cold=i in cold, calibration=i in calib,
                    real_mean_latency_s=r["mean_latency_s"], sim_mean_latency_s=s["mean_latency_s"],
@@ -246,7 +253,7 @@ def step_gaps(run: dict, idle_s: float = 0.05) -> dict | None:
 
 def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], report_s: float,
                rounds: int = 6, stream_s: float | None = None,
-               batch_cap: int | None = None) -> tuple[ServedCosts, float]:
+               batch_cap: int | None = None, capped_affinity: bool = False) -> tuple[ServedCosts, float]:
     """Served-path costs (per iteration, per sequence, stream delay; all >= 0) that make the simulated mean
     latency and mean TTFT of ``runs`` closest to the real ones (sum of squared relative errors), by coordinate
     descent with steps halved each round. ``stream_s``: the stream delay as measured (then not fitted).
@@ -255,7 +262,7 @@ def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], repor
         table = costs.with_served(ServedCosts(x[0], x[1], 0.0, x[2]))
         total = 0.0
         for run in runs:
-            _, s, r = replay(table, run, ranks, report_s, batch_cap)
+            _, s, r = replay(table, run, ranks, report_s, batch_cap, capped_affinity)
             total += (s["mean_latency_s"] / r["mean_latency_s"] - 1) ** 2 + (s["mean_ttft_s"] / r["mean_ttft_s"] - 1) ** 2
         return total
 
@@ -290,7 +297,8 @@ def calibrate(args) -> dict:
     chosen = [runs[i] for i in args.runs]
     t0 = time.perf_counter()
     stream = None if args.fit_stream else measured_stream_s(chosen)
-    served, obj = fit_served(costs, chosen, ranks, args.report_s, stream_s=stream, batch_cap=real.get("batch_cap"))
+    served, obj = fit_served(costs, chosen, ranks, args.report_s, stream_s=stream, batch_cap=real.get("batch_cap"),
+                             capped_affinity=args.capped_affinity)
     labels = ", ".join(f"#{i} ({run_label(runs[i])})" for i in args.runs)
     how = "the stream delay measured from the runs' stamps, the rest " if stream is not None else ""
     served = ServedCosts(served.iteration_s, served.seq_s, served.submit_s, served.stream_s,
@@ -422,7 +430,8 @@ def peaks(args) -> dict:
 
     def meets(popularity: str, replicas: int, policy: str, rate: float, seed: int) -> dict:
         specs = B.workload(b, popularity, rate, b.duration, seed)
-        res = ClusterSim(costs, replicas, make_policy(policy), report_s=args.report_s, batch_cap=cap,
+        res = ClusterSim(costs, replicas, policy_of(policy, args.capped_affinity), report_s=args.report_s,
+                         batch_cap=cap,
                          adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
         m = res.metrics()
         return dict(rate=rate, mean_ttft_s=m["mean_ttft_s"], mean_latency_s=m["mean_latency_s"],
@@ -570,6 +579,9 @@ def parse(argv=None) -> argparse.Namespace:
                         help="multiply the table's iteration times by DECODE where an iteration has no prefill and by "
                              "PREFILL (default DECODE) where it has one: a table of one GPU carried over to another "
                              "(the steps command measures the factors)")
+    common.add_argument("--capped-affinity", action="store_true",
+                        help="run affinity holding requests at the front while every replica is at its batch cap "
+                             "(as commit 9830b47 and earlier did: replays of their runs)")
     common.add_argument("--out", type=Path, default=None, help="folder for the JSON (and plots)")
     v = sub.add_parser("validate", parents=[common], help="replay real cluster runs and report the error")
     v.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
