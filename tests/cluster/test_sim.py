@@ -352,7 +352,8 @@ def test_steps_compares_step_logs_with_the_table_and_writes_the_scaled_table(tmp
     out = tmp_path / "scaled.json"
     res = mod.main(["steps", "--costs", str(tmp_path / "t.json"), "--real", str(real), "--out", str(tmp_path / "s"),
                     "--out-table", str(out)])
-    assert res["steps"] == 6 and res["decode_ratio"] == pytest.approx(1.0) and res["prefill_ratio"] == pytest.approx(2.0)
+    assert res["steps"] == 6
+    assert res["decode_ratio"] == pytest.approx(1.0) and res["prefill_ratio"] == pytest.approx(2.0)
     scaled = CostTable.load(out)
     assert scaled.step(40, 1, 1) == pytest.approx(2 * table.step(40, 1, 1))
     assert scaled.step(0, 3, 1) == pytest.approx(table.step(0, 3, 1))

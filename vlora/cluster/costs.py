@@ -9,8 +9,8 @@ adapters in the batch (their ranks as the table's adapters had them) and the dec
 
 with ``grid`` measured at each decode's context ``grid_context`` and interpolated linearly between grid
 points (clamped at the grid's edges), times ``step_scale`` (one factor for decode-only iterations, one for
-those with a prefill; 1 on the GPU the table was measured on, see ``CostTable.scaled``). Loading an adapter into the pool adds ``adapter_load_s`` for its rank
-to the iteration that needs it; a migration adds ``migration_s`` (cancel and re-add through the front)
+those with a prefill; 1 on the GPU the table was measured on, see ``CostTable.scaled``). Loading an adapter
+into the pool adds ``adapter_load_s`` for its rank to the iteration that needs it; a migration adds ``migration_s`` (cancel and re-add through the front)
 before the request reaches its new replica, whose recompute is an ordinary prefill.
 
 The grid times ``Engine.step`` alone. A served replica does more per iteration: the async engine's thread
