@@ -506,7 +506,8 @@ def scale(args) -> dict:
                           tuple(args.output_range))
             for policy in args.policies:
                 t0 = time.perf_counter()
-                res = ClusterSim(costs, gpus, make_policy(policy), report_s=args.report_s, batch_cap=cap).run(specs)
+                res = ClusterSim(costs, gpus, policy_of(policy, args.capped_affinity), report_s=args.report_s,
+                                 batch_cap=cap).run(specs)
                 m = res.metrics()
                 m.update(workload=kind, rate_rps=rate, arrivals_s=duration, adapters=args.adapters,
                          migrations_per_request=m["migrations"] / max(1, m["requests"]),
