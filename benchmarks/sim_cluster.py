@@ -39,6 +39,7 @@ constructed table to check the script and is labelled so in every output.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import statistics
@@ -79,6 +80,8 @@ def load_costs(args) -> CostTable:
         table = CostTable.load(args.costs)
     if getattr(args, "served", None):
         table = table.with_served(CostTable.load(args.served).served)
+    if getattr(args, "step_scale", None):
+        table = table.scaled(*args.step_scale, note="sim_cluster.py --step-scale (the `steps` command measures it)")
     return table
 
 
@@ -111,13 +114,21 @@ def complete(recs: list[dict]) -> bool:
     return bool(recs) and all(r["finish_reason"] == "length" and r["tokens"] == r["output_len"] for r in recs)
 
 
-def replay(costs: CostTable, run: dict, ranks: tuple[int, ...], report_s: float) -> tuple[SimResult, dict, dict]:
-    """A real run's trace through the simulator with its replica count and policy: (result, simulated summary,
-    real summary)."""
+def policy_of(name: str, capped_affinity: bool = False):
+    """The placement policy ``name``; ``capped_affinity``: affinity holding requests at the front while every
+    replica is at its batch cap, as commit 9830b47 and earlier ran it (their runs replay so)."""
+    return make_policy(name, capped=True) if capped_affinity and name == "affinity" else make_policy(name)
+
+
+def replay(costs: CostTable, run: dict, ranks: tuple[int, ...], report_s: float,
+           batch_cap: int | None = None, capped_affinity: bool = False) -> tuple[SimResult, dict, dict]:
+    """A real run's trace through the simulator with its replica count, policy and the batch cap its replicas
+    reported (None: the engine's max_num_seqs): (result, simulated summary, real summary)."""
     recs = run["records"]
     specs = sorted((W.RequestSpec(r["arrival_s"], r["adapter"], r["input_len"], r["output_len"]) for r in recs),
                    key=lambda s: s.arrival_s)
-    sim = ClusterSim(costs, run["replicas"], make_policy(run["policy"]), report_s=report_s,
+    sim = ClusterSim(costs, run["replicas"], policy_of(run["policy"], capped_affinity), report_s=report_s,
+                     batch_cap=batch_cap,
                      adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
     return sim, summarize(sim_records(sim)), summarize(recs)
 
@@ -161,7 +172,7 @@ def validate(args) -> dict:
             lost = sum(1 for r in recs if not (r["finish_reason"] == "length" and r["tokens"] == r["output_len"]))
             skipped.append(dict(run=run_label(run), reason=f"{lost} requests lost (overloaded past the drain time)"))
             continue
-        sim, s, r = replay(costs, run, ranks, args.report_s)
+        sim, s, r = replay(costs, run, ranks, args.report_s, real.get("batch_cap"), args.capped_affinity)
         row = dict(index=i, popularity=run.get("popularity"), replicas=run["replicas"], policy=run["policy"],
                    rate=run.get("rate"), requests=len(recs), cold=i in cold, calibration=i in calib,
                    real_mean_latency_s=r["mean_latency_s"], sim_mean_latency_s=s["mean_latency_s"],
@@ -241,7 +252,8 @@ def step_gaps(run: dict, idle_s: float = 0.05) -> dict | None:
 
 
 def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], report_s: float,
-               rounds: int = 6, stream_s: float | None = None) -> tuple[ServedCosts, float]:
+               rounds: int = 6, stream_s: float | None = None,
+               batch_cap: int | None = None, capped_affinity: bool = False) -> tuple[ServedCosts, float]:
     """Served-path costs (per iteration, per sequence, stream delay; all >= 0) that make the simulated mean
     latency and mean TTFT of ``runs`` closest to the real ones (sum of squared relative errors), by coordinate
     descent with steps halved each round. ``stream_s``: the stream delay as measured (then not fitted).
@@ -250,7 +262,7 @@ def fit_served(costs: CostTable, runs: list[dict], ranks: tuple[int, ...], repor
         table = costs.with_served(ServedCosts(x[0], x[1], 0.0, x[2]))
         total = 0.0
         for run in runs:
-            _, s, r = replay(table, run, ranks, report_s)
+            _, s, r = replay(table, run, ranks, report_s, batch_cap, capped_affinity)
             total += (s["mean_latency_s"] / r["mean_latency_s"] - 1) ** 2 + (s["mean_ttft_s"] / r["mean_ttft_s"] - 1) ** 2
         return total
 
@@ -285,7 +297,8 @@ def calibrate(args) -> dict:
     chosen = [runs[i] for i in args.runs]
     t0 = time.perf_counter()
     stream = None if args.fit_stream else measured_stream_s(chosen)
-    served, obj = fit_served(costs, chosen, ranks, args.report_s, stream_s=stream)
+    served, obj = fit_served(costs, chosen, ranks, args.report_s, stream_s=stream, batch_cap=real.get("batch_cap"),
+                             capped_affinity=args.capped_affinity)
     labels = ", ".join(f"#{i} ({run_label(runs[i])})" for i in args.runs)
     how = "the stream delay measured from the runs' stamps, the rest " if stream is not None else ""
     served = ServedCosts(served.iteration_s, served.seq_s, served.submit_s, served.stream_s,
@@ -309,6 +322,101 @@ def calibrate(args) -> dict:
                 measured_stream_s=stream, step_gaps=gaps, table=str(out_table))
 
 
+# -- engine steps against the table -------------------------------------------------------------------
+def run_steps(run: dict, bare: CostTable) -> list[dict]:
+    """Each engine step of a run (its replicas' step logs) with what the table prices it at. The step log has no
+    batch composition, so it is rebuilt from the requests: a request's prefill is in the last step on its first
+    replica that ended before its first token left (prompts fit one step's token budget); the step's decodes are
+    its outputs less those prefills; its adapters and KV context are those of the requests on the replica then
+    (from the first token leaving to the end, the tokens so far taken as growing evenly)."""
+    recs = [r for r in run.get("records") or () if r.get("first_token_replica_s") is not None and r.get("replicas")]
+    out = []
+    for rid, log_ in (run.get("steps") or {}).items():
+        mine = sorted((r for r in recs if r["replicas"][0] == int(rid)), key=lambda r: r["first_token_replica_s"])
+        ends = [b + d for b, d, _, _ in log_]
+        pre = [[] for _ in log_]
+        for r in mine:
+            k = bisect.bisect_right(ends, r["first_token_replica_s"] + 1e-6) - 1
+            if k >= 0:
+                pre[k].append(r)
+        firsts = [r["first_token_replica_s"] for r in mine]
+        for k, (began, seconds, outputs, _) in enumerate(log_):
+            prefill = sum(r["input_len"] for r in pre[k])
+            decodes = max(0, outputs - len(pre[k]))
+            adapters, context = set(), 0
+            for r in mine[:bisect.bisect_right(firsts, began)]:
+                t0 = r["first_token_replica_s"]
+                t1 = r["arrival_s"] + r["latency_s"] if r.get("latency_s") is not None else run.get("wall_s", began)
+                if t1 >= began:
+                    adapters.add(r["adapter"])
+                    context += r["input_len"] + int(r["output_len"] * min(1.0, (began - t0) / max(t1 - t0, 1e-9)))
+            adapters |= {r["adapter"] for r in pre[k]}
+            table_s = bare.step(prefill, decodes, len(adapters), context, decodes + len(pre[k]))
+            out.append(dict(seconds=seconds, table_s=table_s, prefill=prefill, prefills=len(pre[k]), decodes=decodes))
+    return out
+
+
+def ratio(rows: list[dict]) -> float | None:
+    table = sum(r["table_s"] for r in rows)
+    return sum(r["seconds"] for r in rows) / table if table else None
+
+
+def steps(args) -> dict:
+    """The real runs' Engine.step times against the table's (bare: the grid times Engine.step alone): the ratio
+    for decode-only iterations (graph replay) and for iterations with a prefill (eager), by batch; the factors
+    ``--step-scale`` takes to carry the table over to the runs' GPU."""
+    bare = load_costs(args).with_served(ServedCosts())
+    real = json.loads(Path(args.real).read_text())
+    rows = [x for run in real.get("runs", []) for x in run_steps(run, bare)]
+    if not rows:
+        raise SystemExit(f"{args.real} has no step logs (bench_cluster.py records them from 2026-11-26 on)")
+    decode = [x for x in rows if not x["prefills"] and x["decodes"]]
+    prefill = [x for x in rows if x["prefills"]]
+    groups = []
+    for lo, hi in ((1, 8), (8, 32), (32, 64), (64, 128), (128, 1 << 30)):
+        sel = [x for x in decode if lo <= x["decodes"] < hi]
+        if sel:
+            groups.append(dict(kind="decode only", decodes=f"{lo}-{hi - 1 if hi < 1 << 30 else ''}", steps=len(sel),
+                               real_ms=1e3 * statistics.fmean(x["seconds"] for x in sel),
+                               table_ms=1e3 * statistics.fmean(x["table_s"] for x in sel), ratio=ratio(sel)))
+    for n in sorted({x["prefills"] for x in prefill}):
+        sel = [x for x in prefill if x["prefills"] == n]
+        if len(sel) >= 20:
+            groups.append(dict(kind=f"{n} prefill(s)", decodes=f"{statistics.fmean(x['decodes'] for x in sel):.0f}",
+                               steps=len(sel), real_ms=1e3 * statistics.fmean(x["seconds"] for x in sel),
+                               table_ms=1e3 * statistics.fmean(x["table_s"] for x in sel), ratio=ratio(sel)))
+    gaps = [g for g in (step_gaps(run) for run in real.get("runs", [])) if g]
+    res = dict(real=str(args.real), real_meta=real.get("meta"), costs=args.costs, costs_meta=bare.meta,
+               steps=len(rows), decode_ratio=ratio(decode), prefill_ratio=ratio(prefill), groups=groups,
+               loop_gap_ms=1e3 * statistics.fmean(g["mean_gap_s"] for g in gaps) if gaps else None,
+               stream_ms=1e3 * (measured_stream_s(real.get("runs", [])) or 0))
+    print(f"{len(rows)} steps of {args.real} ({(real.get('meta') or {}).get('device')}) against {args.costs}")
+    print("kind            decodes  steps  real ms  table ms  real/table")
+    for g in groups:
+        print(f"{g['kind']:15s} {g['decodes']:>7} {g['steps']:6d} {g['real_ms']:8.1f} {g['table_ms']:9.1f} "
+              f"{g['ratio']:10.2f}")
+    print(f"real/table over all decode-only steps {res['decode_ratio']:.2f}, over all steps with a prefill "
+          f"{res['prefill_ratio']:.2f}: --step-scale {res['decode_ratio']:.2f},{res['prefill_ratio']:.2f}")
+    if gaps:
+        print(f"between steps (the served loop): {res['loop_gap_ms']:.2f} ms on average; first token from replica "
+              f"to front {res['stream_ms']:.1f} ms on average")
+    if args.out_table:
+        # the served loop's own work shows inside Engine.step (same process, one interpreter lock), which the
+        # factors already carry: the served costs are only the measured gap between steps and the stream delay
+        date = (real.get("meta") or {}).get("date")
+        served = ServedCosts(iteration_s=(res["loop_gap_ms"] or 0) / 1e3, stream_s=res["stream_ms"] / 1e3,
+                             source=f"measured by sim_cluster.py steps on {args.real} ({date}): the mean gap between "
+                                    f"engine steps and the mean first-token delay from replica to front")
+        table = bare.scaled(res["decode_ratio"], res["prefill_ratio"],
+                            note=f"measured by sim_cluster.py steps: Engine.step times of {args.real} ({date}, "
+                                 f"{(real.get('meta') or {}).get('device')}) over this table's").with_served(served)
+        args.out_table.parent.mkdir(parents=True, exist_ok=True)
+        table.save(args.out_table)
+        res["table"] = str(args.out_table)
+        print(f"table scaled to these runs: {args.out_table}")
+    return res
+
+
 # -- the peak rates bench_cluster.py searches, simulated -----------------------------------------------
 def peaks(args) -> dict:
     """bench_cluster.py's peak search (its workload, seeds, target and search) on the simulator: the peaks a
@@ -322,7 +430,8 @@ def peaks(args) -> dict:
 
     def meets(popularity: str, replicas: int, policy: str, rate: float, seed: int) -> dict:
         specs = B.workload(b, popularity, rate, b.duration, seed)
-        res = ClusterSim(costs, replicas, make_policy(policy), report_s=args.report_s, batch_cap=cap,
+        res = ClusterSim(costs, replicas, policy_of(policy, args.capped_affinity), report_s=args.report_s,
+                         batch_cap=cap,
                          adapter_rank=lambda a: cycled_rank(a, ranks)).run(specs)
         m = res.metrics()
         return dict(rate=rate, mean_ttft_s=m["mean_ttft_s"], mean_latency_s=m["mean_latency_s"],
@@ -397,7 +506,8 @@ def scale(args) -> dict:
                           tuple(args.output_range))
             for policy in args.policies:
                 t0 = time.perf_counter()
-                res = ClusterSim(costs, gpus, make_policy(policy), report_s=args.report_s, batch_cap=cap).run(specs)
+                res = ClusterSim(costs, gpus, policy_of(policy, args.capped_affinity), report_s=args.report_s,
+                                 batch_cap=cap).run(specs)
                 m = res.metrics()
                 m.update(workload=kind, rate_rps=rate, arrivals_s=duration, adapters=args.adapters,
                          migrations_per_request=m["migrations"] / max(1, m["requests"]),
@@ -451,6 +561,10 @@ def csv_ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+def csv_floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -462,6 +576,13 @@ def parse(argv=None) -> argparse.Namespace:
                         help="take the served path's costs from this table (one that calibrate wrote) instead of those of --costs")
     common.add_argument("--report-s", type=float, default=0.05,
                         help="seconds between replica reports (the cluster's report_interval_s)")
+    common.add_argument("--step-scale", type=csv_floats, default=None, metavar="DECODE[,PREFILL]",
+                        help="multiply the table's iteration times by DECODE where an iteration has no prefill and by "
+                             "PREFILL (default DECODE) where it has one: a table of one GPU carried over to another "
+                             "(the steps command measures the factors)")
+    common.add_argument("--capped-affinity", action="store_true",
+                        help="run affinity holding requests at the front while every replica is at its batch cap "
+                             "(as commit 9830b47 and earlier did: replays of their runs)")
     common.add_argument("--out", type=Path, default=None, help="folder for the JSON (and plots)")
     v = sub.add_parser("validate", parents=[common], help="replay real cluster runs and report the error")
     v.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py")
@@ -475,6 +596,11 @@ def parse(argv=None) -> argparse.Namespace:
     c.add_argument("--fit-stream", action="store_true",
                    help="fit the stream delay even when the runs' stamps measure it (first token leaving the "
                         "replica to reaching the front)")
+    t = sub.add_parser("steps", parents=[common],
+                       help="real runs' engine step times against the table (the factors for --step-scale)")
+    t.add_argument("--real", required=True, help="results.json of benchmarks/bench_cluster.py (with step logs)")
+    t.add_argument("--out-table", type=Path, default=None,
+                   help="write the table scaled by the measured factors, with the served costs measured on the runs")
     k = sub.add_parser("peaks", parents=[common], help="bench_cluster.py's peak-rate search, simulated")
     k.add_argument("--popularities", default="zipf,skewed", help="adapter popularities (zipf, skewed)")
     k.add_argument("--policies", default="consolidate,affinity,round_robin,least_loaded",
@@ -509,7 +635,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    res = {"validate": validate, "calibrate": calibrate, "peaks": peaks, "scale": scale}[args.cmd](args)
+    res = {"validate": validate, "calibrate": calibrate, "peaks": peaks, "scale": scale, "steps": steps}[args.cmd](args)
     res["test_table"] = bool(args.test_table)
     out = args.out or RESULTS / f"sim-cluster-{args.cmd}{'-test-table' if args.test_table else ''}"
     out.mkdir(parents=True, exist_ok=True)

@@ -128,11 +128,30 @@ def test_affinity_prefers_resident_then_least_loaded():
     assert p.place(req(adapter=None), reps) == 0       # the base model: least loaded
 
 
-def test_affinity_skips_full_resident_replicas_and_breaks_ties_low():
+def test_affinity_skips_loaded_or_kv_short_resident_replicas_and_breaks_ties_low():
     p = make_policy("affinity")
     reps = [rep(0, running=1), rep(1, running=1), rep(2, running=4, adapters={"a"}), rep(3, free=0, adapters={"a"})]
     assert p.place(req(adapter="a"), reps) == 0
-    assert p.place(req(adapter="a"), [rep(0, running=4), rep(1, alive=False, adapters={"a"})]) is None
+
+
+def test_affinity_places_past_the_batch_cap_unless_capped():
+    # every replica at (or past) its cap of 4: affinity still routes (resident within the slack, else least
+    # loaded) and the replica's engine queues the request; capped, the front holds it
+    reps = [rep(0, running=4, adapters={"a"}), rep(1, running=5, adapters={"b"}), rep(2, alive=False)]
+    assert make_policy("affinity").place(req(adapter="a"), reps) == 0
+    assert make_policy("affinity").place(req(adapter="b"), reps) == 1          # 5 <= 4 + 0.25 * 4
+    assert make_policy("affinity").place(req(adapter="c"), reps) == 0
+    assert make_policy("affinity", capped=True).place(req(adapter="a"), reps) is None
+    assert make_policy("affinity", capped=True).place(req(adapter="a"), [rep(0, running=4), rep(1, running=3)]) == 1
+
+
+def test_affinity_prefers_kv_room_then_falls_back_to_the_least_loaded():
+    reps = [rep(0, running=1, free=1, adapters={"a"}), rep(1, running=3)]
+    assert make_policy("affinity").place(req(adapter="a"), reps) == 1          # 0 would be short of KV
+    short = [rep(0, running=2, free=1), rep(1, running=1, free=0), rep(2, alive=False)]
+    assert make_policy("affinity").place(req(adapter="a"), short) == 1         # no KV room anywhere
+    assert make_policy("affinity", capped=True).place(req(adapter="a"), short) is None
+    assert make_policy("affinity").place(req(adapter="a"), [rep(0, alive=False)]) is None
 
 
 def test_affinity_spreads_an_adapter_beyond_the_slack():

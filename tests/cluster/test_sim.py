@@ -321,3 +321,40 @@ def test_step_logs_give_the_served_loop_between_steps():
     g = mod.step_gaps({"steps": {"0": log}})
     assert g["steps"] == 39 and g["mean_step_s"] == pytest.approx(0.010)
     assert g["gap_per_step_s"] == pytest.approx(0.001) and g["gap_per_output_s"] == pytest.approx(0.0001)
+
+
+def test_scaled_table_multiplies_decode_only_and_prefill_iterations_apart():
+    table = TABLE.with_served(ServedCosts(iteration_s=0.001, stream_s=0.02)).scaled(1.5, 3.0, note="test")
+    assert table.step(0, 4, 1) == pytest.approx(1.5 * TABLE.step(0, 4, 1) + 0.001)
+    assert table.step(20, 4, 2) == pytest.approx(3.0 * TABLE.step(20, 4, 2) + 0.001)
+    assert table.served.stream_s == 0.02 and table.meta["step_scale"] == dict(decode=1.5, prefill=3.0, note="test")
+    assert TABLE.scaled(2.0).step(20, 4, 2) == pytest.approx(2 * TABLE.step(20, 4, 2))
+
+
+def test_steps_compares_step_logs_with_the_table_and_writes_the_scaled_table(tmp_path):
+    import json
+
+    mod = _bench_module("sim_cluster")
+    # constructed (not a measurement): 10 ms + 0.1 ms per prefill token + 1 ms per decode; no adapter term
+    table = linear_table(LIMITS, 0.010, 0.0001, 0.001, 0.0)
+    table.save(tmp_path / "t.json")
+    log, recs = [], []
+    for k, (prefills, decodes) in enumerate([(1, 0), (0, 1), (2, 1), (0, 3), (1, 3), (0, 4)]):
+        began = 0.1 * k                      # steps 100 ms apart: no gap of the served loop
+        seconds = (0.010 + 0.0001 * 20 * prefills + 0.001 * decodes) * (2.0 if prefills else 1.0)
+        log.append([began, seconds, prefills + decodes, prefills + decodes])
+        for _ in range(prefills):            # each prefill's first token leaves the replica after its step
+            left = began + seconds + 0.001
+            recs.append(dict(arrival_s=began - 0.01, adapter="a0", input_len=20, output_len=50, latency_s=10.0,
+                             replicas=[0], first_token_replica_s=left, first_token_front_s=left + 0.02))
+    real = tmp_path / "results.json"
+    real.write_text(json.dumps(dict(meta=dict(date="d", device="test"), runs=[dict(records=recs, steps={"0": log})])))
+    out = tmp_path / "scaled.json"
+    res = mod.main(["steps", "--costs", str(tmp_path / "t.json"), "--real", str(real), "--out", str(tmp_path / "s"),
+                    "--out-table", str(out)])
+    assert res["steps"] == 6
+    assert res["decode_ratio"] == pytest.approx(1.0) and res["prefill_ratio"] == pytest.approx(2.0)
+    scaled = CostTable.load(out)
+    assert scaled.step(40, 1, 1) == pytest.approx(2 * table.step(40, 1, 1))
+    assert scaled.step(0, 3, 1) == pytest.approx(table.step(0, 3, 1))
+    assert scaled.served.stream_s == pytest.approx(0.02) and scaled.meta["step_scale"]["prefill"] == pytest.approx(2.0)

@@ -8,8 +8,9 @@ adapters in the batch (their ranks as the table's adapters had them) and the dec
     t = grid(prefill, decodes, adapters) + kv_s_per_token * max(0, context - decodes * grid_context)
 
 with ``grid`` measured at each decode's context ``grid_context`` and interpolated linearly between grid
-points (clamped at the grid's edges). Loading an adapter into the pool adds ``adapter_load_s`` for its rank
-to the iteration that needs it; a migration adds ``migration_s`` (cancel and re-add through the front)
+points (clamped at the grid's edges), times ``step_scale`` (one factor for decode-only iterations, one for
+those with a prefill; 1 on the GPU the table was measured on, see ``CostTable.scaled``). Loading an adapter
+into the pool adds ``adapter_load_s`` for its rank to the iteration that needs it; a migration adds ``migration_s`` (cancel and re-add through the front)
 before the request reaches its new replica, whose recompute is an ordinary prefill.
 
 The grid times ``Engine.step`` alone. A served replica does more per iteration: the async engine's thread
@@ -61,6 +62,7 @@ class CostTable:
     mode: str = "unmerged"
     meta: dict = field(default_factory=dict)   # device, model, dtype, adapter ranks, date: what was measured
     served: ServedCosts = field(default_factory=ServedCosts)
+    step_scale: tuple[float, float] = (1.0, 1.0)   # (decode-only, with a prefill): see `scaled`
 
     def __post_init__(self) -> None:
         shape = (len(self.prefill), len(self.decode), len(self.adapters))
@@ -87,6 +89,7 @@ class CostTable:
             t0 = _interp3(px, self.decode, self.adapters, self.step_s, 0, decodes, adapters)
             t = max(t0, t1 - max(0.0, (t2 - t1) / (px[2] - px[1])) * (px[1] - prefill))
         t += self.kv_s_per_token * max(0, context - decodes * self.grid_context)
+        t *= self.step_scale[1] if prefill else self.step_scale[0]
         sv = self.served
         if sv.iteration_s or sv.seq_s:
             t += sv.iteration_s + sv.seq_s * (decodes if seqs is None else seqs)
@@ -95,6 +98,16 @@ class CostTable:
     def with_served(self, served: ServedCosts) -> CostTable:
         """This table with the served path's costs ``served``."""
         return replace(self, served=served)
+
+    def scaled(self, decode: float, prefill: float | None = None, note: str = "") -> CostTable:
+        """This table with its engine iterations (grid and KV term) taking ``decode`` times as long where the
+        iteration has no prefill (the CUDA-graph replay) and ``prefill`` (default: ``decode``) times as long where
+        it has one (the eager forward): a table of one GPU carried over to another from step times measured
+        there. ``note`` says where the factors come from (``meta["step_scale"]``); served costs are kept."""
+        prefill = decode if prefill is None else prefill
+        meta = dict(self.meta, step_scale=dict(decode=decode, prefill=prefill, note=note))
+        d0, p0 = self.step_scale
+        return replace(self, step_scale=(d0 * decode, p0 * prefill), meta=meta)
 
     def load_s(self, rank: int) -> float:
         """Seconds to bring an adapter of ``rank`` into the pool (the nearest measured rank at or above it)."""
@@ -124,6 +137,7 @@ class CostTable:
         lim["adapter_pages"] = {int(k): int(v) for k, v in lim.get("adapter_pages", {}).items()}
         d["adapter_load_s"] = {int(k): float(v) for k, v in d.get("adapter_load_s", {}).items()}
         d["served"] = ServedCosts(**d.get("served", {}))
+        d["step_scale"] = tuple(d.get("step_scale", (1.0, 1.0)))
         return cls(limits=ReplicaLimits(**lim), **d)
 
     def save(self, path: str | Path) -> None:

@@ -13,10 +13,13 @@ The policies (one component, the policy a setting of :func:`make_policy`):
   room the request stays queued at the front. It migrates (Punica §5.3) the newest requests of a
   replica short of KV, and drains a lightly used replica when its requests fit on busier ones,
   which frees that GPU entirely.
-* ``affinity``: among live replicas under their cap with KV room, one where the request's adapter is
-  resident (unless its load exceeds the least load by more than ``slack`` of its cap: a popular adapter's
-  requests then spread), then the least loaded (ties: the lowest id); queued when none has room. Migrates off
-  replicas short of KV.
+* ``affinity``: among live replicas with KV room, one where the request's adapter is resident (unless its load
+  exceeds the least load by more than ``slack`` of its batch cap: a popular adapter's requests then spread),
+  then the least loaded (ties: the lowest id); when none has KV room, the least loaded live replica (the
+  replica queues it). The batch cap only scales the slack: affinity is a routing rule, not consolidation, so
+  a replica past its cap still takes requests (its engine batches up to max_num_seqs) rather than the front
+  holding them while the replicas' queues could run them. ``capped=True`` also keeps requests at the front
+  while every replica is at its cap. Migrates off replicas short of KV.
 * ``least_loaded``: the live replica with the fewest requests (ties: the lowest id), room or not
   (the replica queues it); migrates off replicas short of KV.
 * ``round_robin``: each request to the next live replica in turn; never migrates.
@@ -136,7 +139,12 @@ def _newer(report: ReplicaReport, seen: ReplicaReport) -> bool:
 def _has_room(r: ReplicaReport, request: RequestInfo) -> bool:
     """Under the batch cap, with KV for the request that leaves the replica not short (so that the placement is
     not migrated straight back out)."""
-    return r.alive and r.load < r.batch_cap and _kv_after(r, request) > r.load
+    return r.load < r.batch_cap and _has_kv_room(r, request)
+
+
+def _has_kv_room(r: ReplicaReport, request: RequestInfo) -> bool:
+    """Live, with KV for the request that leaves the replica not short."""
+    return r.alive and _kv_after(r, request) > r.load
 
 
 def _kv_after(r: ReplicaReport, request: RequestInfo) -> int:
@@ -255,11 +263,15 @@ class Affinity(_Stateful):
     name: str = "affinity"
     slack: float = 0.25          # a resident replica is preferred while its load is at most the least load
     #                              plus this share of its batch cap (beyond, the adapter's load spreads out)
+    capped: bool = False         # hold requests at the front while every replica is at its batch cap
 
     def choose(self, request: RequestInfo, replicas: Sequence[ReplicaReport]) -> int | None:
-        fits = [r for r in replicas if _has_room(r, request)]
+        fits = [r for r in replicas if (_has_room if self.capped else _has_kv_room)(r, request)]
         if not fits:
-            return None
+            if self.capped:
+                return None
+            live = [r for r in replicas if r.alive]
+            return min(live, key=lambda r: (r.load, r.replica_id)).replica_id if live else None
         least = min(r.load for r in fits)
         return min(fits, key=lambda r: (not (request.adapter in r.resident_adapters
                                               and r.load <= least + self.slack * r.batch_cap),
