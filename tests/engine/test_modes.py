@@ -126,3 +126,29 @@ def test_gpu_mixed_mode_in_one_launch_gives_the_two_launch_and_unmerged_tokens(t
     from vlora.engine.cuda_graphs import MIXED, PAIRED
 
     assert {MIXED, PAIRED} <= {kind for _, kind in eng.runner.graphs.graphs}
+
+
+def test_graph_replays_follow_a_change_of_mixed_launch(tmp_path):
+    """The replayed decode's LoRA segments are reused while the batch's adapters stay the same, but not across
+    a change of how mixed mode launches: each launch kind then replays its own graph kind (CPU graph emulation,
+    Triton interpreter), with the unmerged tokens."""
+    from dataclasses import replace
+
+    from vlora.engine.cuda_graphs import MIXED, PAIRED
+
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, dtype="float32", kernels="triton",
+              lora_kernel="triton", max_num_seqs=4)
+    eng = llm.engine
+    eng.runner.enable_graphs(4, eng.max_model_len, columns=4)
+    short, sp = [p[:4] for p in PROMPTS], SamplingParams(max_tokens=3, ignore_eos=True)
+    unmerged = [o.token_ids for o in llm.generate(short, NAMES, sp)]
+    eng.merge_adapter("a8")
+    kinds = []
+    for launches in ("one", "two"):
+        eng.runner.lora_launch = replace(eng.runner.lora_launch, mixed=launches)
+        eng.runner.graphs.launch = eng.runner.lora_launch
+        before = set(eng.runner.graphs.graphs)
+        assert [o.token_ids for o in llm.generate(short, NAMES, sp)] == unmerged, launches
+        kinds.append({kind for _, kind in set(eng.runner.graphs.graphs) - before})
+    assert kinds == [{PAIRED}, {MIXED}]

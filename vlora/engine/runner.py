@@ -54,7 +54,7 @@ class ModelRunner:
             # tensor parallelism: the kernels see this rank's slices (its heads and MLP columns)
             self.group_widths, self.group_in = lora_groups(getattr(model, "local_cfg", model.cfg))
         self.graphs = None
-        self._seg_cache = None        # (row adapters, merged adapter, segments) of the last replayed iteration
+        self._seg_cache = None        # (row adapters, merged adapter, mixed launch, segments) of the last replay
         self._host_tokens = None      # two page-locked rows the sampled tokens land in (two iterations in flight)
         self._slot = 0
         # called once per forward, after it is queued and before anything waits for it (the async engine
@@ -280,13 +280,13 @@ class ModelRunner:
     def _replay(self, ordered: list[ScheduledSeq], prev: Launched | None = None) -> torch.Tensor | None:
         """Logits of a decode-only iteration from its CUDA graph; None: run it eagerly."""
         runs = [s.seq.adapter for s in ordered]
-        merged, cache = self.modes.merged, self._seg_cache
-        if (cache is not None and cache[1] is merged and len(cache[0]) == len(runs)
+        merged, mixed, cache = self.modes.merged, self.lora_launch.mixed, self._seg_cache
+        if (cache is not None and cache[1] is merged and cache[2] == mixed and len(cache[0]) == len(runs)
                 and all(a is b for a, b in zip(cache[0], runs))):
-            own, minus = cache[2]                    # the same adapters row by row: the same segments
+            own, minus = cache[3]                    # the same adapters row by row: the same segments
         else:
-            own, minus = self.modes.segments([(i, i + 1, a) for i, a in enumerate(runs)], self.lora_launch.mixed)
-            self._seg_cache = (runs, merged, (own, minus))
+            own, minus = self.modes.segments([(i, i + 1, a) for i, a in enumerate(runs)], mixed)
+            self._seg_cache = (runs, merged, mixed, (own, minus))
         bs = self.block_size
         seqs = [s.seq for s in ordered]
         positions = [s.start for s in ordered]
