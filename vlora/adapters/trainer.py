@@ -53,6 +53,7 @@ from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 WEIGHTS = "adapter_model.safetensors"
 MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
 MIN_LOSS_GAIN, MIN_LOSS_DROP = 0.01, 1e-3   # a validation loss lower by less (relative, absolute) is no progress
+MIN_SHARED = 4                      # fewer leading positions shared by a whole batch are not worth a second call
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,11 @@ class LoraTrainer:
         self._val: dict[str, tuple[tuple[Example, ...], tuple[Example, ...]]] = {}   # task -> (train, validation)
         self._prefix: dict[tuple, torch.Tensor] = {}      # (tokens, image) -> [len, hidden] entering layer first
         self._image_rows: dict[str, torch.Tensor] = {}    # image path -> [tokens_per_image, hidden]
+        import inspect
+
+        params = inspect.signature(decoder.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"    # renamed in transformers 5.x
+        self.share_prefix = all(hasattr(getattr(layer, "self_attn", None), "layer_idx") for layer in decoder.layers)
 
     def _init_vision(self, hf_config) -> None:
         from vlora.models.lmm import image_processor, load_vision_weights, vision_config
@@ -377,6 +383,7 @@ class LoraTrainer:
             groups.append({"params": [head.w, head.b], "lr": self.config.head_lr or self.config.lr})
         opt = torch.optim.AdamW(groups, lr=self.config.lr, weight_decay=0.0)
         best, best_score, best_loss, waited, step = None, -1.0, math.inf, 0, 0
+        self.last_history: list[tuple[int, float, float]] = []     # (step, validation accuracy, loss) per check
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
             torch.manual_seed(seed)
@@ -397,10 +404,9 @@ class LoraTrainer:
                 self.model.eval()
                 if checks:
                     now = AdapterState(self._get(), None if head is None else head.export())
-                    accuracy = sum(sum(self._hits(c, now.head)) / len(c) for c in checks) / len(checks)
-                    with torch.no_grad():
-                        loss = sum(self._loss(c[i:i + 2 * bs], head).item() for c in checks
-                                   for i in range(0, len(c), 2 * bs)) / sum(math.ceil(len(c) / (2 * bs)) for c in checks)
+                    hits, losses = self._score([it for c in checks for it in c], now.head)
+                    accuracy, loss = (_task_mean(checks, v) for v in (hits, losses))
+                    self.last_history.append((step, accuracy, loss))
                     # progress is a better accuracy or a clearly lower loss: the accuracy of a hard task stays
                     # flat for a while before it moves, the loss does not; once the answers are learnt the loss
                     # keeps shrinking towards zero by amounts that change no answer
@@ -438,8 +444,14 @@ class LoraTrainer:
 
     def _hits(self, items: list[_Item], head: Head | None) -> list[bool]:
         """Per item, under the LoRA weights set in the model: is the engine's answer exactly the label?"""
-        order = sorted(range(len(items)), key=lambda i: len(items[i].tokens))
-        hits = [False] * len(items)
+        return self._score(items, head)[0]
+
+    def _score(self, items: list[_Item], head: Head | None) -> tuple[list[bool], list[float]]:
+        """Per item, under the LoRA weights set in the model, from one forward pass: (is the engine's answer
+        exactly the label, the item's mean cross-entropy over its answer tokens or its head label). Items are
+        batched in token order, so a batch mostly holds one task and shares its prompt's leading tokens."""
+        order = sorted(range(len(items)), key=lambda i: (items[i].tokens, items[i].image or ""))
+        hits, losses = [False] * len(items), [math.inf] * len(items)
         bs = 2 * self.config.batch_size
         with torch.no_grad():
             for i in range(0, len(order), bs):
@@ -447,7 +459,11 @@ class LoraTrainer:
                 batch = [items[k] for k in idx]
                 hidden = self._hidden(batch)
                 rows, cols, targets = _answer_positions(batch, skip_heads=True)
-                pred = self.lm_head(hidden[rows, cols]).argmax(-1).tolist() if targets else []
+                if targets:
+                    logits = self.lm_head(hidden[rows, cols]).float()
+                    pred = logits.argmax(-1).tolist()
+                    ce = torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=self.device),
+                                                           reduction="none").tolist()
                 at = 0
                 for k, it in zip(idx, batch):
                     if it.head:
@@ -455,14 +471,20 @@ class LoraTrainer:
                     n = len(it.answer)
                     p, t = pred[at:at + n], targets[at:at + n]
                     hits[k] = p[:-1] == t[:-1] and p[-1] in self.stop_ids
+                    losses[k] = sum(ce[at:at + n]) / n
                     at += n
                 heads = [j for j, it in enumerate(batch) if it.head]
                 if heads and head is not None:
                     w, b = head.weight.to(self.device), head.bias.to(self.device)
                     last = self._last([batch[j] for j in heads], hidden[heads])
-                    for j, p in zip(heads, torch.addmm(b.float(), last, w.float().T).argmax(-1).tolist()):
+                    scores = torch.addmm(b.float(), last, w.float().T)
+                    want = torch.tensor([head.labels.index(batch[j].label) if batch[j].label in head.labels else -100
+                                         for j in heads], device=self.device)
+                    ce = torch.nn.functional.cross_entropy(scores, want, reduction="none").tolist()
+                    for j, p, c in zip(heads, scores.argmax(-1).tolist(), ce):
                         hits[idx[j]] = head.labels[p] == batch[j].label
-        return hits
+                        losses[idx[j]] = c
+        return hits, losses
 
     def _grow_head(self, head: Head | None, sources: Sequence[KnowledgeSource]) -> Head | None:
         """A trainable copy of ``head`` over the union of its labels and the head sources' labels (new rows
@@ -552,15 +574,27 @@ class LoraTrainer:
 
     def _run(self, rows: list[torch.Tensor], layers, norm: bool = True) -> torch.Tensor:
         """``rows`` (each [len, hidden]: a sequence's states entering ``layers[0]``) right-padded into one batch
-        (every token keeps position 0..len-1) through ``layers``, then the final norm if ``norm``."""
-        width = max(len(x) for x in rows)
-        x = torch.zeros((len(rows), width, self.hidden_size), device=self.device)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
-        for i, r in enumerate(rows):
-            x[i, :len(r)] = r
-            mask[i, :len(r)] = 1
+        (every token keeps position 0..len-1) through ``layers``, then the final norm if ``norm``: [B, T, hidden].
+
+        The leading positions where every row holds the same states (the chat template's system prompt, a
+        task's own prompt words) are computed once, as a batch of one, and the rest of each row attends to their
+        keys and values through a cache: causal attention makes those positions' outputs the same in every row,
+        so this is the same computation without repeating the shared part B times."""
+        shared = _shared_length(rows) if self.share_prefix else 0
         with _only_layers(self.decoder, layers, norm):
-            return self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
+            if shared < MIN_SHARED:
+                x, mask = _pad(rows, self.hidden_size, self.device)
+                return self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            arg = self._cache_arg
+            top = self.decoder(inputs_embeds=rows[0][None, :shared], use_cache=True, **{arg: cache}).last_hidden_state
+            cache.batch_repeat_interleave(len(rows))
+            x, mask = _pad([r[shared:] for r in rows], self.hidden_size, self.device)
+            mask = torch.cat([mask.new_ones((len(rows), shared)), mask], 1)
+            rest = self.decoder(inputs_embeds=x, attention_mask=mask, use_cache=True, **{arg: cache}).last_hidden_state
+        return torch.cat([top.expand(len(rows), -1, -1), rest], 1)
 
     def _embed(self, tokens: tuple[int, ...], image: str | None) -> torch.Tensor:
         """Input embeddings [len, hidden]: the token embeddings, the image's rows in place of its placeholders."""
@@ -585,6 +619,15 @@ class LoraTrainer:
         return self._image_rows[path]
 
 
+def _task_mean(checks: list[list[_Item]], values: list) -> float:
+    """Mean over tasks of each task's mean ``values`` (given per item, the tasks' items one after another)."""
+    out, at = 0.0, 0
+    for c in checks:
+        out += sum(values[at:at + len(c)]) / len(c)
+        at += len(c)
+    return out / len(checks)
+
+
 def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(rows, columns, target ids) of every answer token: the logits at column c predict the token at c + 1."""
     rows, cols, targets = [], [], []
@@ -597,15 +640,45 @@ def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[tor
     return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), targets
 
 
+def _shared_length(rows: list[torch.Tensor]) -> int:
+    """How many leading positions hold the same states in every row, leaving each row at least one of its own."""
+    if len(rows) < 2:
+        return 0
+    n = min(len(r) for r in rows) - 1
+    if n < 1:
+        return 0
+    first = rows[0][:n]
+    same = torch.stack([(r[:n] == first).all(-1) for r in rows[1:]]).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
+def _pad(rows: list[torch.Tensor], hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` right-padded into [B, T, hidden] with its attention mask [B, T]."""
+    width = max(len(x) for x in rows)
+    x = torch.zeros((len(rows), width, hidden), device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    return x, mask
+
+
 @contextmanager
 def _only_layers(decoder, layers, norm: bool = True):
     """Run ``decoder`` (a transformers decoder stack) with only ``layers``, and without its final norm if
-    ``norm`` is False; its inputs_embeds then stand for the hidden states entering the first of them."""
+    ``norm`` is False; its inputs_embeds then stand for the hidden states entering the first of them. The
+    layers' attention is renumbered from 0 meanwhile, so a key-value cache sized by its first layer fits."""
     saved = decoder.layers, decoder.norm
+    attn = [a for a in (getattr(layer, "self_attn", None) for layer in layers) if hasattr(a, "layer_idx")]
+    numbers = [a.layer_idx for a in attn]
     decoder.layers = torch.nn.ModuleList(layers)
+    for i, a in enumerate(attn):
+        a.layer_idx = i
     if not norm:
         decoder.norm = torch.nn.Identity()
     try:
         yield
     finally:
         decoder.layers, decoder.norm = saved
+        for a, i in zip(attn, numbers):
+            a.layer_idx = i
