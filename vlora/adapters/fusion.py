@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from vlora.adapters.sources import KnowledgeSource, check_unique
+from vlora.adapters.sources import KnowledgeSource, check_unique, meets
 
 State = Any                     # a trainer's adapter weights; opaque to the loop
 ORDERS = ("easiest", "given", "random")
@@ -185,10 +185,6 @@ class FusionResult:
                       if k != "per-source" and t in b.accuracy]
             out[t] = "; ".join(parts)
         return out
-
-
-def meets(accuracy: float, requirement: float) -> bool:
-    return accuracy + 1e-9 >= requirement
 
 
 def plan_order(sources: Sequence[KnowledgeSource], order: str, seed: int,

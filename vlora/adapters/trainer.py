@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from vlora.adapters.sources import Example, KnowledgeSource
+from vlora.adapters.sources import Example, KnowledgeSource, meets
 from vlora.lora.adapter import LORA_TARGETS
 from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 
@@ -371,8 +371,9 @@ class LoraTrainer:
         rng = random.Random(seed)
         fresh = [self._encode(s, e) for s in new for e in self._splits(s)[0]]
         old = [self._encode(s, e) for s in replay for e in self._splits(s)[0]]
-        checks = [[self._encode(s, e) for e in self._splits(s)[1]] for s in (*new, *replay)]
-        checks = [c for c in checks if c] if self.config.patience else []
+        checked = [(s, [self._encode(s, e) for e in self._splits(s)[1]]) for s in (*new, *replay)]
+        checked = [(s, c) for s, c in checked if c] if self.config.patience else []
+        checks = [c for _, c in checked]
         per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
         steps_per_epoch = math.ceil(per_epoch / bs)
@@ -407,10 +408,12 @@ class LoraTrainer:
                     hits, losses = self._score([it for c in checks for it in c], now.head)
                     accuracy, loss = (_task_mean(checks, v) for v in (hits, losses))
                     self.last_history.append((step, accuracy, loss))
-                    # progress is a better accuracy or a clearly lower loss: the accuracy of a hard task stays
-                    # flat for a while before it moves, the loss does not; once the answers are learnt the loss
-                    # keeps shrinking towards zero by amounts that change no answer
-                    lower = loss < best_loss - max(MIN_LOSS_GAIN * best_loss, MIN_LOSS_DROP)
+                    # progress is a better accuracy, or a clearly lower loss while some task is still below its
+                    # requirement: the accuracy of a hard task stays flat for a while before it moves, the loss
+                    # does not; once every task meets its requirement the loss keeps shrinking towards zero by
+                    # amounts that change few answers, and only a better accuracy is worth more steps
+                    learnt = all(meets(a, s.requirement) for (s, _), a in zip(checked, _task_means(checks, hits)))
+                    lower = not learnt and loss < best_loss - max(MIN_LOSS_GAIN * best_loss, MIN_LOSS_DROP)
                     waited = 0 if accuracy > best_score or lower else waited + 1
                     best_loss = min(best_loss, loss)
                     if accuracy >= best_score:      # ties keep the later, longer-trained weights
@@ -619,13 +622,19 @@ class LoraTrainer:
         return self._image_rows[path]
 
 
-def _task_mean(checks: list[list[_Item]], values: list) -> float:
-    """Mean over tasks of each task's mean ``values`` (given per item, the tasks' items one after another)."""
-    out, at = 0.0, 0
+def _task_means(checks: list[list[_Item]], values: list) -> list[float]:
+    """Each task's mean of ``values`` (given per item, the tasks' items one after another)."""
+    out, at = [], 0
     for c in checks:
-        out += sum(values[at:at + len(c)]) / len(c)
+        out.append(sum(values[at:at + len(c)]) / len(c))
         at += len(c)
-    return out / len(checks)
+    return out
+
+
+def _task_mean(checks: list[list[_Item]], values: list) -> float:
+    """Mean over tasks of each task's mean ``values``."""
+    means = _task_means(checks, values)
+    return sum(means) / len(means)
 
 
 def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
