@@ -301,3 +301,42 @@ def test_bad_inputs_are_refused(tmp_path):
     (tmp_path / "bad" / "checkpoint" / "journal.json").write_text("{oops")
     with pytest.raises(ValueError, match="journal cannot be read"):
         fuse([source("a")], FakeTrainer(), tmp_path / "bad")
+
+
+def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirement():
+    from vlora.adapters.trainer import EarlyStop
+
+    stop = EarlyStop([0.8, 0.8])
+    assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
+    assert not stop.check([0.5, 0.4], 0.5) and stop.waited == 0        # flat accuracy, clearly lower loss: progress
+    assert not stop.check([0.5, 0.4], 0.499) and stop.waited == 1      # a lower loss by less than 1%: none
+    assert stop.check([0.9, 0.7], 0.3) and stop.waited == 0            # better accuracy: progress, weights kept
+    assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now
+    assert stop.check([0.9, 0.9], 0.05) and stop.waited == 1           # met: a lower loss is no progress; a tie
+    assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # ... keeps the later weights, a worse
+    assert stop.check([1.0, 1.0], 0.02) and stop.waited == 0           # mean does not; a better one is progress
+
+
+def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
+    """Each run's log line estimates the time left from the seconds per training example (one pass: the new
+    sources' examples and as many replayed) so far, over the runs still expected: every solo run, one try per
+    source to place, the one-for-all baseline."""
+    import vlora.adapters.fusion as fusion
+
+    clock = [0.0]
+    monkeypatch.setattr(fusion.time, "perf_counter", lambda: clock[0])
+
+    class Timed(FakeTrainer):           # 0.1 s per example of a pass
+        def fit(self, state, new, replay, seed, desc):
+            fresh = sum(len(s.train) for s in new)
+            clock[0] += 0.1 * (fresh + min(fresh, sum(len(s.train) for s in replay)))
+            return super().fit(state, new, replay, seed, desc)
+
+    sources = [source("a", n=40), source("b", n=80), source("c", n=40)]      # 30, 60, 30 training examples
+    logs = []
+    fuse(sources, Timed(), tmp_path, FusionConfig(order="given"), log=logs.append)
+    left = [float(m.split("about ")[1].split(" min")[0]) for m in logs if "min left" in m]
+    # expected work, in training examples: solo 30 + 60 + 30, tries 60 + 120 + 60, baseline 120
+    # (a opens adapter-1 without a try; b and c are each fused in one try)
+    assert left[0] == round((60 + 30 + 60 + 120 + 60 + 120) * 0.1 / 60, 1)
+    assert left[-1] == 0.0 and len(left) == 6 and left == sorted(left, reverse=True)

@@ -234,7 +234,12 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
                       _identity(sources, trainer, config), log)
     by_task = {s.task: s for s in sources}
     req = {s.task: s.requirement for s in sources}
-    runs = _Runs(trainer, ckpt, by_task, 2 * len(sources) - 1 + config.baselines, log)
+    runs = _Runs(trainer, ckpt, log)
+    for s in sources:           # the work expected: every solo run, one fusion try per source, the baseline
+        runs.expect(f"alone:{s.task}", _work([s], []))
+        runs.expect(f"place:{s.task}", _work([s], [s]))
+    if config.baselines:
+        runs.expect("all", _work(sources, []))
     attempts: list[Attempt] = []
     alone = {}
     for s in sources:
@@ -245,6 +250,7 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
     order = plan_order(sources, config.order, config.seed, {t: e["accuracy"][t] for t, e in alone.items()})
     packed: list[_Packed] = []
     for s in order:
+        runs.expect(f"place:{s.task}", 0.0)
         alone_acc = alone[s.task]["accuracy"][s.task]
         alone_ok = meets(alone_acc, s.requirement)
         park = None
@@ -321,15 +327,26 @@ def _summary(adapters: list[AdapterResult], req: dict[str, float]) -> str:
     return f"{met}/{len(req)} requirements met with {-n} adapter{'s' * (n != -1)}"
 
 
+def _work(new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource]) -> int:
+    """A training run's size for the time-left estimate: the examples of one pass (the new sources' training
+    examples and as many replayed, at most)."""
+    fresh = sum(len(s.train) for s in new)
+    return fresh + min(fresh, sum(len(s.train) for s in replay))
+
+
 class _Runs:
     """Training runs, journaled by key: a run already in the journal is not repeated (its outcome is read
-    back), so a rerun after an interruption replays the decisions and trains only what is missing."""
+    back), so a rerun after an interruption replays the decisions and trains only what is missing. The time
+    left is estimated from the seconds per unit of :func:`_work` so far and the work still expected."""
 
-    def __init__(self, trainer: Trainer, ckpt: Checkpoint, by_task: dict[str, KnowledgeSource], expected: int,
-                 log: Callable[[str], None]):
-        self.trainer, self.ckpt, self.by_task, self.log = trainer, ckpt, by_task, log
-        self.expected, self.trained, self.spent = expected, 0, 0.0      # for the time-left estimate
+    def __init__(self, trainer: Trainer, ckpt: Checkpoint, log: Callable[[str], None]):
+        self.trainer, self.ckpt, self.log = trainer, ckpt, log
+        self.expected: dict[str, float] = {}        # work still expected, by what it is for
+        self.trained, self.spent, self.done = 0, 0.0, 0.0
         self._states: dict[str, State] = {}
+
+    def expect(self, what: str, work: float) -> None:
+        self.expected[what] = work
 
     def entry(self, key: str) -> dict:
         return self.ckpt.journal["runs"][key]
@@ -342,8 +359,8 @@ class _Runs:
     def train(self, key: str, base: Callable[[], State], new: list[KnowledgeSource],
               replay: list[KnowledgeSource], seed: int, desc: str) -> dict:
         runs = self.ckpt.journal["runs"]
+        self.expected.pop(key, None)
         if key in runs:
-            self.expected -= 1
             return runs[key]
         t1 = time.perf_counter()
         state = self.trainer.fit(base(), new, replay, seed, desc)
@@ -356,8 +373,8 @@ class _Runs:
         runs[key] = {"accuracy": accuracy, "train_s": dt, "size_bytes": self.trainer.size_bytes(state),
                      "state": folder}
         self.ckpt.write()
-        self.trained, self.spent = self.trained + 1, self.spent + dt
-        left = max(self.expected - self.trained, 1) * self.spent / self.trained
+        self.trained, self.spent, self.done = self.trained + 1, self.spent + dt, self.done + _work(new, replay)
+        left = sum(self.expected.values()) * self.spent / max(self.done, 1)
         self.log(f"[{desc}: {dt:.0f} s; {self.trained} runs trained in {self.spent / 60:.1f} min, about "
                  f"{left / 60:.1f} min left]")
         return runs[key]

@@ -117,6 +117,32 @@ class TrainConfig:
 
 
 @dataclass
+class EarlyStop:
+    """When a training run stops making progress on its validation split (one check per pass). Progress is a
+    better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
+    requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
+    every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
+    and only a better accuracy is worth more steps."""
+
+    requirements: list[float]       # per task checked
+    best_score: float = -1.0        # best mean validation accuracy so far
+    best_loss: float = math.inf
+    waited: int = 0                 # checks since the last progress
+
+    def check(self, accuracies: list[float], loss: float) -> bool:
+        """Record one check (each task's validation accuracy, the mean loss); True when these weights are the
+        ones to keep (the best mean accuracy so far; ties keep the later, longer-trained weights)."""
+        score = sum(accuracies) / len(accuracies)
+        learnt = all(meets(a, r) for a, r in zip(accuracies, self.requirements))
+        lower = not learnt and loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
+        self.waited = 0 if score > self.best_score or lower else self.waited + 1
+        self.best_loss = min(self.best_loss, loss)
+        keep = score >= self.best_score
+        self.best_score = max(self.best_score, score)
+        return keep
+
+
+@dataclass
 class Head:
     """A task head being trained: ``scores = weight @ h + bias`` over ``labels`` (the format of task_head.py)."""
 
@@ -361,9 +387,9 @@ class LoraTrainer:
         """Train on the new sources' training examples; each pass also replays as many examples (at most) drawn
         from the replay sources' training examples, so the adapter keeps those tasks. The step budget is
         ``epochs`` passes, at least ``min_steps``; after each pass the validation split of every task (new and
-        replayed) is checked, and the run stops after ``patience`` checks with neither a better mean validation
-        accuracy nor a lower validation loss, returning the last weights with the best accuracy. The head (if any source is a head task) covers
-        the union of the head tasks' labels and trains jointly."""
+        replayed) is checked, and the run stops after ``patience`` checks without progress (:class:`EarlyStop`),
+        returning the last weights with the best mean validation accuracy. The head (if any source is a head
+        task) covers the union of the head tasks' labels and trains jointly."""
         from tqdm.auto import tqdm
 
         self._set(state.lora)
@@ -383,12 +409,13 @@ class LoraTrainer:
             head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
             groups.append({"params": [head.w, head.b], "lr": self.config.head_lr or self.config.lr})
         opt = torch.optim.AdamW(groups, lr=self.config.lr, weight_decay=0.0)
-        best, best_score, best_loss, waited, step = None, -1.0, math.inf, 0, 0
+        best, step = None, 0
+        stop = EarlyStop([src.requirement for src, _ in checked])
         self.last_history: list[tuple[int, float, float]] = []     # (step, validation accuracy, loss) per check
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
             torch.manual_seed(seed)
-            while step < budget and (not checks or waited < self.config.patience or step < self.config.min_steps):
+            while step < budget and (not checks or stop.waited < self.config.patience or step < self.config.min_steps):
                 self.model.train()
                 items = fresh + rng.sample(old, min(len(old), len(fresh)))
                 rng.shuffle(items)
@@ -401,23 +428,15 @@ class LoraTrainer:
                     opt.zero_grad(set_to_none=True)
                     step += 1
                     bar.update()
-                    bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(best_score, 0):.2f}")
+                    bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(stop.best_score, 0):.2f}")
                 self.model.eval()
                 if checks:
                     now = AdapterState(self._get(), None if head is None else head.export())
                     hits, losses = self._score([it for c in checks for it in c], now.head)
-                    accuracy, loss = (_task_mean(checks, v) for v in (hits, losses))
-                    self.last_history.append((step, accuracy, loss))
-                    # progress is a better accuracy, or a clearly lower loss while some task is still below its
-                    # requirement: the accuracy of a hard task stays flat for a while before it moves, the loss
-                    # does not; once every task meets its requirement the loss keeps shrinking towards zero by
-                    # amounts that change few answers, and only a better accuracy is worth more steps
-                    learnt = all(meets(a, s.requirement) for (s, _), a in zip(checked, _task_means(checks, hits)))
-                    lower = not learnt and loss < best_loss - max(MIN_LOSS_GAIN * best_loss, MIN_LOSS_DROP)
-                    waited = 0 if accuracy > best_score or lower else waited + 1
-                    best_loss = min(best_loss, loss)
-                    if accuracy >= best_score:      # ties keep the later, longer-trained weights
-                        best, best_score = now, accuracy
+                    accuracies, loss = _task_means(checks, hits), sum(_task_means(checks, losses)) / len(checks)
+                    self.last_history.append((step, sum(accuracies) / len(accuracies), loss))
+                    if stop.check(accuracies, loss):
+                        best = now
         self.model.eval()
         self.last_steps = step              # optimizer steps the run took (for tests and logs)
         if best is not None:
@@ -629,12 +648,6 @@ def _task_means(checks: list[list[_Item]], values: list) -> list[float]:
         out.append(sum(values[at:at + len(c)]) / len(c))
         at += len(c)
     return out
-
-
-def _task_mean(checks: list[list[_Item]], values: list) -> float:
-    """Mean over tasks of each task's mean ``values``."""
-    means = _task_means(checks, values)
-    return sum(means) / len(means)
 
 
 def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
