@@ -111,6 +111,7 @@ class Attempt:
     kind: str                       # alone, open, fuse, rollback (violated, undone) or park (see the module doc)
     accuracy: dict[str, float]      # every task of the adapter (or the source alone)
     train_s: float                  # 0 for steps that reuse a run (open, park)
+    steps: int | None = None        # optimizer steps of its training run (None: reused, or not told)
 
 
 @dataclass
@@ -246,7 +247,7 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
         e = runs.train(f"alone:{s.task}", lambda s=s: trainer.init(run_seed(config.seed, "init", s.task)), [s], [],
                        run_seed(config.seed, "solo", s.task), f"{s.task} alone")
         alone[s.task] = e
-        attempts.append(Attempt(0, s.task, "alone", e["accuracy"], e["train_s"]))
+        attempts.append(Attempt(0, s.task, "alone", e["accuracy"], e["train_s"], e.get("steps")))
     order = plan_order(sources, config.order, config.seed, {t: e["accuracy"][t] for t, e in alone.items()})
     packed: list[_Packed] = []
     for s in order:
@@ -262,7 +263,7 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
             acc = e["accuracy"]
             kept = all(meets(acc[t], req[t]) for t in was_met)
             ok = kept and meets(acc[s.task], s.requirement)
-            attempts.append(Attempt(p.index, s.task, "fuse" if ok else "rollback", acc, e["train_s"]))
+            attempts.append(Attempt(p.index, s.task, "fuse" if ok else "rollback", acc, e["train_s"], e.get("steps")))
             log(f"adapter-{p.index} + {s.task}: {_fmt(acc, req)} -> "
                 f"{'fused' if ok else 'requirement violated, rolled back'}")
             if ok:
@@ -370,13 +371,14 @@ class _Runs:
         shutil.rmtree(self.ckpt.dir / folder, ignore_errors=True)
         self.trainer.save(state, self.ckpt.dir / folder)
         self._states[key] = state
+        steps = getattr(self.trainer, "last_steps", None)         # optimizer steps, if the trainer tells
         runs[key] = {"accuracy": accuracy, "train_s": dt, "size_bytes": self.trainer.size_bytes(state),
-                     "state": folder}
+                     "state": folder, "steps": steps}
         self.ckpt.write()
         self.trained, self.spent, self.done = self.trained + 1, self.spent + dt, self.done + _work(new, replay)
         left = sum(self.expected.values()) * self.spent / max(self.done, 1)
-        self.log(f"[{desc}: {dt:.0f} s; {self.trained} runs trained in {self.spent / 60:.1f} min, about "
-                 f"{left / 60:.1f} min left]")
+        self.log(f"[{desc}: {dt:.0f} s{'' if steps is None else f', {steps} steps'}; {self.trained} runs trained in "
+                 f"{self.spent / 60:.1f} min, about {left / 60:.1f} min left]")
         return runs[key]
 
 
