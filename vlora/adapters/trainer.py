@@ -53,6 +53,7 @@ from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 WEIGHTS = "adapter_model.safetensors"
 MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
 MIN_LOSS_GAIN, MIN_LOSS_DROP = 0.01, 1e-3   # a validation loss lower by less (relative, absolute) is no progress
+CHECK_STEPS = 8                     # most optimizer steps between two validation checks (a pass can be longer)
 MIN_SHARED = 4                      # fewer leading positions shared by a whole batch are not worth a second call
 
 
@@ -76,9 +77,10 @@ class TrainConfig:
     """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
     trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
     patience: int = 3
-    """Early stopping: end a run after this many validation checks (one per pass) with neither a better validation
-    accuracy nor a lower validation loss, keeping the last weights with the best accuracy. 0: train the whole
-    budget and keep the final weights."""
+    """Early stopping: end a run after this many validation checks (one per pass, or every 8 steps if a pass is
+    longer) without progress: neither a better validation accuracy nor, while a task is below its requirement,
+    a lower validation loss; the last weights with the best accuracy are kept. 0: train the whole budget and keep
+    the final weights."""
     val_fraction: float = 0.2
     """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
     the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
@@ -118,7 +120,8 @@ class TrainConfig:
 
 @dataclass
 class EarlyStop:
-    """When a training run stops making progress on its validation split (one check per pass). Progress is a
+    """When a training run stops making progress on its validation split (checked every pass, or every
+    ``CHECK_STEPS`` steps if a pass is longer). Progress is a
     better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
     requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
     every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
@@ -368,6 +371,7 @@ class LoraTrainer:
         c = self.config
         return {"model": self.model_dir.name, "model_path": str(self.model_dir), "rank": c.rank, "alpha": c.alpha, "targets": self.targets,
                 "layers": self.layers or "all", "epochs": c.epochs, "min_steps": c.min_steps, "patience": c.patience,
+                "check_steps": CHECK_STEPS,
                 "val_fraction": c.val_fraction, "lr": c.lr, "head_lr": c.head_lr or c.lr,
                 "batch_size": c.batch_size,
                 "device": str(self.device),
@@ -415,13 +419,17 @@ class LoraTrainer:
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
             torch.manual_seed(seed)
-            while step < budget and (not checks or stop.waited < self.config.patience or step < self.config.min_steps):
-                self.model.train()
+            every = min(steps_per_epoch, CHECK_STEPS)
+
+            def done() -> bool:
+                return step >= budget or bool(checks) and stop.waited >= self.config.patience and \
+                    step >= self.config.min_steps
+
+            while not done():
                 items = fresh + rng.sample(old, min(len(old), len(fresh)))
                 rng.shuffle(items)
                 for i in range(0, len(items), bs):
-                    if step == budget:
-                        break
+                    self.model.train()
                     loss = self._loss(items[i:i + bs], head)
                     loss.backward()
                     opt.step()
@@ -429,14 +437,16 @@ class LoraTrainer:
                     step += 1
                     bar.update()
                     bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(stop.best_score, 0):.2f}")
-                self.model.eval()
-                if checks:
-                    now = AdapterState(self._get(), None if head is None else head.export())
-                    hits, losses = self._score([it for c in checks for it in c], now.head)
-                    accuracies, loss = _task_means(checks, hits), sum(_task_means(checks, losses)) / len(checks)
-                    self.last_history.append((step, sum(accuracies) / len(accuracies), loss))
-                    if stop.check(accuracies, loss):
-                        best = now
+                    if checks and (step % every == 0 or step == budget):
+                        self.model.eval()
+                        now = AdapterState(self._get(), None if head is None else head.export())
+                        hits, losses = self._score([it for c in checks for it in c], now.head)
+                        accuracies, loss = _task_means(checks, hits), sum(_task_means(checks, losses)) / len(checks)
+                        self.last_history.append((step, sum(accuracies) / len(accuracies), loss))
+                        if stop.check(accuracies, loss):
+                            best = now
+                    if done():
+                        break
         self.model.eval()
         self.last_steps = step              # optimizer steps the run took (for tests and logs)
         if best is not None:
