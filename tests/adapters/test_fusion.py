@@ -303,10 +303,10 @@ def test_bad_inputs_are_refused(tmp_path):
         fuse([source("a")], FakeTrainer(), tmp_path / "bad")
 
 
-def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirement():
+def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirement_and_ends_at_perfect():
     from vlora.adapters.trainer import EarlyStop
 
-    stop = EarlyStop([0.8, 0.8])
+    stop = EarlyStop([0.8, 0.8], patience=3)
     assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
     assert not stop.check([0.5, 0.4], 0.5) and stop.waited == 0        # flat accuracy, clearly lower loss: progress
     assert not stop.check([0.5, 0.4], 0.499) and stop.waited == 1      # a lower loss by less than 1%: none
@@ -314,7 +314,10 @@ def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirem
     assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now
     assert stop.check([0.9, 0.9], 0.05) and stop.waited == 1           # met: a lower loss is no progress; a tie
     assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # ... keeps the later weights, a worse
-    assert stop.check([1.0, 1.0], 0.02) and stop.waited == 0           # mean does not; a better one is progress
+    assert stop.check([0.95, 0.95], 0.3) and stop.waited == 0          # mean does not; a better one is progress
+    stop = EarlyStop([0.8, 0.8], patience=3)
+    assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
+    assert stop.check([1.0, 1.0], 0.02) and stop.waited == 3           # perfect: cannot get better, the run ends
 
 
 def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):

@@ -373,7 +373,8 @@ class _Runs:
         self._states[key] = state
         steps = getattr(self.trainer, "last_steps", None)         # optimizer steps, if the trainer tells
         runs[key] = {"accuracy": accuracy, "train_s": dt, "size_bytes": self.trainer.size_bytes(state),
-                     "state": folder, "steps": steps}
+                     "state": folder, "steps": steps,
+                     "validation": getattr(self.trainer, "last_history", None)}    # (step, accuracy, loss) per check
         self.ckpt.write()
         self.trained, self.spent, self.done = self.trained + 1, self.spent + dt, self.done + _work(new, replay)
         left = sum(self.expected.values()) * self.spent / max(self.done, 1)

@@ -125,9 +125,10 @@ class EarlyStop:
     better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
     requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
     every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
-    and only a better accuracy is worth more steps."""
+    and only a better accuracy is worth more steps; a perfect accuracy cannot get better and ends the run."""
 
     requirements: list[float]       # per task checked
+    patience: int                   # checks without progress that end the run
     best_score: float = -1.0        # best mean validation accuracy so far
     best_loss: float = math.inf
     waited: int = 0                 # checks since the last progress
@@ -139,6 +140,8 @@ class EarlyStop:
         learnt = all(meets(a, r) for a, r in zip(accuracies, self.requirements))
         lower = not learnt and loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
         self.waited = 0 if score > self.best_score or lower else self.waited + 1
+        if score >= 1.0:        # every validation example right: nothing left to gain on this split
+            self.waited = max(self.waited, self.patience)
         self.best_loss = min(self.best_loss, loss)
         keep = score >= self.best_score
         self.best_score = max(self.best_score, score)
@@ -414,7 +417,7 @@ class LoraTrainer:
             groups.append({"params": [head.w, head.b], "lr": self.config.head_lr or self.config.lr})
         opt = torch.optim.AdamW(groups, lr=self.config.lr, weight_decay=0.0)
         best, step = None, 0
-        stop = EarlyStop([src.requirement for src, _ in checked])
+        stop = EarlyStop([src.requirement for src, _ in checked], self.config.patience)
         self.last_history: list[tuple[int, float, float]] = []     # (step, validation accuracy, loss) per check
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
@@ -422,7 +425,7 @@ class LoraTrainer:
             every = min(steps_per_epoch, CHECK_STEPS)
 
             def done() -> bool:
-                return step >= budget or bool(checks) and stop.waited >= self.config.patience and \
+                return step >= budget or bool(checks) and stop.waited >= stop.patience and \
                     step >= self.config.min_steps
 
             while not done():
