@@ -53,7 +53,6 @@ from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 WEIGHTS = "adapter_model.safetensors"
 MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
 MIN_LOSS_GAIN, MIN_LOSS_DROP = 0.01, 1e-3   # a validation loss lower by less (relative, absolute) is no progress
-CHECK_STEPS = 8                     # most optimizer steps between two validation checks (a pass can be longer)
 MIN_SHARED = 4                      # fewer leading positions shared by a whole batch are not worth a second call
 
 
@@ -77,10 +76,10 @@ class TrainConfig:
     """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
     trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
     patience: int = 3
-    """Early stopping: end a run after this many validation checks (one per pass, or every 8 steps if a pass is
-    longer) without progress: neither a better validation accuracy nor, while a task is below its requirement,
-    a lower validation loss; the last weights with the best accuracy are kept. 0: train the whole budget and keep
-    the final weights."""
+    """Early stopping: end a run after this many validation checks (one per pass) without progress: neither a
+    better validation accuracy nor, while a task is below its requirement, a lower validation loss (a perfect
+    accuracy ends it at once); the last weights with the best accuracy are kept. 0: train the whole budget and
+    keep the final weights."""
     val_fraction: float = 0.2
     """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
     the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
@@ -120,8 +119,7 @@ class TrainConfig:
 
 @dataclass
 class EarlyStop:
-    """When a training run stops making progress on its validation split (checked every pass, or every
-    ``CHECK_STEPS`` steps if a pass is longer). Progress is a
+    """When a training run stops making progress on its validation split (checked after every pass). Progress is a
     better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
     requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
     every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
@@ -374,7 +372,6 @@ class LoraTrainer:
         c = self.config
         return {"model": self.model_dir.name, "model_path": str(self.model_dir), "rank": c.rank, "alpha": c.alpha, "targets": self.targets,
                 "layers": self.layers or "all", "epochs": c.epochs, "min_steps": c.min_steps, "patience": c.patience,
-                "check_steps": CHECK_STEPS,
                 "val_fraction": c.val_fraction, "lr": c.lr, "head_lr": c.head_lr or c.lr,
                 "batch_size": c.batch_size,
                 "device": str(self.device),
@@ -422,8 +419,6 @@ class LoraTrainer:
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
             torch.manual_seed(seed)
-            every = min(steps_per_epoch, CHECK_STEPS)
-
             def done() -> bool:
                 return step >= budget or bool(checks) and stop.waited >= stop.patience and \
                     step >= self.config.min_steps
@@ -440,7 +435,7 @@ class LoraTrainer:
                     step += 1
                     bar.update()
                     bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(stop.best_score, 0):.2f}")
-                    if checks and (step % every == 0 or step == budget):
+                    if checks and (step % steps_per_epoch == 0 or step == budget):     # after each pass
                         self.model.eval()
                         now = AdapterState(self._get(), None if head is None else head.export())
                         hits, losses = self._score([it for c in checks for it in c], now.head)
