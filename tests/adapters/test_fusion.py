@@ -321,25 +321,28 @@ def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirem
 
 
 def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
-    """Each run's log line estimates the time left from the seconds per training example (one pass: the new
-    sources' examples and as many replayed) so far, over the runs still expected: every solo run, one try per
-    source to place, the one-for-all baseline."""
+    """Each run's log line estimates the time left from the seconds per unit of work so far (a run's work: the
+    square root of one pass's examples, the new sources' and as many replayed) over the runs still expected:
+    every solo run, one try per source to place, the one-for-all baseline."""
+    import math
+
     import vlora.adapters.fusion as fusion
 
     clock = [0.0]
     monkeypatch.setattr(fusion.time, "perf_counter", lambda: clock[0])
 
-    class Timed(FakeTrainer):           # 0.1 s per example of a pass
+    class Timed(FakeTrainer):           # 6 s per unit of work
         def fit(self, state, new, replay, seed, desc):
             fresh = sum(len(s.train) for s in new)
-            clock[0] += 0.1 * (fresh + min(fresh, sum(len(s.train) for s in replay)))
+            clock[0] += 6 * math.sqrt(fresh + min(fresh, sum(len(s.train) for s in replay)))
             return super().fit(state, new, replay, seed, desc)
 
     sources = [source("a", n=40), source("b", n=80), source("c", n=40)]      # 30, 60, 30 training examples
     logs = []
     fuse(sources, Timed(), tmp_path, FusionConfig(order="given"), log=logs.append)
     left = [float(m.split("about ")[1].split(" min")[0]) for m in logs if "min left" in m]
-    # expected work, in training examples: solo 30 + 60 + 30, tries 60 + 120 + 60, baseline 120
-    # (a opens adapter-1 without a try; b and c are each fused in one try)
-    assert left[0] == round((60 + 30 + 60 + 120 + 60 + 120) * 0.1 / 60, 1)
+    # after a's solo run: the solo runs of b and c, a try for each source (a's is not needed: it opens
+    # adapter-1), the baseline over all 120 examples
+    work = [60, 30, 60, 120, 60, 120]
+    assert left[0] == round(sum(map(math.sqrt, work)) * 6 / 60, 1)
     assert left[-1] == 0.0 and len(left) == 6 and left == sorted(left, reverse=True)
