@@ -346,3 +346,9 @@ def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monke
     work = [60, 30, 60, 120, 60, 120]
     assert left[0] == round(sum(map(math.sqrt, work)) * 6 / 60, 1)
     assert left[-1] == 0.0 and len(left) == 6 and left == sorted(left, reverse=True)
+
+
+def test_idle_cores_leave_busy_cores_alone():
+    from vlora.adapters.trainer import idle_cores
+
+    assert idle_cores(2, 0.1) == 2 and idle_cores(2, 1.2) == 1 and idle_cores(2, 7.5) == 1 and idle_cores(16, 3.6) == 12

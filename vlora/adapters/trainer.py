@@ -92,7 +92,9 @@ class TrainConfig:
     device: str = "auto"
     """Training device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     threads: int = 0
-    """CPU threads for torch (process-wide; 1 is fastest on a CPU shared with other jobs). 0: leave torch's setting."""
+    """CPU threads for torch (process-wide). 0: training on the CPU takes the cores idle when it starts (the core
+    count less the 1-minute load average, at least 1), since a thread competing with another job for its core
+    slows every step; on a GPU, torch's setting."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -200,6 +202,15 @@ class _Item:
         return self.prompt + self.answer[:-1]
 
 
+def idle_cores(cores: int | None = None, load: float | None = None) -> int:
+    """CPU cores not busy now: the usable core count less the 1-minute load average (rounded), at least 1."""
+    import os
+
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    load = load if load is not None else os.getloadavg()[0]
+    return max(1, cores - round(load))
+
+
 def prompt_ids(tokenizer, message: str) -> list[int]:
     """Token ids the engine gets when ``message`` is asked: chat template if the model has one, else plain."""
     from vlora.engine.llm import apply_chat_template
@@ -245,13 +256,14 @@ class LoraTrainer:
         from vlora.models.loader import resolve_model_dir
 
         self.config, self.progress = config, progress
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        threads = config.threads or (idle_cores() if self.device.type == "cpu" else 0)
+        if threads:
+            torch.set_num_threads(threads)
         self.model_dir = resolve_model_dir(config.model)
         if not any((self.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
             raise ValueError(f"model {self.model_dir} has no tokenizer: tasks are asked as text")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.device = resolve_device(config.device)
         self.lmm = is_lmm_dir(self.model_dir)
         if self.lmm:
             from transformers import LlavaForConditionalGeneration
