@@ -301,3 +301,54 @@ def test_bad_inputs_are_refused(tmp_path):
     (tmp_path / "bad" / "checkpoint" / "journal.json").write_text("{oops")
     with pytest.raises(ValueError, match="journal cannot be read"):
         fuse([source("a")], FakeTrainer(), tmp_path / "bad")
+
+
+def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirement_and_ends_at_perfect():
+    from vlora.adapters.trainer import EarlyStop
+
+    stop = EarlyStop([0.8, 0.8], patience=3)
+    assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
+    assert not stop.check([0.5, 0.4], 0.5) and stop.waited == 0        # flat accuracy, clearly lower loss: progress
+    assert not stop.check([0.5, 0.4], 0.499) and stop.waited == 1      # a lower loss by less than 1%: none
+    assert stop.check([0.9, 0.7], 0.3) and stop.waited == 0            # better accuracy: progress, weights kept
+    assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now
+    assert stop.check([0.9, 0.9], 0.05) and stop.waited == 1           # met: a lower loss is no progress; a tie
+    assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # ... keeps the later weights, a worse
+    assert stop.check([0.95, 0.95], 0.3) and stop.waited == 0          # mean does not; a better one is progress
+    stop = EarlyStop([0.8, 0.8], patience=3)
+    assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
+    assert stop.check([1.0, 1.0], 0.02) and stop.waited == 3           # perfect: cannot get better, the run ends
+
+
+def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
+    """Each run's log line estimates the time left from the seconds per unit of work so far (a run's work: the
+    square root of one pass's examples, the new sources' and as many replayed) over the runs still expected:
+    every solo run, one try per source to place, the one-for-all baseline."""
+    import math
+
+    import vlora.adapters.fusion as fusion
+
+    clock = [0.0]
+    monkeypatch.setattr(fusion.time, "perf_counter", lambda: clock[0])
+
+    class Timed(FakeTrainer):           # 6 s per unit of work
+        def fit(self, state, new, replay, seed, desc):
+            fresh = sum(len(s.train) for s in new)
+            clock[0] += 6 * math.sqrt(fresh + min(fresh, sum(len(s.train) for s in replay)))
+            return super().fit(state, new, replay, seed, desc)
+
+    sources = [source("a", n=40), source("b", n=80), source("c", n=40)]      # 30, 60, 30 training examples
+    logs = []
+    fuse(sources, Timed(), tmp_path, FusionConfig(order="given"), log=logs.append)
+    left = [float(m.split("about ")[1].split(" min")[0]) for m in logs if "min left" in m]
+    # after a's solo run: the solo runs of b and c, a try for each source (a's is not needed: it opens
+    # adapter-1), the baseline over all 120 examples
+    work = [60, 30, 60, 120, 60, 120]
+    assert left[0] == round(sum(map(math.sqrt, work)) * 6 / 60, 1)
+    assert left[-1] == 0.0 and len(left) == 6 and left == sorted(left, reverse=True)
+
+
+def test_idle_cores_leave_busy_cores_alone():
+    from vlora.adapters.trainer import idle_cores
+
+    assert idle_cores(2, 0.1) == 2 and idle_cores(2, 1.2) == 1 and idle_cores(2, 7.5) == 1 and idle_cores(16, 3.6) == 12

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, make_tiny_chat_model, tiny_sources,
-                                train_and_fuse)
+from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, assert_sharing_changes_nothing,
+                                make_tiny_chat_model, tiny_sources, train_and_fuse)
 from vlora import LLM
 from vlora.adapters.trainer import LoraTrainer, TrainConfig, engine_answers, prompt_ids
 
@@ -67,6 +67,13 @@ def test_cached_prefix_changes_nothing(fused):
     b = full.fit(full.init(5), [src], [], 5, "uncached")
     assert all(torch.allclose(a.lora[k], b.lora[k], atol=1e-5) for k in a.lora)
     assert trainer.evaluate(a, src) == full.evaluate(a, src)
+
+
+def test_shared_leading_tokens_run_once_with_the_same_results(fused):
+    """A batch's leading tokens common to every example (chat template, prompt words) run once through a
+    key-value cache: the hidden states, the loss's gradients and the verdicts equal the plain padded batch."""
+    _, sources, trainer, result, out = fused
+    assert_sharing_changes_nothing(trainer, sources, out / result.output[0].name)
 
 
 def test_early_stopping_ends_a_run_on_its_validation_split(fused):

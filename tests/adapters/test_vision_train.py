@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, make_tiny_chat_llava, make_tiny_chat_model,
-                                tiny_image_sources, train_and_fuse)
+from tests.adapters.tiny import (assert_engine_answers_equal_evaluation, assert_sharing_changes_nothing,
+                                make_tiny_chat_llava, make_tiny_chat_model, tiny_image_sources, train_and_fuse)
 from vlora import LLM
 from vlora.adapters.trainer import Head, LoraTrainer, TrainConfig, _TrainableHead
 
@@ -52,6 +52,11 @@ def test_engine_answers_equal_the_training_time_evaluation(fused):
               max_model_len=128, dtype="float32")
     assert set(llm.engine.adapters.heads) == {a.name for a in r.output if any(by_task[t].head for t in a.tasks)}
     assert_engine_answers_equal_evaluation(llm, trainer, r, by_task, out)
+
+
+def test_shared_leading_tokens_run_once_with_the_same_results(fused):
+    _, sources, trainer, result, out = fused
+    assert_sharing_changes_nothing(trainer, sources, out / result.output[0].name)
 
 
 def test_head_growth_and_standardised_training_keep_the_linear_map():

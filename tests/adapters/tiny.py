@@ -125,3 +125,43 @@ def assert_engine_answers_equal_evaluation(llm, trainer, result, by_task, out: P
             correct = [ans == e.label for ans, e in zip(answers, src.heldout)]
             assert correct == trainer.evaluate(state, src), (a.name, task, answers)
             assert sum(correct) / len(correct) == a.accuracy[task]
+
+
+def assert_sharing_changes_nothing(trainer, sources, adapter: Path) -> None:
+    """With the adapter at ``adapter`` set, a batch mixing every source's training examples (and one of a
+    single source) gives the same hidden states, gradients and verdicts whether the leading tokens all its
+    examples share are run once (through a key-value cache) or in every row."""
+    import torch
+
+    from vlora.adapters.trainer import _shared_length
+
+    state = trainer.load(adapter)
+    trainer._set(state.lora)
+    head = trainer._grow_head(state.head, [s for s in sources if s.head])
+    mixed = [trainer._encode(s, e) for s in sources for e in s.train[:3]]
+    single = [trainer._encode(sources[0], e) for e in sources[0].train[:6]]
+    for batch in (mixed, single):
+        assert _shared_length(trainer._layer_inputs(batch)) >= 4          # the chat template's start at least
+        got = {}
+        for share in (False, True):
+            trainer.share_prefix = share
+            trainer.model.zero_grad()
+            hidden = trainer._hidden(batch)
+            loss = trainer._loss(batch, _trainable(trainer, head, batch))
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+            got[share] = hidden.detach(), loss.item(), grads, trainer._score(batch, head)
+        trainer.model.zero_grad()
+        (h0, l0, g0, s0), (h1, l1, g1, s1) = got[False], got[True]
+        assert h0.shape == h1.shape and torch.allclose(h0, h1, atol=1e-4, rtol=1e-4)
+        assert abs(l0 - l1) < 1e-4 and g0.keys() == g1.keys() and g0
+        assert all(torch.allclose(g0[k], g1[k], atol=1e-5, rtol=1e-3) for k in g0)
+        assert s0[0] == s1[0] and all(abs(a - b) < 1e-4 for a, b in zip(s0[1], s1[1]))
+    trainer.share_prefix = True
+
+
+def _trainable(trainer, head, batch):
+    from vlora.adapters.trainer import _TrainableHead
+
+    heads = [it for it in batch if it.head]
+    return None if head is None or not heads else _TrainableHead(head, *trainer._head_stats(heads))

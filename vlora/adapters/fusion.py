@@ -34,6 +34,7 @@ as many requirements as the fusion, it wins).
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from vlora.adapters.sources import KnowledgeSource, check_unique
+from vlora.adapters.sources import KnowledgeSource, check_unique, meets
 
 State = Any                     # a trainer's adapter weights; opaque to the loop
 ORDERS = ("easiest", "given", "random")
@@ -111,6 +112,7 @@ class Attempt:
     kind: str                       # alone, open, fuse, rollback (violated, undone) or park (see the module doc)
     accuracy: dict[str, float]      # every task of the adapter (or the source alone)
     train_s: float                  # 0 for steps that reuse a run (open, park)
+    steps: int | None = None        # optimizer steps of its training run (None: reused, or not told)
 
 
 @dataclass
@@ -187,10 +189,6 @@ class FusionResult:
         return out
 
 
-def meets(accuracy: float, requirement: float) -> bool:
-    return accuracy + 1e-9 >= requirement
-
-
 def plan_order(sources: Sequence[KnowledgeSource], order: str, seed: int,
                alone: dict[str, float] | None = None) -> list[KnowledgeSource]:
     """The packing order. ``easiest``: by the held-out accuracy each source reached alone (``alone``) above
@@ -238,17 +236,23 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
                       _identity(sources, trainer, config), log)
     by_task = {s.task: s for s in sources}
     req = {s.task: s.requirement for s in sources}
-    runs = _Runs(trainer, ckpt, by_task, 2 * len(sources) - 1 + config.baselines, log)
+    runs = _Runs(trainer, ckpt, log)
+    for s in sources:           # the work expected: every solo run, one fusion try per source, the baseline
+        runs.expect(f"alone:{s.task}", _work([s], []))
+        runs.expect(f"place:{s.task}", _work([s], [s]))
+    if config.baselines:
+        runs.expect("all", _work(sources, []))
     attempts: list[Attempt] = []
     alone = {}
     for s in sources:
         e = runs.train(f"alone:{s.task}", lambda s=s: trainer.init(run_seed(config.seed, "init", s.task)), [s], [],
                        run_seed(config.seed, "solo", s.task), f"{s.task} alone")
         alone[s.task] = e
-        attempts.append(Attempt(0, s.task, "alone", e["accuracy"], e["train_s"]))
+        attempts.append(Attempt(0, s.task, "alone", e["accuracy"], e["train_s"], e.get("steps")))
     order = plan_order(sources, config.order, config.seed, {t: e["accuracy"][t] for t, e in alone.items()})
     packed: list[_Packed] = []
     for s in order:
+        runs.expect(f"place:{s.task}", 0.0)
         alone_acc = alone[s.task]["accuracy"][s.task]
         alone_ok = meets(alone_acc, s.requirement)
         park = None
@@ -260,7 +264,7 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
             acc = e["accuracy"]
             kept = all(meets(acc[t], req[t]) for t in was_met)
             ok = kept and meets(acc[s.task], s.requirement)
-            attempts.append(Attempt(p.index, s.task, "fuse" if ok else "rollback", acc, e["train_s"]))
+            attempts.append(Attempt(p.index, s.task, "fuse" if ok else "rollback", acc, e["train_s"], e.get("steps")))
             log(f"adapter-{p.index} + {s.task}: {_fmt(acc, req)} -> "
                 f"{'fused' if ok else 'requirement violated, rolled back'}")
             if ok:
@@ -325,15 +329,28 @@ def _summary(adapters: list[AdapterResult], req: dict[str, float]) -> str:
     return f"{met}/{len(req)} requirements met with {-n} adapter{'s' * (n != -1)}"
 
 
+def _work(new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource]) -> float:
+    """A training run's expected cost for the time-left estimate: the square root of the examples of one pass
+    (the new sources' training examples and as many replayed, at most). A larger run takes more steps a pass,
+    but early stopping ends it after fewer passes: on the nine example sources a solo run (48 examples a pass)
+    takes 20-36 steps, a fusion try (96) 30-72, the one-for-all adapter (432) 110 or more."""
+    fresh = sum(len(s.train) for s in new)
+    return math.sqrt(fresh + min(fresh, sum(len(s.train) for s in replay)))
+
+
 class _Runs:
     """Training runs, journaled by key: a run already in the journal is not repeated (its outcome is read
-    back), so a rerun after an interruption replays the decisions and trains only what is missing."""
+    back), so a rerun after an interruption replays the decisions and trains only what is missing. The time
+    left is estimated from the seconds per unit of :func:`_work` so far and the work still expected."""
 
-    def __init__(self, trainer: Trainer, ckpt: Checkpoint, by_task: dict[str, KnowledgeSource], expected: int,
-                 log: Callable[[str], None]):
-        self.trainer, self.ckpt, self.by_task, self.log = trainer, ckpt, by_task, log
-        self.expected, self.trained, self.spent = expected, 0, 0.0      # for the time-left estimate
+    def __init__(self, trainer: Trainer, ckpt: Checkpoint, log: Callable[[str], None]):
+        self.trainer, self.ckpt, self.log = trainer, ckpt, log
+        self.expected: dict[str, float] = {}        # work still expected, by what it is for
+        self.trained, self.spent, self.done = 0, 0.0, 0.0
         self._states: dict[str, State] = {}
+
+    def expect(self, what: str, work: float) -> None:
+        self.expected[what] = work
 
     def entry(self, key: str) -> dict:
         return self.ckpt.journal["runs"][key]
@@ -346,8 +363,8 @@ class _Runs:
     def train(self, key: str, base: Callable[[], State], new: list[KnowledgeSource],
               replay: list[KnowledgeSource], seed: int, desc: str) -> dict:
         runs = self.ckpt.journal["runs"]
+        self.expected.pop(key, None)
         if key in runs:
-            self.expected -= 1
             return runs[key]
         t1 = time.perf_counter()
         state = self.trainer.fit(base(), new, replay, seed, desc)
@@ -357,13 +374,15 @@ class _Runs:
         shutil.rmtree(self.ckpt.dir / folder, ignore_errors=True)
         self.trainer.save(state, self.ckpt.dir / folder)
         self._states[key] = state
+        steps = getattr(self.trainer, "last_steps", None)         # optimizer steps, if the trainer tells
         runs[key] = {"accuracy": accuracy, "train_s": dt, "size_bytes": self.trainer.size_bytes(state),
-                     "state": folder}
+                     "state": folder, "steps": steps,
+                     "validation": getattr(self.trainer, "last_history", None)}    # (step, accuracy, loss) per check
         self.ckpt.write()
-        self.trained, self.spent = self.trained + 1, self.spent + dt
-        left = max(self.expected - self.trained, 1) * self.spent / self.trained
-        self.log(f"[{desc}: {dt:.0f} s; {self.trained} runs trained in {self.spent / 60:.1f} min, about "
-                 f"{left / 60:.1f} min left]")
+        self.trained, self.spent, self.done = self.trained + 1, self.spent + dt, self.done + _work(new, replay)
+        left = sum(self.expected.values()) * self.spent / max(self.done, 1)
+        self.log(f"[{desc}: {dt:.0f} s{'' if steps is None else f', {steps} steps'}; {self.trained} runs trained in "
+                 f"{self.spent / 60:.1f} min, about {left / 60:.1f} min left]")
         return runs[key]
 
 

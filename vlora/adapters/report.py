@@ -71,7 +71,8 @@ def to_markdown(r: FusionResult) -> str:
     for i, a in enumerate(r.attempts, 1):
         accs = ", ".join(f"{t} {_acc(v, req[t])}" for t, v in a.accuracy.items())
         where = f"adapter-{a.adapter}" if a.adapter else "-"
-        lines.append(f"| {i} | {where} | {a.source} | {OUTCOME[a.kind]} | {accs} | {a.train_s:.1f} s |")
+        steps = "" if a.steps is None else f", {a.steps} steps"
+        lines.append(f"| {i} | {where} | {a.source} | {OUTCOME[a.kind]} | {accs} | {a.train_s:.1f} s{steps} |")
     lines += ["", "## Sources", "", "| task | origin | inputs | answered by | train | held-out | labels | prompt |",
               "|---|---|---|---|---|---|---|---|"]
     for s in r.sources:

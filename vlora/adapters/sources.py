@@ -158,6 +158,11 @@ def make_source(task: str, requirement: float, examples: Sequence[Example], *, p
                            prompt=prompt, origin=origin, head=head)
 
 
+def meets(accuracy: float, requirement: float) -> bool:
+    """Does ``accuracy`` meet ``requirement`` (up to float rounding of a fraction of examples)?"""
+    return accuracy + 1e-9 >= requirement
+
+
 def split(examples: Sequence[Example], fraction: float, seed: str) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
     """Stratified, seeded split: each label gives round(n * fraction) examples (at least one when it has
     two or more) to the held-out part, so every label is checked; the input order does not matter."""

@@ -46,13 +46,14 @@ from pathlib import Path
 
 import torch
 
-from vlora.adapters.sources import Example, KnowledgeSource
+from vlora.adapters.sources import Example, KnowledgeSource, meets
 from vlora.lora.adapter import LORA_TARGETS
 from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 
 WEIGHTS = "adapter_model.safetensors"
 MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
 MIN_LOSS_GAIN, MIN_LOSS_DROP = 0.01, 1e-3   # a validation loss lower by less (relative, absolute) is no progress
+MIN_SHARED = 4                      # fewer leading positions shared by a whole batch are not worth a second call
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,10 @@ class TrainConfig:
     """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
     trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
     patience: int = 3
-    """Early stopping: end a run after this many validation checks (one per pass) with neither a better validation
-    accuracy nor a lower validation loss, keeping the last weights with the best accuracy. 0: train the whole
-    budget and keep the final weights."""
+    """Early stopping: end a run after this many validation checks (one per pass) without progress: neither a
+    better validation accuracy nor, while a task is below its requirement, a lower validation loss (a perfect
+    accuracy ends it at once); the last weights with the best accuracy are kept. 0: train the whole budget and
+    keep the final weights."""
     val_fraction: float = 0.2
     """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
     the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
@@ -90,7 +92,9 @@ class TrainConfig:
     device: str = "auto"
     """Training device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     threads: int = 0
-    """CPU threads for torch (process-wide; 1 is fastest on a CPU shared with other jobs). 0: leave torch's setting."""
+    """CPU threads for torch (process-wide). 0: training on the CPU takes the cores idle when it starts (the core
+    count less the 1-minute load average, at least 1), since a thread competing with another job for its core
+    slows every step; on a GPU, torch's setting."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -113,6 +117,35 @@ class TrainConfig:
         bad = sorted(set(self.targets) - set(LORA_TARGETS))
         if bad:
             raise ValueError(f"targets {bad} cannot be served; choose among {list(LORA_TARGETS)}")
+
+
+@dataclass
+class EarlyStop:
+    """When a training run stops making progress on its validation split (checked after every pass). Progress is a
+    better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
+    requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
+    every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
+    and only a better accuracy is worth more steps; a perfect accuracy cannot get better and ends the run."""
+
+    requirements: list[float]       # per task checked
+    patience: int                   # checks without progress that end the run
+    best_score: float = -1.0        # best mean validation accuracy so far
+    best_loss: float = math.inf
+    waited: int = 0                 # checks since the last progress
+
+    def check(self, accuracies: list[float], loss: float) -> bool:
+        """Record one check (each task's validation accuracy, the mean loss); True when these weights are the
+        ones to keep (the best mean accuracy so far; ties keep the later, longer-trained weights)."""
+        score = sum(accuracies) / len(accuracies)
+        learnt = all(meets(a, r) for a, r in zip(accuracies, self.requirements))
+        lower = not learnt and loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
+        self.waited = 0 if score > self.best_score or lower else self.waited + 1
+        if score >= 1.0:        # every validation example right: nothing left to gain on this split
+            self.waited = max(self.waited, self.patience)
+        self.best_loss = min(self.best_loss, loss)
+        keep = score >= self.best_score
+        self.best_score = max(self.best_score, score)
+        return keep
 
 
 @dataclass
@@ -169,6 +202,15 @@ class _Item:
         return self.prompt + self.answer[:-1]
 
 
+def idle_cores(cores: int | None = None, load: float | None = None) -> int:
+    """CPU cores not busy now: the usable core count less the 1-minute load average (rounded), at least 1."""
+    import os
+
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    load = load if load is not None else os.getloadavg()[0]
+    return max(1, cores - round(load))
+
+
 def prompt_ids(tokenizer, message: str) -> list[int]:
     """Token ids the engine gets when ``message`` is asked: chat template if the model has one, else plain."""
     from vlora.engine.llm import apply_chat_template
@@ -214,13 +256,14 @@ class LoraTrainer:
         from vlora.models.loader import resolve_model_dir
 
         self.config, self.progress = config, progress
-        if config.threads:
-            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        threads = config.threads or (idle_cores() if self.device.type == "cpu" else 0)
+        if threads:
+            torch.set_num_threads(threads)
         self.model_dir = resolve_model_dir(config.model)
         if not any((self.model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
             raise ValueError(f"model {self.model_dir} has no tokenizer: tasks are asked as text")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.device = resolve_device(config.device)
         self.lmm = is_lmm_dir(self.model_dir)
         if self.lmm:
             from transformers import LlavaForConditionalGeneration
@@ -265,6 +308,11 @@ class LoraTrainer:
         self._val: dict[str, tuple[tuple[Example, ...], tuple[Example, ...]]] = {}   # task -> (train, validation)
         self._prefix: dict[tuple, torch.Tensor] = {}      # (tokens, image) -> [len, hidden] entering layer first
         self._image_rows: dict[str, torch.Tensor] = {}    # image path -> [tokens_per_image, hidden]
+        import inspect
+
+        params = inspect.signature(decoder.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"    # renamed in transformers 5.x
+        self.share_prefix = all(hasattr(getattr(layer, "self_attn", None), "layer_idx") for layer in decoder.layers)
 
     def _init_vision(self, hf_config) -> None:
         from vlora.models.lmm import image_processor, load_vision_weights, vision_config
@@ -355,9 +403,9 @@ class LoraTrainer:
         """Train on the new sources' training examples; each pass also replays as many examples (at most) drawn
         from the replay sources' training examples, so the adapter keeps those tasks. The step budget is
         ``epochs`` passes, at least ``min_steps``; after each pass the validation split of every task (new and
-        replayed) is checked, and the run stops after ``patience`` checks with neither a better mean validation
-        accuracy nor a lower validation loss, returning the last weights with the best accuracy. The head (if any source is a head task) covers
-        the union of the head tasks' labels and trains jointly."""
+        replayed) is checked, and the run stops after ``patience`` checks without progress (:class:`EarlyStop`),
+        returning the last weights with the best mean validation accuracy. The head (if any source is a head
+        task) covers the union of the head tasks' labels and trains jointly."""
         from tqdm.auto import tqdm
 
         self._set(state.lora)
@@ -365,8 +413,9 @@ class LoraTrainer:
         rng = random.Random(seed)
         fresh = [self._encode(s, e) for s in new for e in self._splits(s)[0]]
         old = [self._encode(s, e) for s in replay for e in self._splits(s)[0]]
-        checks = [[self._encode(s, e) for e in self._splits(s)[1]] for s in (*new, *replay)]
-        checks = [c for c in checks if c] if self.config.patience else []
+        checked = [(s, [self._encode(s, e) for e in self._splits(s)[1]]) for s in (*new, *replay)]
+        checked = [(s, c) for s, c in checked if c] if self.config.patience else []
+        checks = [c for _, c in checked]
         per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
         steps_per_epoch = math.ceil(per_epoch / bs)
@@ -376,39 +425,38 @@ class LoraTrainer:
             head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
             groups.append({"params": [head.w, head.b], "lr": self.config.head_lr or self.config.lr})
         opt = torch.optim.AdamW(groups, lr=self.config.lr, weight_decay=0.0)
-        best, best_score, best_loss, waited, step = None, -1.0, math.inf, 0, 0
+        best, step = None, 0
+        stop = EarlyStop([src.requirement for src, _ in checked], self.config.patience)
+        self.last_history: list[tuple[int, float, float]] = []     # (step, validation accuracy, loss) per check
         with torch.random.fork_rng(devices=[]), tqdm(total=budget, desc=desc, unit="step", disable=not self.progress,
                                                      leave=False) as bar:
             torch.manual_seed(seed)
-            while step < budget and (not checks or waited < self.config.patience or step < self.config.min_steps):
-                self.model.train()
+            def done() -> bool:
+                return step >= budget or bool(checks) and stop.waited >= stop.patience and \
+                    step >= self.config.min_steps
+
+            while not done():
                 items = fresh + rng.sample(old, min(len(old), len(fresh)))
                 rng.shuffle(items)
                 for i in range(0, len(items), bs):
-                    if step == budget:
-                        break
+                    self.model.train()
                     loss = self._loss(items[i:i + bs], head)
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     step += 1
                     bar.update()
-                    bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(best_score, 0):.2f}")
-                self.model.eval()
-                if checks:
-                    now = AdapterState(self._get(), None if head is None else head.export())
-                    accuracy = sum(sum(self._hits(c, now.head)) / len(c) for c in checks) / len(checks)
-                    with torch.no_grad():
-                        loss = sum(self._loss(c[i:i + 2 * bs], head).item() for c in checks
-                                   for i in range(0, len(c), 2 * bs)) / sum(math.ceil(len(c) / (2 * bs)) for c in checks)
-                    # progress is a better accuracy or a clearly lower loss: the accuracy of a hard task stays
-                    # flat for a while before it moves, the loss does not; once the answers are learnt the loss
-                    # keeps shrinking towards zero by amounts that change no answer
-                    lower = loss < best_loss - max(MIN_LOSS_GAIN * best_loss, MIN_LOSS_DROP)
-                    waited = 0 if accuracy > best_score or lower else waited + 1
-                    best_loss = min(best_loss, loss)
-                    if accuracy >= best_score:      # ties keep the later, longer-trained weights
-                        best, best_score = now, accuracy
+                    bar.set_postfix(loss=f"{loss.item():.3f}", val_accuracy=f"{max(stop.best_score, 0):.2f}")
+                    if checks and (step % steps_per_epoch == 0 or step == budget):     # after each pass
+                        self.model.eval()
+                        now = AdapterState(self._get(), None if head is None else head.export())
+                        hits, losses = self._score([it for c in checks for it in c], now.head)
+                        accuracies, loss = _task_means(checks, hits), sum(_task_means(checks, losses)) / len(checks)
+                        self.last_history.append((step, sum(accuracies) / len(accuracies), loss))
+                        if stop.check(accuracies, loss):
+                            best = now
+                    if done():
+                        break
         self.model.eval()
         self.last_steps = step              # optimizer steps the run took (for tests and logs)
         if best is not None:
@@ -438,8 +486,14 @@ class LoraTrainer:
 
     def _hits(self, items: list[_Item], head: Head | None) -> list[bool]:
         """Per item, under the LoRA weights set in the model: is the engine's answer exactly the label?"""
-        order = sorted(range(len(items)), key=lambda i: len(items[i].tokens))
-        hits = [False] * len(items)
+        return self._score(items, head)[0]
+
+    def _score(self, items: list[_Item], head: Head | None) -> tuple[list[bool], list[float]]:
+        """Per item, under the LoRA weights set in the model, from one forward pass: (is the engine's answer
+        exactly the label, the item's mean cross-entropy over its answer tokens or its head label). Items are
+        batched in token order, so a batch mostly holds one task and shares its prompt's leading tokens."""
+        order = sorted(range(len(items)), key=lambda i: (items[i].tokens, items[i].image or ""))
+        hits, losses = [False] * len(items), [math.inf] * len(items)
         bs = 2 * self.config.batch_size
         with torch.no_grad():
             for i in range(0, len(order), bs):
@@ -447,7 +501,11 @@ class LoraTrainer:
                 batch = [items[k] for k in idx]
                 hidden = self._hidden(batch)
                 rows, cols, targets = _answer_positions(batch, skip_heads=True)
-                pred = self.lm_head(hidden[rows, cols]).argmax(-1).tolist() if targets else []
+                if targets:
+                    logits = self.lm_head(hidden[rows, cols]).float()
+                    pred = logits.argmax(-1).tolist()
+                    ce = torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=self.device),
+                                                           reduction="none").tolist()
                 at = 0
                 for k, it in zip(idx, batch):
                     if it.head:
@@ -455,14 +513,20 @@ class LoraTrainer:
                     n = len(it.answer)
                     p, t = pred[at:at + n], targets[at:at + n]
                     hits[k] = p[:-1] == t[:-1] and p[-1] in self.stop_ids
+                    losses[k] = sum(ce[at:at + n]) / n
                     at += n
                 heads = [j for j, it in enumerate(batch) if it.head]
                 if heads and head is not None:
                     w, b = head.weight.to(self.device), head.bias.to(self.device)
                     last = self._last([batch[j] for j in heads], hidden[heads])
-                    for j, p in zip(heads, torch.addmm(b.float(), last, w.float().T).argmax(-1).tolist()):
+                    scores = torch.addmm(b.float(), last, w.float().T)
+                    want = torch.tensor([head.labels.index(batch[j].label) if batch[j].label in head.labels else -100
+                                         for j in heads], device=self.device)
+                    ce = torch.nn.functional.cross_entropy(scores, want, reduction="none").tolist()
+                    for j, p, c in zip(heads, scores.argmax(-1).tolist(), ce):
                         hits[idx[j]] = head.labels[p] == batch[j].label
-        return hits
+                        losses[idx[j]] = c
+        return hits, losses
 
     def _grow_head(self, head: Head | None, sources: Sequence[KnowledgeSource]) -> Head | None:
         """A trainable copy of ``head`` over the union of its labels and the head sources' labels (new rows
@@ -552,15 +616,27 @@ class LoraTrainer:
 
     def _run(self, rows: list[torch.Tensor], layers, norm: bool = True) -> torch.Tensor:
         """``rows`` (each [len, hidden]: a sequence's states entering ``layers[0]``) right-padded into one batch
-        (every token keeps position 0..len-1) through ``layers``, then the final norm if ``norm``."""
-        width = max(len(x) for x in rows)
-        x = torch.zeros((len(rows), width, self.hidden_size), device=self.device)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=self.device)
-        for i, r in enumerate(rows):
-            x[i, :len(r)] = r
-            mask[i, :len(r)] = 1
+        (every token keeps position 0..len-1) through ``layers``, then the final norm if ``norm``: [B, T, hidden].
+
+        The leading positions where every row holds the same states (the chat template's system prompt, a
+        task's own prompt words) are computed once, as a batch of one, and the rest of each row attends to their
+        keys and values through a cache: causal attention makes those positions' outputs the same in every row,
+        so this is the same computation without repeating the shared part B times."""
+        shared = _shared_length(rows) if self.share_prefix else 0
         with _only_layers(self.decoder, layers, norm):
-            return self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
+            if shared < MIN_SHARED:
+                x, mask = _pad(rows, self.hidden_size, self.device)
+                return self.decoder(inputs_embeds=x, attention_mask=mask).last_hidden_state
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+            arg = self._cache_arg
+            top = self.decoder(inputs_embeds=rows[0][None, :shared], use_cache=True, **{arg: cache}).last_hidden_state
+            cache.batch_repeat_interleave(len(rows))
+            x, mask = _pad([r[shared:] for r in rows], self.hidden_size, self.device)
+            mask = torch.cat([mask.new_ones((len(rows), shared)), mask], 1)
+            rest = self.decoder(inputs_embeds=x, attention_mask=mask, use_cache=True, **{arg: cache}).last_hidden_state
+        return torch.cat([top.expand(len(rows), -1, -1), rest], 1)
 
     def _embed(self, tokens: tuple[int, ...], image: str | None) -> torch.Tensor:
         """Input embeddings [len, hidden]: the token embeddings, the image's rows in place of its placeholders."""
@@ -585,6 +661,15 @@ class LoraTrainer:
         return self._image_rows[path]
 
 
+def _task_means(checks: list[list[_Item]], values: list) -> list[float]:
+    """Each task's mean of ``values`` (given per item, the tasks' items one after another)."""
+    out, at = [], 0
+    for c in checks:
+        out.append(sum(values[at:at + len(c)]) / len(c))
+        at += len(c)
+    return out
+
+
 def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(rows, columns, target ids) of every answer token: the logits at column c predict the token at c + 1."""
     rows, cols, targets = [], [], []
@@ -597,15 +682,45 @@ def _answer_positions(batch: list[_Item], skip_heads: bool = False) -> tuple[tor
     return torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long), targets
 
 
+def _shared_length(rows: list[torch.Tensor]) -> int:
+    """How many leading positions hold the same states in every row, leaving each row at least one of its own."""
+    if len(rows) < 2:
+        return 0
+    n = min(len(r) for r in rows) - 1
+    if n < 1:
+        return 0
+    first = rows[0][:n]
+    same = torch.stack([(r[:n] == first).all(-1) for r in rows[1:]]).all(0)
+    return int(same.long().cumprod(0).sum())
+
+
+def _pad(rows: list[torch.Tensor], hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` right-padded into [B, T, hidden] with its attention mask [B, T]."""
+    width = max(len(x) for x in rows)
+    x = torch.zeros((len(rows), width, hidden), device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        x[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    return x, mask
+
+
 @contextmanager
 def _only_layers(decoder, layers, norm: bool = True):
     """Run ``decoder`` (a transformers decoder stack) with only ``layers``, and without its final norm if
-    ``norm`` is False; its inputs_embeds then stand for the hidden states entering the first of them."""
+    ``norm`` is False; its inputs_embeds then stand for the hidden states entering the first of them. The
+    layers' attention is renumbered from 0 meanwhile, so a key-value cache sized by its first layer fits."""
     saved = decoder.layers, decoder.norm
+    attn = [a for a in (getattr(layer, "self_attn", None) for layer in layers) if hasattr(a, "layer_idx")]
+    numbers = [a.layer_idx for a in attn]
     decoder.layers = torch.nn.ModuleList(layers)
+    for i, a in enumerate(attn):
+        a.layer_idx = i
     if not norm:
         decoder.norm = torch.nn.Identity()
     try:
         yield
     finally:
         decoder.layers, decoder.norm = saved
+        for a, i in zip(attn, numbers):
+            a.layer_idx = i
