@@ -447,6 +447,8 @@ class AsyncEngine:
             by_loop[entry[0].loop].append((entry[0], out))
 
     def _deliver_held(self) -> None:
+        if not self._held:                      # every forward calls this: nothing to do on most of them
+            return
         held, self._held = self._held, defaultdict(list)
         for loop, items in held.items():
             try:
