@@ -160,14 +160,12 @@ class Scheduler:
         # the others keep their KV and sit this one out
         queue = deque(self.running if eligible is None else [s for s in self.running if ok(s)])
         limit = self.allocator.num_blocks             # once per call: it sums over the resident adapters
-        bs = self.block_size
         while queue and budget > 0:
             seq = queue.popleft()
             start = seq.num_computed
             n = min(seq.num_tokens - start, budget)
-            held = len(seq.blocks)
-            need = -(-(start + n) // bs) - held        # most decodes need no new page
-            if held + max(0, need) > limit:
+            need = self._blocks_needed(seq, n)           # most decodes need no new page
+            if len(seq.blocks) + need > limit:
                 self.finish(seq, "length")      # preempting would only bring it back to the same wall
                 truncated.append(seq)
                 continue
