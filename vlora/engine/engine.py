@@ -331,7 +331,7 @@ class Engine:
             return self._step_in_flight()
         plan = self._schedule()                     # who runs, how many tokens each, in which mode
         self.memory.prepare(plan, self.runner.modes)  # the plan's adapters pinned, the merged one resident
-        if not plan.is_empty and self._may_overlap() and self.runner.can_launch(plan.scheduled):
+        if not plan.is_empty and self._may_overlap():
             failed = self._launch(plan, None)       # queued: the next decode goes in behind it before its tokens
             if self._flight is not None:            # are read
                 return self._step_in_flight()
