@@ -26,7 +26,9 @@ def test_phases_add_up_and_are_undone(async_scheduling):
     steps = timer.steps
     assert steps and not steps[0]["decode_only"] and steps[-1]["decode_only"]
     for s in steps:
-        assert sum(s.get(p, 0.0) for p in PHASES) == pytest.approx(s["wall"], abs=5e-5)   # the wrappers' own time
+        # the gap is the wrappers' own time, plus any preemption of this thread on a busy CPU (CI runs two
+        # workers on two cores): far below a step, never a missing phase
+        assert sum(s.get(p, 0.0) for p in PHASES) == pytest.approx(s["wall"], abs=2e-3)
     summary = timer.summary(4)
     assert summary["steps"] >= 5 and summary["stage+replay_us"] > 0 and summary["schedule_us"] > 0
     assert "finish" in format_summary(summary) and timer.summary(3) == {}
