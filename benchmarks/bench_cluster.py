@@ -227,13 +227,14 @@ async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None,
         except Exception as e:
             rec["finish_reason"] = f"refused: {type(e).__name__}"
             return
+        # The flight is held from here: the front drops it from _flights (and its replica) when it finishes,
+        # which can happen before this loop reads the first output on a busy host.
+        f = front._flights.get(rid)
         try:
             async for out in group:
                 now = time.monotonic() - start
-                f = front._flights.get(rid)
-                if f is not None and f.replica is not None and (not rec["replicas"] or
-                                                                 rec["replicas"][-1] != f.replica.replica_id):
-                    rec["replicas"].append(f.replica.replica_id)
+                if f is not None:
+                    rec["replicas"] = list(f.served_by)
                 if out.delta_token_ids and rec["ttft_s"] is None:
                     rec["ttft_s"] = now - spec.arrival_s
                     rec["first_token_front_s"] = now

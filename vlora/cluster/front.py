@@ -73,6 +73,7 @@ class _Flight:
     attempt: int = 0
     replica: _ReplicaHandle | None = None
     engine_id: str | None = None                         # the request's id on its current replica
+    served_by: list[int] = field(default_factory=list)   # replica ids that accepted it, in order
     aborted: bool = False
     done: bool = False
     moved: bool = False                                  # its replica handed it back: place it again
@@ -421,6 +422,8 @@ class ClusterFront:
                     await asyncio.sleep(self.cluster.report_interval_s)
                 return
             f.stamps.setdefault("submitted", time.time())
+            if not f.served_by or f.served_by[-1] != r.replica_id:
+                f.served_by.append(r.replica_id)
             if not f.accepted.done():
                 f.accepted.set_result(None)
             if f.aborted:
