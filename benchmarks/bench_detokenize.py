@@ -9,8 +9,8 @@ at each output length, for:
 - ``decode_stream``: ``tokenizers.decoders.DecodeStream.step`` per sequence, for reference (it yields text only
   once a character is complete, so it cannot give ``seq.text`` with a pending partial character).
 
-The outputs are windows of the project's docs tokenized, so tokens are those of real text. Each length times
-``--steps`` consecutive steps after the sequences reached it, ``--repeats`` times; the median step is reported.
+The outputs are windows of the project's docs tokenized, so tokens are those of real text. At each length the
+``--steps`` steps that bring the outputs to it are timed, ``--repeats`` times; the median step is reported.
 
     python benchmarks/bench_detokenize.py [--batch 64 --lengths 32 64 128 256 512 --out DIR]
 """
@@ -80,6 +80,13 @@ def time_decode_stream(backend, streams: list[list[int]], start: int, steps: int
     return out
 
 
+def cpu_name() -> str:
+    info = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")] \
+        if info.is_file() else []
+    return names[0] if names else platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64, help="sequences detokenized per step")
@@ -125,8 +132,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
-        meta = {"batch": args.batch, "steps": args.steps, "repeats": args.repeats, "tokenizer": "SmolLM2-135M-Instruct",
-                "device": platform.processor() or platform.machine(), "python": platform.python_version(),
+        meta = {"batch": args.batch, "steps": args.steps, "repeats": args.repeats,
+                "tokenizer": "SmolLM2-135M-Instruct", "device": cpu_name(), "python": platform.python_version(),
                 "tokenizers": tokenizers.__version__, "transformers": transformers.__version__, "commit": commit}
         (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out / 'results.json'}")

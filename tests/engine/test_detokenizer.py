@@ -96,7 +96,7 @@ def _chunks(tok, pool):
 
 
 def _check_steps(tok, first, steps, stop_token_ids=()):
-    inc, full = Detokenizer(tok), _full(tok)
+    inc = Detokenizer(tok)
     assert inc.backend is not None
     seq = _seq(first, stop_token_ids=stop_token_ids)
     for chunk in [[]] + steps:
