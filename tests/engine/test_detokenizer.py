@@ -29,7 +29,8 @@ def smollm2():
 
 def _byte_level(cleanup: bool = False) -> PreTrainedTokenizerFast:
     """A tiny GPT-2 style tokenizer: the 256 byte pieces, a few merges, a special and two added tokens that
-    are not special (one of them non-ASCII)."""
+    are not special (one of them non-ASCII). ``cleanup``: the cleanup of spaces in effect (transformers
+    skips it for BPE unless forced)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
     merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("ä", "¸"), ("ð", "Ł")]
@@ -40,7 +41,9 @@ def _byte_level(cleanup: bool = False) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<eos>", special=True)])
     tok.add_tokens([AddedToken("<tool>", special=False), AddedToken("é!", special=False)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=cleanup)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=cleanup)
+    out.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = cleanup
+    return out
 
 
 def _byte_fallback() -> PreTrainedTokenizerFast:

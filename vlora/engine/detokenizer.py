@@ -20,7 +20,8 @@ from vlora.engine.sequence import Sequence
 
 _REPLACEMENT = "\ufffd"
 # tokens left open when a long undecodable tail is split (an incomplete character is in the last few)
-_CHAR_TOKENS = 4
+_OPEN_TOKENS = 4
+_CLEANUP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're"
 
 
 @dataclass
@@ -44,11 +45,13 @@ def incremental_backend(tokenizer):
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(backend, Tokenizer) or not isinstance(backend.decoder, decoders.ByteLevel):
         return None
-    # the cleanup rewrites patterns (" ." -> ".") that span token boundaries; a subclass may decode its own way
-    if getattr(tokenizer, "clean_up_tokenization_spaces", True) is not False:
-        return None
     cls = type(tokenizer)
     if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not PreTrainedTokenizerFast._decode:
+        return None                             # a class that decodes its own way
+    # the cleanup of spaces rewrites patterns (" ." -> ".") that span token boundaries; transformers skips it
+    # for some models whatever the setting, so what counts is whether it changes a text made of its patterns
+    probe = backend.encode(_CLEANUP_PROBE, add_special_tokens=False).ids
+    if tokenizer.decode(probe, skip_special_tokens=True) != backend.decode(probe, skip_special_tokens=True):
         return None
     return backend
 
@@ -92,10 +95,12 @@ class Detokenizer:
             st.text += tail
             st.read, st.last = n, ids[n - 1] if n else None
             return st.text
-        if n - st.read > 2 * _CHAR_TOKENS:
+        if n - st.read > 2 * _OPEN_TOKENS:
             # invalid bytes keep the tail open: take in all but the last tokens when that split leaves the
-            # decode unchanged and the rest decodes to something (then no character spans the split)
-            cut = n - _CHAR_TOKENS
+            # decode unchanged and the rest has bytes. Then the bytes before the split are complete, or the
+            # first byte after it does not continue them (else the rest would decode to more characters):
+            # no later token changes the text before the split
+            cut = n - _OPEN_TOKENS
             head = decode(ids[st.read:cut], skip_special_tokens=True)
             rest = decode(ids[cut:n], skip_special_tokens=True)
             if rest and head + rest == tail:
