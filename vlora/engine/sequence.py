@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from vlora.engine.admission import SLO
+    from vlora.engine.detokenizer import DetokState
     from vlora.models.lmm import ImageSpan
     from vlora.models.task_head import TaskResult
 
@@ -56,6 +57,7 @@ class Sequence:
     text: str = ""                           # detokenized output (stop string excluded)
     num_emitted_tokens: int = 0              # streamed so far
     num_emitted_chars: int = 0
+    detok_state: "DetokState | None" = None  # the detokenizer's read offset and text so far
     num_preemptions: int = 0
     last_progress: float = field(default_factory=time.monotonic)   # arrival, then each new token
     arrival_time: float = field(default_factory=time.monotonic)
