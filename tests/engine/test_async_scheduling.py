@@ -130,6 +130,28 @@ def test_abort_and_arrivals_mid_run():
     assert eng.pool.kv_pages == 0
 
 
+def test_outputs_of_an_iteration_landed_by_an_abort_are_streamed():
+    """An abort (of another request) lands the iteration in flight: its outputs go out with the next step, so the
+    streamed deltas add up to the tokens, and a request that ends in that iteration gets its final output."""
+    prompts = [[5, 6, 7], [9, 10]]
+    sps = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)]
+    llm = stub_llm(True)
+    eng = llm.engine
+    ids = [eng.add_request(p, None, sp) for p, sp in zip(prompts, sps)]
+    streamed, final = {r: [] for r in ids}, {}
+    aborted = False
+    while eng.has_unfinished():
+        if not aborted and eng._flight is not None and len(streamed[ids[1]]) == 2:
+            aborted = eng.abort(ids[0])         # lands the iteration that samples ids[1]'s third token
+        for out in eng.step():
+            streamed[out.request_id].extend(out.delta_token_ids)
+            if out.finished:
+                final[out.request_id] = out
+    assert aborted
+    assert final[ids[1]].token_ids == expected(prompts[1], sps[1]) == streamed[ids[1]]
+    assert final[ids[0]].finish_reason == "abort" and streamed[ids[0]] == final[ids[0]].token_ids
+
+
 def test_a_full_batch_keeps_queueing_with_requests_waiting():
     """With the batch at max_num_seqs and requests waiting, decodes are still queued behind one another (a
     waiting request joins once a sequence ends); every request gets the tokens of the sync loop."""

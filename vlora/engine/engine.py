@@ -465,7 +465,9 @@ class Engine:
         """Finish the iteration in flight, if any (its outputs go out with the next step's)."""
         flight, self._flight = self._flight, None
         if flight is not None:
-            self._pending.extend(self._finish(flight.plan, self._land(flight), committed=True))
+            # _finish takes the pending outputs and leaves a new list: extend that one, after the call
+            outputs = self._finish(flight.plan, self._land(flight), committed=True)
+            self._pending.extend(outputs)
 
     def _schedule(self, only: list[str] | None = None) -> StepPlan:
         """SLO rejections, the mode policy's pick, the requests whose adapters can be resident, then the
