@@ -479,10 +479,10 @@ class ClusterFront:
             delta, text = out.delta_text, out.text
         else:                                   # moved: the text of all its tokens, and stop strings over it
             seq = f.detok
-            stopped = self._detok.update(seq)
-            if stopped and not finished:        # a stop string that spans the move: finish here
+            if self._detok.update(seq):         # a stop string that spans the move: finish here, "stop" as on
+                if not finished:                # one engine (whose stop strings come before max_tokens)
+                    _fire(f.replica.actor.abort.remote([f.engine_id]))
                 finished, reason = True, "stop"
-                _fire(f.replica.actor.abort.remote([f.engine_id]))
             if finished:
                 seq.status = Status.FINISHED
             delta, text = self._detok.stream_delta(seq), seq.text

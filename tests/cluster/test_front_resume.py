@@ -1,0 +1,85 @@
+"""The cluster front's own detokenizing of a moved request (no Ray: the front's resume and forward steps on a
+stand-in flight): a stop string that spans the move ends the output as it would on one engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from vlora.cluster.front import ClusterFront, _Flight
+from vlora.engine.async_engine import EngineInfo, Job, RequestGroup
+from vlora.engine.detokenizer import Detokenizer
+from vlora.engine.sequence import RequestOutput
+from vlora.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from vlora.models.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
+
+
+class _Actor:
+    def __init__(self):
+        self.aborted = []
+        self.abort = self
+
+    def remote(self, ids):
+        self.aborted.extend(ids)
+
+
+class _Replica:
+    actor = _Actor()
+
+
+def front_with(tokenizer) -> ClusterFront:
+    front = object.__new__(ClusterFront)          # the steps under test need no replicas
+    front.info = EngineInfo("tiny", tokenizer, 128, tokenizer.vocab_size)
+    front._detok = Detokenizer(tokenizer)
+    return front
+
+
+def moved_flight(front, tokenizer, params: SamplingParams, before: list[int]) -> _Flight:
+    """A flight that streamed ``before`` on one replica and is resumed on another."""
+    job = Job("x", None, params, "r")
+    group = RequestGroup(front, (job,), asyncio.new_event_loop())
+    f = _Flight(job, group, tokenizer.encode("x"), None)
+    f.tokens = list(before)
+    f.emitted = 0
+    f.attempt = 1
+    job2 = front._resume_job(f)
+    f.engine_id, f.replica = job2.request_id, _Replica()
+    return f
+
+
+def replica_output(f, new: list[int], finished: bool, reason: str | None) -> RequestOutput:
+    return RequestOutput(f.engine_id, None, [], list(new), "", finished, reason, list(new), "")
+
+
+def test_stop_string_across_the_move_on_the_last_token_finishes_stop(tokenizer):
+    """The token that completes a stop string begun before the move is also the last ``max_tokens`` allows: the
+    replica (which sees only its own tokens) says "length"; one engine says "stop", and so does the front."""
+    before, after = tokenizer.encode("hello"), tokenizer.encode(" world")
+    assert len(after) == 1
+    params = SamplingParams(max_tokens=len(before) + 1, stop=["lo wor"])
+    front = front_with(tokenizer)
+    f = moved_flight(front, tokenizer, params, before)
+    front._forward(f, replica_output(f, after, True, "length"))
+    out = f.group._queue.get_nowait()
+    assert out.finished and out.finish_reason == "stop" and out.text == "hel"
+    assert f.done
+
+
+def test_stop_string_across_the_move_mid_stream_aborts_the_replica(tokenizer):
+    before, after = tokenizer.encode("hello"), tokenizer.encode(" world")
+    params = SamplingParams(max_tokens=20, stop=["lo wor"])
+    front = front_with(tokenizer)
+    f = moved_flight(front, tokenizer, params, before)
+    front._forward(f, replica_output(f, after, False, None))
+    out = f.group._queue.get_nowait()
+    assert out.finished and out.finish_reason == "stop" and out.text == "hel"
+    assert f.engine_id in _Replica.actor.aborted
