@@ -83,3 +83,12 @@ def test_stop_string_across_the_move_mid_stream_aborts_the_replica(tokenizer):
     out = f.group._queue.get_nowait()
     assert out.finished and out.finish_reason == "stop" and out.text == "hel"
     assert f.engine_id in _Replica.actor.aborted
+
+
+def test_a_seed_at_the_top_of_its_range_resumes(tokenizer):
+    """A seeded request resumes with its seed moved on by the tokens sent, kept in the range a seed may take."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**63 - 1)
+    front = front_with(tokenizer)
+    f = moved_flight(front, tokenizer, params, tokenizer.encode("hello"))
+    job = front._resume_job(f)
+    assert 0 <= job.params.seed < 2**63 and job.params.seed != params.seed

@@ -387,7 +387,7 @@ class ClusterFront:
             return replace(f.job, request_id=engine_id, prompt=f.prompt_ids or f.job.prompt)
         p = f.job.params
         params = replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n),
-                         seed=None if p.seed is None else p.seed + n)
+                         seed=None if p.seed is None else (p.seed + n) % 2**63)   # a seed is below 2**63
         if f.detok is None and self.info.tokenizer is not None:
             f.detok = Seq(engine_id, f.prompt_ids, p, None, 0, output_token_ids=f.tokens)
             self._detok.update(f.detok)
