@@ -18,8 +18,8 @@ The OpenAI server and ``LLM(replicas=N)`` use it as they use one engine (``submi
 
 A resumed request's text is detokenized here over all its tokens (the replica sees the earlier ones as prompt),
 so text and stop strings are the same as without the move. Greedy requests give exactly the tokens of an
-unmoved run; a seeded sampled request resumes with seed + tokens already sent, so its tokens depend on where
-it moved (the engine's sampler state is not carried over).
+unmoved run; a seeded sampled request resumes with seed + tokens already sent (modulo 2**63), so its tokens
+depend on where it moved (the engine's sampler state is not carried over).
 """
 
 from __future__ import annotations
