@@ -92,3 +92,21 @@ def test_a_seed_at_the_top_of_its_range_resumes(tokenizer):
     f = moved_flight(front, tokenizer, params, tokenizer.encode("hello"))
     job = front._resume_job(f)
     assert 0 <= job.params.seed < 2**63 and job.params.seed != params.seed
+
+
+def test_abort_between_placements_ends_with_the_text_streamed(tokenizer):
+    """A request aborted while the front holds it (its replica died or handed it back, not placed again yet)
+    ends as on one engine: its final output holds the text of its tokens, and what streaming held back (a tail
+    that could have begun a stop string) comes with it."""
+    tokens = tokenizer.encode("hello world")
+    params = SamplingParams(max_tokens=20, stop=["xyz"])
+    front = front_with(tokenizer)
+    front._flights = {}
+    loop = asyncio.new_event_loop()
+    job = Job("x", None, params, "r")
+    f = _Flight(job, RequestGroup(front, (job,), loop), tokenizer.encode("x"), loop.create_future())
+    f.tokens, f.emitted, f.aborted = list(tokens), len("hello wor"), True
+    loop.run_until_complete(front._drive(f))
+    out = f.group._queue.get_nowait()
+    assert out.finished and out.finish_reason == "abort"
+    assert out.text == "hello world" and out.delta_text == "ld" and out.token_ids == tokens

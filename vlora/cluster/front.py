@@ -354,7 +354,7 @@ class ClusterFront:
                 await self._attempt(f, r)
             if f.aborted and not f.done:
                 f.done = True
-                self._deliver(f, self._output(f, [], "", True, "abort"))
+                self._deliver(f, self._final(f, "abort"))
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -388,10 +388,7 @@ class ClusterFront:
         p = f.job.params
         params = replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n),
                          seed=None if p.seed is None else (p.seed + n) % 2**63)   # a seed is below 2**63
-        if f.detok is None and self.info.tokenizer is not None:
-            f.detok = Seq(engine_id, f.prompt_ids, p, None, 0, output_token_ids=f.tokens)
-            self._detok.update(f.detok)
-            f.detok.num_emitted_chars = f.emitted
+        self._text_here(f)
         return replace(f.job, request_id=engine_id, prompt=f.prompt_ids + f.tokens, params=params)
 
     async def _attempt(self, f: _Flight, r: _ReplicaHandle) -> None:
@@ -401,7 +398,7 @@ class ClusterFront:
 
         if f.tokens and len(f.tokens) >= f.job.params.max_tokens:    # nothing left to generate
             f.done = True
-            self._deliver(f, self._output(f, [], "", True, "length"))
+            self._deliver(f, self._final(f, "length"))
             return
         job = self._resume_job(f)
         f.engine_id, f.replica, f.inbox = job.request_id, r, asyncio.Queue()
@@ -491,10 +488,24 @@ class ClusterFront:
         self._deliver(f, RequestOutput(f.job.request_id, f.job.adapter, f.prompt_ids, list(f.tokens), text,
                                        finished, reason, list(out.delta_token_ids), delta, out.error, out.task))
 
-    def _output(self, f: _Flight, new: list[int], delta: str, finished: bool, reason: str | None) -> RequestOutput:
-        text = f.detok.text if f.detok is not None else ""
-        return RequestOutput(f.job.request_id, f.job.adapter, f.prompt_ids or [], list(f.tokens), text, finished,
-                             reason, new, delta)
+    def _text_here(self, f: _Flight) -> Seq | None:
+        """From now on ``f``'s text is detokenized here, over all its tokens (None: no tokenizer)."""
+        if f.detok is None and self.info.tokenizer is not None:
+            f.detok = Seq(f.job.request_id, f.prompt_ids or [], f.job.params, None, 0, output_token_ids=f.tokens)
+            self._detok.update(f.detok)
+            f.detok.num_emitted_chars = f.emitted
+        return f.detok
+
+    def _final(self, f: _Flight, reason: str) -> RequestOutput:
+        """The last output of ``f``, ended by the front (no replica holds it): as one engine ends a request, the
+        text of its tokens, and what streaming held back as the last delta."""
+        seq, text, delta = self._text_here(f), "", ""
+        if seq is not None:
+            seq.status = Status.FINISHED
+            text, delta = seq.text, self._detok.stream_delta(seq)
+            f.emitted += len(delta)
+        return RequestOutput(f.job.request_id, f.job.adapter, f.prompt_ids or [], list(f.tokens), text, True,
+                             reason, [], delta)
 
     def _deliver(self, f: _Flight, out: RequestOutput) -> None:
         if f.job.request_id in f.group._unfinished:     # not after the group failed
