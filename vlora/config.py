@@ -135,7 +135,7 @@ class SchedulerConfig:
     starvation_s: float = 0.5
     """V-LoRA's θ: a request whose credit (waiting + iteration + switch time) passes it starves."""
     async_scheduling: bool = True
-    """Queue each decode iteration replayed from a CUDA graph before reading the tokens of the one before it (its input tokens are taken on the GPU), so the host's work between iterations overlaps the forward. Applies to decode-only iterations when no waiting request could join (a full batch delays a waiting request by one iteration), under the unmerged policy, on one GPU; outputs are the same either way."""
+    """Queue each decode iteration replayed from a CUDA graph before reading the tokens of the one before it (its input tokens are taken on the GPU), so the host's work between iterations overlaps the forward. Applies to decode-only iterations when no waiting request could join (a full batch delays a waiting request by one iteration), under the unmerged policy, on one GPU, without FastLibra's swapper (memory_policy fastlibra with prefix caching); outputs are the same either way."""
 
     def __post_init__(self) -> None:
         if self.policy not in ("unmerged", "vlora", "merged-only", "dlora"):
