@@ -23,6 +23,13 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
 
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
 class _Actor:
     def __init__(self):
         self.aborted = []
@@ -43,10 +50,10 @@ def front_with(tokenizer) -> ClusterFront:
     return front
 
 
-def moved_flight(front, tokenizer, params: SamplingParams, before: list[int]) -> _Flight:
+def moved_flight(front, tokenizer, params: SamplingParams, before: list[int], loop) -> _Flight:
     """A flight that streamed ``before`` on one replica and is resumed on another."""
     job = Job("x", None, params, "r")
-    group = RequestGroup(front, (job,), asyncio.new_event_loop())
+    group = RequestGroup(front, (job,), loop)
     f = _Flight(job, group, tokenizer.encode("x"), None)
     f.tokens = list(before)
     f.emitted = 0
@@ -60,41 +67,43 @@ def replica_output(f, new: list[int], finished: bool, reason: str | None) -> Req
     return RequestOutput(f.engine_id, None, [], list(new), "", finished, reason, list(new), "")
 
 
-def test_stop_string_across_the_move_on_the_last_token_finishes_stop(tokenizer):
+def test_stop_string_across_the_move_on_the_last_token_finishes_stop(tokenizer, loop):
     """The token that completes a stop string begun before the move is also the last ``max_tokens`` allows: the
     replica (which sees only its own tokens) says "length"; one engine says "stop", and so does the front."""
     before, after = tokenizer.encode("hello"), tokenizer.encode(" world")
     assert len(after) == 1
     params = SamplingParams(max_tokens=len(before) + 1, stop=["lo wor"])
     front = front_with(tokenizer)
-    f = moved_flight(front, tokenizer, params, before)
+    f = moved_flight(front, tokenizer, params, before, loop)
     front._forward(f, replica_output(f, after, True, "length"))
     out = f.group._queue.get_nowait()
     assert out.finished and out.finish_reason == "stop" and out.text == "hel"
     assert f.done
 
 
-def test_stop_string_across_the_move_mid_stream_aborts_the_replica(tokenizer):
+def test_stop_string_across_the_move_mid_stream_aborts_the_replica(tokenizer, loop):
+    """A stop string that spans the move, found mid-stream: the front finishes the request and aborts it on its
+    replica (which cannot see the stop string)."""
     before, after = tokenizer.encode("hello"), tokenizer.encode(" world")
     params = SamplingParams(max_tokens=20, stop=["lo wor"])
     front = front_with(tokenizer)
-    f = moved_flight(front, tokenizer, params, before)
+    f = moved_flight(front, tokenizer, params, before, loop)
     front._forward(f, replica_output(f, after, False, None))
     out = f.group._queue.get_nowait()
     assert out.finished and out.finish_reason == "stop" and out.text == "hel"
     assert f.engine_id in _Replica.actor.aborted
 
 
-def test_a_seed_at_the_top_of_its_range_resumes(tokenizer):
+def test_a_seed_at_the_top_of_its_range_resumes(tokenizer, loop):
     """A seeded request resumes with its seed moved on by the tokens sent, kept in the range a seed may take."""
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**63 - 1)
     front = front_with(tokenizer)
-    f = moved_flight(front, tokenizer, params, tokenizer.encode("hello"))
+    f = moved_flight(front, tokenizer, params, tokenizer.encode("hello"), loop)
     job = front._resume_job(f)
     assert 0 <= job.params.seed < 2**63 and job.params.seed != params.seed
 
 
-def test_abort_between_placements_ends_with_the_text_streamed(tokenizer):
+def test_abort_between_placements_ends_with_the_text_streamed(tokenizer, loop):
     """A request aborted while the front holds it (its replica died or handed it back, not placed again yet)
     ends as on one engine: its final output holds the text of its tokens, and what streaming held back (a tail
     that could have begun a stop string) comes with it."""
@@ -102,7 +111,6 @@ def test_abort_between_placements_ends_with_the_text_streamed(tokenizer):
     params = SamplingParams(max_tokens=20, stop=["xyz"])
     front = front_with(tokenizer)
     front._flights = {}
-    loop = asyncio.new_event_loop()
     job = Job("x", None, params, "r")
     f = _Flight(job, RequestGroup(front, (job,), loop), tokenizer.encode("x"), loop.create_future())
     f.tokens, f.emitted, f.aborted = list(tokens), len("hello wor"), True
