@@ -120,6 +120,14 @@ def test_n_choices_use_consecutive_seeds(live, ref):
     assert parts == texts
 
 
+def test_n_choices_seeds_wrap_below_the_seed_limit(live, ref):
+    """The largest seed a client may send, with n=2: the second choice's seed wraps to 0, as a seed is below 2**63."""
+    r = live.openai().chat.completions.create(model="demo-r8", messages=user(QUESTIONS[4]), max_tokens=N,
+                                              temperature=1.0, seed=2**63 - 1, n=2)
+    assert [c.message.content for c in r.choices] == [
+        ref.chat([(QUESTIONS[4], "demo-r8")], N, temperature=1.0, seed=s)[0] for s in (2**63 - 1, 0)]
+
+
 def test_stop_strings_and_extensions(live, ref):
     client = live.openai()
     q = "Count from one to five."

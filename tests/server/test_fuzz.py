@@ -39,7 +39,7 @@ VALID = {   # field -> a valid value
     "prompt": st.one_of(GOOD_TEXT.filter(bool), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)),
     "max_tokens": SMALL, "max_completion_tokens": SMALL,
     "temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1e-300, 5e-324, 1e-5])),
-    "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(-1, 2**70), "seed": st.integers(0, 2**63 - 16),
+    "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(-1, 2**70), "seed": st.integers(0, 2**63 - 1),
     "n": st.integers(1, 2), "stop": st.one_of(GOOD_TEXT.filter(bool), st.lists(GOOD_TEXT.filter(bool), max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3), "min_tokens": st.integers(0, 3),
     "stream": st.booleans(), "ignore_eos": st.booleans(), "user": GOOD_TEXT, "frequency_penalty": st.just(0),

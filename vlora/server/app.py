@@ -199,7 +199,7 @@ class OpenAIServer:
                 params = SamplingParams(
                     max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
                     top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else float(req.top_p),
-                    seed=None if req.seed is None else req.seed + i, stop=req.stop_strings(),
+                    seed=None if req.seed is None else (req.seed + i) % 2**63, stop=req.stop_strings(),
                     stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                     min_tokens=req.min_tokens, task_head=req.task_head)
             except SamplingError as e:
