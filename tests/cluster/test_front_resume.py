@@ -118,3 +118,30 @@ def test_abort_between_placements_ends_with_the_text_streamed(tokenizer, loop):
     out = f.group._queue.get_nowait()
     assert out.finished and out.finish_reason == "abort"
     assert out.text == "hello world" and out.delta_text == "ld" and out.token_ids == tokens
+
+
+def test_a_broken_output_stream_aborts_the_request_on_its_replica(tokenizer, loop):
+    """The stream of a replica that still runs broke: the request is placed again, and the replica is told to
+    drop its copy (else it would hold its KV until it finished)."""
+    from vlora.cluster.front import _LOST
+
+    class Submit:
+        def remote(self, job):
+            async def accepted():
+                f.inbox.put_nowait(_LOST)             # the listener finds the stream broken
+                return None
+            return accepted()
+
+    class Replica:
+        replica_id, ready = 0, True
+        actor = _Actor()
+        actor.submit = Submit()
+
+    front = front_with(tokenizer)
+    front._by_engine, front._changed, front.failovers = {}, None, 0
+    job = Job("x", None, SamplingParams(max_tokens=4), "r")
+    f = _Flight(job, RequestGroup(front, (job,), loop), tokenizer.encode("x"), loop.create_future())
+    r = Replica()
+    loop.run_until_complete(front._attempt(f, r))
+    assert r.actor.aborted == ["r#0"] and front.failovers == 1 and f.moves == 1 and not r.ready
+    assert f.replica is None and not f.done and not front._by_engine

@@ -428,6 +428,9 @@ class ClusterFront:
             while not (f.done or f.moved):
                 item = await f.inbox.get()
                 if item is _LOST:
+                    # the stream broke, not necessarily the replica: a live one would run the request on,
+                    # holding its KV, while it reruns elsewhere
+                    _fire(r.actor.abort.remote([job.request_id]))
                     self._failover(f, r, "its output stream broke")
                     return
                 if isinstance(item, Refusal):
