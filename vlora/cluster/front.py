@@ -627,7 +627,9 @@ class ClusterFront:
                 continue
             for m in moves:
                 f = on.get(m.request_id)
-                if f is not None and f.replica is not None and f.replica.replica_id == m.source:
+                # a request of an adapter being unloaded stays: no other replica would take it
+                if f is not None and f.replica is not None and f.replica.replica_id == m.source \
+                        and f.job.adapter not in self._draining:
                     _fire(f.replica.actor.migrate.remote([f.engine_id]))
 
 

@@ -191,7 +191,8 @@ class Replica:
         self.engine._abort(list(request_ids))
 
     async def migrate(self, request_ids: list[str]) -> int:
-        """Hand requests back to the front (finish "migrate"); returns how many were still here."""
+        """Hand requests back to the front (finish "migrate"); returns how many were (a request of an adapter being
+        unloaded stays)."""
         return sum(await self.engine.call(lambda e: [e.hand_back(rid) for rid in request_ids]))
 
     # -- adapters --------------------------------------------------------------------------------

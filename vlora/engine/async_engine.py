@@ -232,7 +232,7 @@ class AsyncEngine:
         self.failure: BaseException | None = None
         # engine thread only
         self._live: dict[str, tuple[RequestGroup, str | None]] = {}   # request id -> (group, adapter)
-        self._draining: set[str] = set()                                 # adapters being unloaded
+        self._draining: set[str] = engine.unloading       # adapters being unloaded (the engine keeps their requests)
         self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._busy = False
         # deliveries routed but not yet handed to the event loops: sent while the next forward runs on the

@@ -159,6 +159,9 @@ class Engine:
         # cluster replicas: a request preempted for KV goes back to the cluster front (finish "migrate") to resume
         # elsewhere by recompute, rather than wait here for pages this replica is short of
         self.hand_back_preempted = False
+        # adapters being unloaded once their requests finish (AsyncEngine's wait policy): their requests are not
+        # handed back, since no other replica takes a request of an adapter being unloaded
+        self.unloading: set[str] = set()
         self._rng = torch.Generator(self.device).manual_seed(config.model.seed)
 
     @property
@@ -247,7 +250,11 @@ class Engine:
 
     def hand_back(self, request_id: str) -> bool:
         """Stop a request and free its memory, finishing it with ``finish_reason="migrate"``: its output holds the
-        tokens generated so far, from which the cluster front resumes it on another replica. False if unknown."""
+        tokens generated so far, from which the cluster front resumes it on another replica. False if unknown, or
+        if its adapter is being unloaded (``unloading``): then it stays, and finishes here."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and seq.adapter_name in self.unloading:
+            return False
         return self._stop(request_id, "migrate")
 
     def _stop(self, request_id: str, reason: str) -> bool:
