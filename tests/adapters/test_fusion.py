@@ -303,21 +303,38 @@ def test_bad_inputs_are_refused(tmp_path):
         fuse([source("a")], FakeTrainer(), tmp_path / "bad")
 
 
-def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirement_and_ends_at_perfect():
+def test_early_stop_progress_is_a_better_accuracy_and_the_loss_breaks_a_tie_once():
     from vlora.adapters.trainer import EarlyStop
 
     stop = EarlyStop([0.8, 0.8], patience=3)
     assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
-    assert not stop.check([0.5, 0.4], 0.5) and stop.waited == 0        # flat accuracy, clearly lower loss: progress
-    assert not stop.check([0.5, 0.4], 0.499) and stop.waited == 1      # a lower loss by less than 1%: none
-    assert stop.check([0.9, 0.7], 0.3) and stop.waited == 0            # better accuracy: progress, weights kept
-    assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now
-    assert stop.check([0.9, 0.9], 0.05) and stop.waited == 1           # met: a lower loss is no progress; a tie
-    assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # ... keeps the later weights, a worse
-    assert stop.check([0.95, 0.95], 0.3) and stop.waited == 0          # mean does not; a better one is progress
+    assert stop.check([0.5, 0.5], 0.5) and stop.waited == 0            # the best accuracy again, clearly lower loss:
+    assert stop.check([0.5, 0.5], 0.2) and stop.waited == 1            # progress once, not twice (a tie keeps the
+    assert not stop.check([0.5, 0.4], 0.1) and stop.waited == 2        # later weights); a worse accuracy: none,
+    assert stop.check([0.9, 0.7], 0.3) and stop.waited == 0            # whatever its loss; a better one: progress,
+    assert stop.check([0.9, 0.7], 0.05) and stop.waited == 0           # and the loss may break a tie once again
+    assert stop.check([0.9, 0.7], 0.049) and stop.waited == 1          # (not by less than 1%)
+    assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now:
+    assert stop.check([0.9, 0.9], 0.01) and stop.waited == 1           # a lower loss breaks no tie
+    assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # a worse mean is not kept
+    assert stop.check([0.95, 0.95], 0.3) and stop.waited == 0
     stop = EarlyStop([0.8, 0.8], patience=3)
     assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
     assert stop.check([1.0, 1.0], 0.02) and stop.waited == 3           # perfect: cannot get better, the run ends
+
+
+def test_a_task_that_never_meets_its_requirement_does_not_keep_a_run_going_on_its_falling_loss():
+    """The one-for-all run's failure: one task stays below its requirement on validation, the others are
+    learnt, the mean accuracy stays flat and the loss keeps falling; the run ends after ``patience`` checks."""
+    from vlora.adapters.trainer import EarlyStop
+
+    stop = EarlyStop([0.85] * 3, patience=3)
+    stop.check([0.9, 0.9, 0.5], 1.0)
+    waited = []
+    for i in range(1, 10):
+        stop.check([1.0, 1.0, 0.5], 1.0 / (i + 1))
+        waited.append(stop.waited)
+    assert waited[:5] == [0, 0, 1, 2, 3]        # better once, then the loss breaks one tie, then nothing counts
 
 
 def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):

@@ -76,10 +76,10 @@ class TrainConfig:
     """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
     trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
     patience: int = 3
-    """Early stopping: end a run after this many validation checks (one per pass) without progress: neither a
-    better validation accuracy nor, while a task is below its requirement, a lower validation loss (a perfect
-    accuracy ends it at once); the last weights with the best accuracy are kept. 0: train the whole budget and
-    keep the final weights."""
+    """Early stopping: end a run after this many validation checks (one per pass) without a better mean validation
+    accuracy; while a task is below its requirement, the first check after each better accuracy that matches it
+    with a validation loss lower by 1% counts too (a perfect accuracy ends the run at once); the last weights with
+    the best accuracy are kept. 0: train the whole budget and keep the final weights."""
     val_fraction: float = 0.2
     """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
     the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
@@ -122,28 +122,33 @@ class TrainConfig:
 @dataclass
 class EarlyStop:
     """When a training run stops making progress on its validation split (checked after every pass). Progress is a
-    better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
-    requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
-    every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
-    and only a better accuracy is worth more steps; a perfect accuracy cannot get better and ends the run."""
+    better mean accuracy over the tasks. The loss only breaks a tie, once: while some task is still below its
+    requirement, the first check after a better accuracy that matches it with a clearly lower validation loss
+    counts as progress too (a hard task's accuracy moves in jumps, its loss shows the run is on its way). A task
+    that never meets its requirement would otherwise keep a run going to its budget on a loss that keeps falling
+    while no answer changes. A perfect accuracy cannot get better and ends the run."""
 
     requirements: list[float]       # per task checked
     patience: int                   # checks without progress that end the run
     best_score: float = -1.0        # best mean validation accuracy so far
     best_loss: float = math.inf
     waited: int = 0                 # checks since the last progress
+    tied: bool = False              # a lower loss has broken a tie since the last better accuracy
 
     def check(self, accuracies: list[float], loss: float) -> bool:
         """Record one check (each task's validation accuracy, the mean loss); True when these weights are the
         ones to keep (the best mean accuracy so far; ties keep the later, longer-trained weights)."""
         score = sum(accuracies) / len(accuracies)
         learnt = all(meets(a, r) for a, r in zip(accuracies, self.requirements))
-        lower = not learnt and loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
-        self.waited = 0 if score > self.best_score or lower else self.waited + 1
+        better = score > self.best_score + 1e-9
+        lower = loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
+        tie_broken = not better and not learnt and not self.tied and score >= self.best_score - 1e-9 and lower
+        self.tied = tie_broken or (self.tied and not better)
+        self.waited = 0 if better or tie_broken else self.waited + 1
         if score >= 1.0:        # every validation example right: nothing left to gain on this split
             self.waited = max(self.waited, self.patience)
         self.best_loss = min(self.best_loss, loss)
-        keep = score >= self.best_score
+        keep = score >= self.best_score - 1e-9
         self.best_score = max(self.best_score, score)
         return keep
 
