@@ -71,6 +71,11 @@ class FakeTrainer:
     def settings(self):
         return {"fake": True}
 
+    def budget(self, new, replay):
+        """One step per example of a pass: the new sources' and as many replayed."""
+        fresh = sum(len(s.train) for s in new)
+        return fresh + min(fresh, sum(len(s.train) for s in replay))
+
 
 def saved(out: Path, name: str) -> list[str]:
     return json.loads((out / name / "state.json").read_text())
@@ -337,31 +342,26 @@ def test_a_task_that_never_meets_its_requirement_does_not_keep_a_run_going_on_it
     assert waited[:5] == [0, 0, 1, 2, 3]        # better once, then the loss breaks one tie, then nothing counts
 
 
-def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
-    """Each run's log line estimates the time left from the seconds per unit of work so far (a run's work: the
-    square root of one pass's examples, the new sources' and as many replayed) over the runs still expected:
-    every solo run, one try per source to place, the one-for-all baseline."""
-    import math
-
+def test_time_left_is_the_budgets_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
+    """Each run's log line estimates the time left from the seconds per budget step so far over the step
+    budgets of the runs still expected: every solo run, one try per source to place, the one-for-all baseline."""
     import vlora.adapters.fusion as fusion
 
     clock = [0.0]
     monkeypatch.setattr(fusion.time, "perf_counter", lambda: clock[0])
 
-    class Timed(FakeTrainer):           # 6 s per unit of work
+    class Timed(FakeTrainer):           # 6 s a step; every run stops at half its budget: 3 s per budget step
         def fit(self, state, new, replay, seed, desc):
-            fresh = sum(len(s.train) for s in new)
-            clock[0] += 6 * math.sqrt(fresh + min(fresh, sum(len(s.train) for s in replay)))
+            clock[0] += 6 * self.budget(new, replay) / 2
             return super().fit(state, new, replay, seed, desc)
 
     sources = [source("a", n=40), source("b", n=80), source("c", n=40)]      # 30, 60, 30 training examples
     logs = []
     fuse(sources, Timed(), tmp_path, FusionConfig(order="given"), log=logs.append)
     left = [float(m.split("about ")[1].split(" min")[0]) for m in logs if "min left" in m]
-    # after a's solo run: the solo runs of b and c, a try for each source (a's is not needed: it opens
-    # adapter-1), the baseline over all 120 examples
-    work = [60, 30, 60, 120, 60, 120]
-    assert left[0] == round(sum(map(math.sqrt, work)) * 6 / 60, 1)
+    # after a's solo run: the solo runs of b and c, a try for each source (a's is not needed: it
+    # opens adapter-1), the baseline over all 120 examples
+    assert left[0] == round((60 + 30 + 60 + 120 + 60 + 120) * 3 / 60, 1)
     assert left[-1] == 0.0 and len(left) == 6 and left == sorted(left, reverse=True)
 
 

@@ -421,10 +421,8 @@ class LoraTrainer:
         checked = [(s, [self._encode(s, e) for e in self._splits(s)[1]]) for s in (*new, *replay)]
         checked = [(s, c) for s, c in checked if c] if self.config.patience else []
         checks = [c for _, c in checked]
-        per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
-        steps_per_epoch = math.ceil(per_epoch / bs)
-        budget = max(self.config.min_steps, self.config.epochs * steps_per_epoch)
+        steps_per_epoch, budget = self._budget(len(fresh), len(old))
         groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if head is not None:
             head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
@@ -467,6 +465,17 @@ class LoraTrainer:
         if best is not None:
             return best
         return AdapterState(self._get(), None if head is None else head.export())
+
+    def budget(self, new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource]) -> int:
+        """Most optimizer steps :meth:`fit` takes on ``new`` with ``replay``: ``epochs`` passes, at least
+        ``min_steps``."""
+        return self._budget(sum(len(self._splits(s)[0]) for s in new), sum(len(self._splits(s)[0]) for s in replay))[1]
+
+    def _budget(self, fresh: int, old: int) -> tuple[int, int]:
+        """(optimizer steps a pass, step budget) of a run on ``fresh`` new training examples replaying ``old``:
+        a pass is the new examples and as many replayed (at most)."""
+        steps_per_epoch = math.ceil((fresh + min(old, fresh)) / self.config.batch_size)
+        return steps_per_epoch, max(self.config.min_steps, self.config.epochs * steps_per_epoch)
 
     def _splits(self, source: KnowledgeSource) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
         """(examples to train on, validation examples) of the source's training split: ``val_fraction`` of
