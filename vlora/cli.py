@@ -266,6 +266,10 @@ def _fuse(sources, args, out, checkpoint_dir=None, **overrides) -> int:
     fields = {f: overrides.get(f, getattr(args, f)) for f in TrainConfig.__dataclass_fields__}
     train_config, fusion_config = TrainConfig(**fields), _pick(FusionConfig, args)   # checked before loading
     trainer = LoraTrainer(train_config, progress=not args.quiet)
+    if trainer.device.type == "cpu":
+        import torch
+
+        log(f"training on the CPU with {torch.get_num_threads()} threads (--threads)")
     trainer.check(sources)                            # a source the model cannot take fails before training
     r = fuse(sources, trainer, out, fusion_config, checkpoint_dir or args.checkpoint_dir, log=log)
     print(f"{len(sources)} sources -> {len(r.output)} adapters ({METHOD_NAMES[r.chosen]}) in {out} "

@@ -71,6 +71,11 @@ class FakeTrainer:
     def settings(self):
         return {"fake": True}
 
+    def budget(self, new, replay):
+        """One step per example of a pass: the new sources' and as many replayed."""
+        fresh = sum(len(s.train) for s in new)
+        return fresh + min(fresh, sum(len(s.train) for s in replay))
+
 
 def saved(out: Path, name: str) -> list[str]:
     return json.loads((out / name / "state.json").read_text())
@@ -303,48 +308,60 @@ def test_bad_inputs_are_refused(tmp_path):
         fuse([source("a")], FakeTrainer(), tmp_path / "bad")
 
 
-def test_early_stop_counts_a_lower_loss_only_until_every_task_meets_its_requirement_and_ends_at_perfect():
+def test_early_stop_progress_is_a_better_accuracy_and_the_loss_breaks_a_tie_once():
     from vlora.adapters.trainer import EarlyStop
 
     stop = EarlyStop([0.8, 0.8], patience=3)
     assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
-    assert not stop.check([0.5, 0.4], 0.5) and stop.waited == 0        # flat accuracy, clearly lower loss: progress
-    assert not stop.check([0.5, 0.4], 0.499) and stop.waited == 1      # a lower loss by less than 1%: none
-    assert stop.check([0.9, 0.7], 0.3) and stop.waited == 0            # better accuracy: progress, weights kept
-    assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now
-    assert stop.check([0.9, 0.9], 0.05) and stop.waited == 1           # met: a lower loss is no progress; a tie
-    assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # ... keeps the later weights, a worse
-    assert stop.check([0.95, 0.95], 0.3) and stop.waited == 0          # mean does not; a better one is progress
+    assert stop.check([0.5, 0.5], 0.5) and stop.waited == 0            # the best accuracy again, clearly lower loss:
+    assert stop.check([0.5, 0.5], 0.2) and stop.waited == 1            # progress once, not twice (a tie keeps the
+    assert not stop.check([0.5, 0.4], 0.1) and stop.waited == 2        # later weights); a worse accuracy: none,
+    assert stop.check([0.9, 0.7], 0.3) and stop.waited == 0            # whatever its loss; a better one: progress,
+    assert stop.check([0.9, 0.7], 0.05) and stop.waited == 0           # and the loss may break a tie once again
+    assert stop.check([0.9, 0.7], 0.049) and stop.waited == 1          # (not by less than 1%)
+    assert stop.check([0.9, 0.9], 0.2) and stop.waited == 0            # every task met now:
+    assert stop.check([0.9, 0.9], 0.01) and stop.waited == 1           # a lower loss breaks no tie
+    assert not stop.check([1.0, 0.7], 0.3) and stop.waited == 2        # a worse mean is not kept
+    assert stop.check([0.95, 0.95], 0.3) and stop.waited == 0
     stop = EarlyStop([0.8, 0.8], patience=3)
     assert stop.check([0.5, 0.5], 1.0) and stop.waited == 0
     assert stop.check([1.0, 1.0], 0.02) and stop.waited == 3           # perfect: cannot get better, the run ends
 
 
-def test_time_left_is_the_work_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
-    """Each run's log line estimates the time left from the seconds per unit of work so far (a run's work: the
-    square root of one pass's examples, the new sources' and as many replayed) over the runs still expected:
-    every solo run, one try per source to place, the one-for-all baseline."""
-    import math
+def test_a_task_that_never_meets_its_requirement_does_not_keep_a_run_going_on_its_falling_loss():
+    """The one-for-all run's failure: one task stays below its requirement on validation, the others are
+    learnt, the mean accuracy stays flat and the loss keeps falling; the run ends after ``patience`` checks."""
+    from vlora.adapters.trainer import EarlyStop
 
+    stop = EarlyStop([0.85] * 3, patience=3)
+    stop.check([0.9, 0.9, 0.5], 1.0)
+    waited = []
+    for i in range(1, 10):
+        stop.check([1.0, 1.0, 0.5], 1.0 / (i + 1))
+        waited.append(stop.waited)
+    assert waited[:5] == [0, 0, 1, 2, 3]        # better once, then the loss breaks one tie, then nothing counts
+
+
+def test_time_left_is_the_budgets_still_expected_at_the_rate_so_far(tmp_path, monkeypatch):
+    """Each run's log line estimates the time left from the seconds per budget step so far over the step
+    budgets of the runs still expected: every solo run, one try per source to place, the one-for-all baseline."""
     import vlora.adapters.fusion as fusion
 
     clock = [0.0]
     monkeypatch.setattr(fusion.time, "perf_counter", lambda: clock[0])
 
-    class Timed(FakeTrainer):           # 6 s per unit of work
+    class Timed(FakeTrainer):           # 6 s a step; every run stops at half its budget: 3 s per budget step
         def fit(self, state, new, replay, seed, desc):
-            fresh = sum(len(s.train) for s in new)
-            clock[0] += 6 * math.sqrt(fresh + min(fresh, sum(len(s.train) for s in replay)))
+            clock[0] += 6 * self.budget(new, replay) / 2
             return super().fit(state, new, replay, seed, desc)
 
     sources = [source("a", n=40), source("b", n=80), source("c", n=40)]      # 30, 60, 30 training examples
     logs = []
     fuse(sources, Timed(), tmp_path, FusionConfig(order="given"), log=logs.append)
     left = [float(m.split("about ")[1].split(" min")[0]) for m in logs if "min left" in m]
-    # after a's solo run: the solo runs of b and c, a try for each source (a's is not needed: it opens
-    # adapter-1), the baseline over all 120 examples
-    work = [60, 30, 60, 120, 60, 120]
-    assert left[0] == round(sum(map(math.sqrt, work)) * 6 / 60, 1)
+    # after a's solo run: the solo runs of b and c, a try for each source (a's is not needed: it
+    # opens adapter-1), the baseline over all 120 examples
+    assert left[0] == round((60 + 30 + 60 + 120 + 60 + 120) * 3 / 60, 1)
     assert left[-1] == 0.0 and len(left) == 6 and left == sorted(left, reverse=True)
 
 

@@ -76,6 +76,16 @@ def test_shared_leading_tokens_run_once_with_the_same_results(fused):
     assert_sharing_changes_nothing(trainer, sources, out / result.output[0].name)
 
 
+def test_budget_is_the_steps_a_run_takes_without_early_stopping(fused):
+    _, sources, trainer, r, _ = fused
+    by_task = {s.task: s for s in sources}
+    trained = [a for a in r.attempts if a.steps is not None]
+    assert {a.kind for a in trained} >= {"alone", "fuse", "rollback"}
+    for a in trained:
+        replay = [by_task[t] for t in a.accuracy if t != a.source]
+        assert a.steps == trainer.budget([by_task[a.source]], replay)
+
+
 def test_early_stopping_ends_a_run_on_its_validation_split(fused):
     model, sources, _, _, _ = fused
     trainer = LoraTrainer(TrainConfig(model=str(model), last_layers=1, **{**CONFIG, "epochs": 60, "patience": 2,
@@ -88,5 +98,5 @@ def test_early_stopping_ends_a_run_on_its_validation_split(fused):
     assert {e.label for e in val} == set(src.labels) and len(val) == round(0.2 * len(src.train))
     state = trainer.fit(trainer.init(5), [src], [], 5, "early")
     budget = 60 * math.ceil(len(train) / CONFIG["batch_size"])
-    assert 0 < trainer.last_steps < budget
+    assert 0 < trainer.last_steps < budget == trainer.budget([src], [])
     assert sum(trainer.evaluate(state, src)) / len(src.heldout) >= src.requirement

@@ -80,6 +80,9 @@ class Trainer(Protocol):
     def settings(self) -> dict:
         """JSON-able settings: part of the checkpoint's identity and of the report."""
 
+    def budget(self, new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource]) -> int:
+        """Most optimizer steps :meth:`fit` takes on these sources: the unit of the time-left estimate."""
+
 
 @dataclass(frozen=True)
 class FusionConfig:
@@ -238,10 +241,10 @@ def fuse(sources: Sequence[KnowledgeSource], trainer: Trainer, out_dir: str | Pa
     req = {s.task: s.requirement for s in sources}
     runs = _Runs(trainer, ckpt, log)
     for s in sources:           # the work expected: every solo run, one fusion try per source, the baseline
-        runs.expect(f"alone:{s.task}", _work([s], []))
-        runs.expect(f"place:{s.task}", _work([s], [s]))
+        runs.expect(f"alone:{s.task}", trainer.budget([s], []))
+        runs.expect(f"place:{s.task}", trainer.budget([s], [s]))
     if config.baselines:
-        runs.expect("all", _work(sources, []))
+        runs.expect("all", trainer.budget(sources, []))
     attempts: list[Attempt] = []
     alone = {}
     for s in sources:
@@ -329,19 +332,13 @@ def _summary(adapters: list[AdapterResult], req: dict[str, float]) -> str:
     return f"{met}/{len(req)} requirements met with {-n} adapter{'s' * (n != -1)}"
 
 
-def _work(new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource]) -> float:
-    """A training run's expected cost for the time-left estimate: the square root of the examples of one pass
-    (the new sources' training examples and as many replayed, at most). A larger run takes more steps a pass,
-    but early stopping ends it after fewer passes: on the nine example sources a solo run (48 examples a pass)
-    takes 20-36 steps, a fusion try (96) 30-72, the one-for-all adapter (432) 110 or more."""
-    fresh = sum(len(s.train) for s in new)
-    return math.sqrt(fresh + min(fresh, sum(len(s.train) for s in replay)))
-
-
 class _Runs:
     """Training runs, journaled by key: a run already in the journal is not repeated (its outcome is read
     back), so a rerun after an interruption replays the decisions and trains only what is missing. The time
-    left is estimated from the seconds per unit of :func:`_work` so far and the work still expected."""
+    left is the step budgets of the runs still expected (every solo run, one try per source to place, the
+    one-for-all baseline) at the seconds per budget step so far: early stopping ends most runs before their
+    budget, about as much in the runs done as in those to come; extra tries (a rollback, a source missing its
+    requirement alone, which is tried in every adapter) cannot be foreseen and make it an underestimate."""
 
     def __init__(self, trainer: Trainer, ckpt: Checkpoint, log: Callable[[str], None]):
         self.trainer, self.ckpt, self.log = trainer, ckpt, log
@@ -379,7 +376,8 @@ class _Runs:
                      "state": folder, "steps": steps,
                      "validation": getattr(self.trainer, "last_history", None)}    # (step, accuracy, loss) per check
         self.ckpt.write()
-        self.trained, self.spent, self.done = self.trained + 1, self.spent + dt, self.done + _work(new, replay)
+        self.trained, self.spent = self.trained + 1, self.spent + dt
+        self.done += self.trainer.budget(new, replay)
         left = sum(self.expected.values()) * self.spent / max(self.done, 1)
         self.log(f"[{desc}: {dt:.0f} s{'' if steps is None else f', {steps} steps'}; {self.trained} runs trained in "
                  f"{self.spent / 60:.1f} min, about {left / 60:.1f} min left]")

@@ -76,10 +76,10 @@ class TrainConfig:
     """Fewest optimizer steps of every run, early stopping or not (the budget is at least this): a small source
     trained alone gets enough steps, and a hard task whose validation accuracy is still flat is not given up."""
     patience: int = 3
-    """Early stopping: end a run after this many validation checks (one per pass) without progress: neither a
-    better validation accuracy nor, while a task is below its requirement, a lower validation loss (a perfect
-    accuracy ends it at once); the last weights with the best accuracy are kept. 0: train the whole budget and
-    keep the final weights."""
+    """Early stopping: end a run after this many validation checks (one per pass) without a better mean validation
+    accuracy; while a task is below its requirement, the first check after each better accuracy that matches it
+    with a validation loss lower by 1% counts too (a perfect accuracy ends the run at once); the last weights with
+    the best accuracy are kept. 0: train the whole budget and keep the final weights."""
     val_fraction: float = 0.2
     """Fraction of each source's training examples set apart as its validation split (seeded, per label; never
     the held-out split), which decides when to stop. 0 (or --patience 0): no validation split, the whole budget."""
@@ -122,28 +122,33 @@ class TrainConfig:
 @dataclass
 class EarlyStop:
     """When a training run stops making progress on its validation split (checked after every pass). Progress is a
-    better mean accuracy over the tasks, or a clearly lower validation loss while some task is still below its
-    requirement: the accuracy of a hard task stays flat for a while before it moves, the loss does not; once
-    every task meets its requirement the loss keeps shrinking towards zero by amounts that change few answers,
-    and only a better accuracy is worth more steps; a perfect accuracy cannot get better and ends the run."""
+    better mean accuracy over the tasks. The loss only breaks a tie, once: while some task is still below its
+    requirement, the first check after a better accuracy that matches it with a clearly lower validation loss
+    counts as progress too (a hard task's accuracy moves in jumps, its loss shows the run is on its way). A task
+    that never meets its requirement would otherwise keep a run going to its budget on a loss that keeps falling
+    while no answer changes. A perfect accuracy cannot get better and ends the run."""
 
     requirements: list[float]       # per task checked
     patience: int                   # checks without progress that end the run
     best_score: float = -1.0        # best mean validation accuracy so far
     best_loss: float = math.inf
     waited: int = 0                 # checks since the last progress
+    tied: bool = False              # a lower loss has broken a tie since the last better accuracy
 
     def check(self, accuracies: list[float], loss: float) -> bool:
         """Record one check (each task's validation accuracy, the mean loss); True when these weights are the
         ones to keep (the best mean accuracy so far; ties keep the later, longer-trained weights)."""
         score = sum(accuracies) / len(accuracies)
         learnt = all(meets(a, r) for a, r in zip(accuracies, self.requirements))
-        lower = not learnt and loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
-        self.waited = 0 if score > self.best_score or lower else self.waited + 1
+        better = score > self.best_score + 1e-9
+        lower = loss < self.best_loss - max(MIN_LOSS_GAIN * self.best_loss, MIN_LOSS_DROP)
+        tie_broken = not better and not learnt and not self.tied and score >= self.best_score - 1e-9 and lower
+        self.tied = tie_broken or (self.tied and not better)
+        self.waited = 0 if better or tie_broken else self.waited + 1
         if score >= 1.0:        # every validation example right: nothing left to gain on this split
             self.waited = max(self.waited, self.patience)
         self.best_loss = min(self.best_loss, loss)
-        keep = score >= self.best_score
+        keep = score >= self.best_score - 1e-9
         self.best_score = max(self.best_score, score)
         return keep
 
@@ -416,10 +421,8 @@ class LoraTrainer:
         checked = [(s, [self._encode(s, e) for e in self._splits(s)[1]]) for s in (*new, *replay)]
         checked = [(s, c) for s, c in checked if c] if self.config.patience else []
         checks = [c for _, c in checked]
-        per_epoch = len(fresh) + min(len(old), len(fresh))
         bs = self.config.batch_size
-        steps_per_epoch = math.ceil(per_epoch / bs)
-        budget = max(self.config.min_steps, self.config.epochs * steps_per_epoch)
+        steps_per_epoch, budget = self._budget(len(fresh), len(old))
         groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]}]
         if head is not None:
             head = _TrainableHead(head, *self._head_stats([it for it in fresh + old if it.head]))
@@ -462,6 +465,17 @@ class LoraTrainer:
         if best is not None:
             return best
         return AdapterState(self._get(), None if head is None else head.export())
+
+    def budget(self, new: Sequence[KnowledgeSource], replay: Sequence[KnowledgeSource]) -> int:
+        """Most optimizer steps :meth:`fit` takes on ``new`` with ``replay``: ``epochs`` passes, at least
+        ``min_steps``."""
+        return self._budget(sum(len(self._splits(s)[0]) for s in new), sum(len(self._splits(s)[0]) for s in replay))[1]
+
+    def _budget(self, fresh: int, old: int) -> tuple[int, int]:
+        """(optimizer steps a pass, step budget) of a run on ``fresh`` new training examples replaying ``old``:
+        a pass is the new examples and as many replayed (at most)."""
+        steps_per_epoch = math.ceil((fresh + min(old, fresh)) / self.config.batch_size)
+        return steps_per_epoch, max(self.config.min_steps, self.config.epochs * steps_per_epoch)
 
     def _splits(self, source: KnowledgeSource) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
         """(examples to train on, validation examples) of the source's training split: ``val_fraction`` of
