@@ -211,3 +211,26 @@ def test_tp2_worker_killed_during_graph_decode_ends_the_process(tiny_llama, tmp_
                           text=True, timeout=300, cwd=root, env=env)
     assert proc.returncode != 0 and "tensor-parallel" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 240
+
+
+def test_tp2_adapter_reloaded_under_its_name_while_merged_reaches_the_workers(tiny_llama):
+    """An adapter merged, unloaded, and another loaded under the same name and merged: every rank serves the new
+    one (a worker that compared the merged adapter by name kept the old one folded into its shard)."""
+    path, adapters = tiny_llama
+    one = engine(path, {"a16": adapters["a16"]}, 1)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in one.generate([PROMPTS[2]], "a16", params)]
+    two = engine(path, {"a8": adapters["a8"]}, 2)
+    try:
+        two.engine.merge_adapter("a8")
+        ran = two.engine.orchestrator.mode_iterations
+        two.generate([PROMPTS[2]], "a8", params)
+        merged = ran[Mode.MERGED]
+        assert merged > 0
+        two.engine.unregister_adapter("a8")
+        two.register_adapter("a8", adapters["a16"])      # the same name, other weights
+        two.engine.merge_adapter("a8")
+        assert [o.token_ids for o in two.generate([PROMPTS[2]], "a8", params)] == want
+        assert ran[Mode.MERGED] > merged
+    finally:
+        two.close()

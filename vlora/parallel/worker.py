@@ -68,7 +68,7 @@ class Worker:
                 self._place(self.parts[name], *where)
         if msg.merged is None:
             self.modes.unmerge()
-        elif self.modes.merged is None or self.modes.merged.name != msg.merged:
+        elif self.modes.merged is not self.parts[msg.merged]:     # by identity: a name may be reloaded
             self.modes.merge(self.parts[msg.merged])
         for name in msg.dropped:
             self.parts.pop(name, None)
