@@ -151,6 +151,22 @@ def test_adapter_errors_do_not_show_server_paths(live, setup):
     assert "p" not in live.async_engine.adapter_names
 
 
+def test_a_taken_or_malformed_lora_name_is_400_naming_it_without_server_paths(live, setup, sibling, tmp_path):
+    """A name already served names lora_name (not lora_path) and never shows where the served adapter lives,
+    even when that is outside the adapter directories (an adapter given at start-up)."""
+    import shutil
+
+    shutil.copytree(setup.adapter_dir / "late-r8", tmp_path / "copy")
+    server = sibling(adapter_dirs=(str(tmp_path),))
+    with server.http() as h:
+        err = check_error(h.post("/v1/load_lora_adapter", json={"lora_name": "demo-r8", "lora_path": "copy"}),
+                          400, "lora_name", "demo-r8")
+        assert str(setup.root) not in err["message"]
+        check_error(h.post("/v1/load_lora_adapter", json={"lora_name": " spaced", "lora_path": "copy"}),
+                    400, "lora_name", "spaces")
+    assert " spaced" not in live.async_engine.adapter_names
+
+
 # -- bodies ---------------------------------------------------------------------------------------------
 def test_a_body_nested_100000_levels_is_400(live):
     deep = '{"model": "' + BASE + '", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"

@@ -370,6 +370,14 @@ class OpenAIServer:
                            "--allow-hub-adapters)", param="lora_path", code="adapter_loading_disabled")
         if req.lora_name == self.base_name:
             raise APIError(400, f"{req.lora_name!r} is the base model's name", param="lora_name")
+        # checked here so the error names lora_name: the registry's own message names the served adapter's
+        # directory, which may lie outside the adapter roots that hide_paths hides
+        if req.lora_name != req.lora_name.strip():
+            raise APIError(400, f"lora_name {quote(req.lora_name)} must not start or end with spaces",
+                           param="lora_name")
+        if req.lora_name in self.engine.adapter_names:
+            raise APIError(400, f"an adapter named {quote(req.lora_name)} is already loaded (unload it first)",
+                           param="lora_name", code="adapter_exists")
         path = await self.adapter_source(req.lora_path)
         try:
             await self.engine.load_adapter(req.lora_name, path)
