@@ -177,6 +177,27 @@ def test_a_failed_request_fails_its_api_call_only(llm, reference):
     assert idle(llm.engine)                  # the failed call's other request was aborted, its pages freed
 
 
+def test_a_failed_calls_requests_are_reported_finished(llm):
+    """on_finish (the server's request and token counters) sees the failed request (finish "error") and the
+    call's other request (aborted), as it sees every finished engine request."""
+    finished = {}
+
+    async def main():
+        ae = AsyncEngine(llm.engine)
+        ae.start()
+        failing = await ae.submit([Job(PROMPTS[2], None, greedy(n=40), "b0"), Job(PROMPTS[1], None, unsampleable(),
+                                                                                  "b1")],
+                                  lambda out, t: finished.setdefault(out.request_id, out.finish_reason))
+        with pytest.raises(RequestFailed):
+            await failing.results()
+        await ae.shutdown(timeout=10)          # drains: every abort has been dispatched
+        await asyncio.sleep(0)                 # deliveries already scheduled on the loop run
+        assert not ae._live
+
+    asyncio.run(main())
+    assert finished == {"b0": "abort", "b1": "error"}
+
+
 SERVER = textwrap.dedent("""
     import sys
     from vlora.config import ServerConfig

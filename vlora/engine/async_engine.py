@@ -45,7 +45,11 @@ class EngineFailed(RuntimeError):
 
 class RequestFailed(EngineFailed):
     """One request of the group failed while served (its reason); the group's others were aborted and the
-    engine serves on."""
+    engine serves on. ``output``: the failed request's final output (finish_reason "error")."""
+
+    def __init__(self, message: str, output: RequestOutput | None = None):
+        super().__init__(message)
+        self.output = output
 
 
 @dataclass(frozen=True)
@@ -133,16 +137,22 @@ class RequestGroup:
             if t.first_token is None and item.token_ids:
                 t.first_token = now
             if item.finished:
-                t.finished = now
                 self._unfinished.discard(item.request_id)
-                if self.on_finish is not None:
-                    try:
-                        self.on_finish(item, t)
-                    except Exception:                   # metrics must never break a response
-                        log.exception("on_finish callback failed")
+                self._finished(item, t, now)
         else:
             self._unfinished.clear()
+            failed = getattr(item, "output", None)
+            if failed is not None:                      # counted as every finished request is
+                self._finished(failed, self.timings[failed.request_id], time.monotonic())
         self._queue.put_nowait(item)
+
+    def _finished(self, item: RequestOutput, t: Timing, now: float) -> None:
+        t.finished = now
+        if self.on_finish is not None:
+            try:
+                self.on_finish(item, t)
+            except Exception:                   # metrics must never break a response
+                log.exception("on_finish callback failed")
 
     def __aiter__(self) -> RequestGroup:
         return self
@@ -440,9 +450,10 @@ class AsyncEngine:
             if out.finish_reason == "error":       # the API call fails as a whole: its other requests stop
                 group = entry[0]
                 for rid in group.request_ids:
-                    if self._live.pop(rid, None) is not None:
+                    if rid in self._live:          # stays live until its abort output is dispatched (counted)
                         self.engine.abort(rid)
-                by_loop[group.loop].append((group, RequestFailed(f"request {out.request_id} failed: {out.error}")))
+                by_loop[group.loop].append((group, RequestFailed(f"request {out.request_id} failed: {out.error}",
+                                                                 out)))
                 continue
             by_loop[entry[0].loop].append((entry[0], out))
 
