@@ -58,6 +58,8 @@ def check_error(r: httpx.Response, status: int, param=None, contains: str = ""):
     (chat(stream_options={"include_usage": True}), "stream_options", "stream is true"),
     (chat(stop=[""]), "stop", "empty"),
     (chat(seed=-1), "seed", "greater than"),
+    (chat(task_head=True), "task_head", "task head"),        # the base model has no task head
+    (chat(model="demo-r8", task_head=True), "task_head", "task head"),
 ])
 def test_invalid_chat_fields_are_400(live, body, param, contains):
     with live.http() as h:
@@ -80,6 +82,7 @@ def test_malformed_json_is_400(live, content):
     ({"model": BASE, "prompt": [1, True]}, None, ""),
     ({"model": BASE, "prompt": "Hi", "echo": True}, "echo", "not supported"),
     ({"model": BASE, "prompt": "Hi", "max_tokens": 0}, "max_tokens", "greater than"),
+    ({"model": BASE, "prompt": "Hi", "task_head": True}, "task_head", "task head"),
 ])
 def test_invalid_completions_are_400(live, body, param, contains):
     with live.http() as h:

@@ -208,7 +208,8 @@ class OpenAIServer:
             jobs.append(Job(prompt, adapter, params, f"{request_id}-{i}", tuple(images) if images else None))
         return jobs
 
-    async def submit(self, jobs: list[Job]) -> RequestGroup:
+    async def submit(self, jobs: list[Job], prompt_param: str) -> RequestGroup:
+        """The jobs handed to the engine; ``prompt_param``: the field an error about the prompt names."""
         try:
             return await self.engine.submit(jobs, self.metrics.observe)
         except QueueFull as e:
@@ -218,7 +219,9 @@ class OpenAIServer:
         except AdapterNotFound as e:
             raise APIError(404, str(e), param="model", code="model_not_found") from None
         except (RequestError, SamplingError) as e:
-            raise APIError(400, str(e), param="prompt") from None
+            # the engine refuses task_head for a model without a task head (it alone knows which adapters have one)
+            param = "task_head" if str(e).startswith("task_head") else prompt_param
+            raise APIError(400, str(e), param=param) from None
 
     def check_accepting(self) -> None:
         if not self.engine.accepting:
@@ -237,7 +240,7 @@ class OpenAIServer:
         prompt_len = len(prompt) + self.image_tokens(images)
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images))
+        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images), "messages")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self.chat_chunks(group, rid, req.model, prompt_len, include_usage), group)
@@ -266,7 +269,7 @@ class OpenAIServer:
         if given_ids:
             self.check_token_ids(prompt, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, list(prompt), adapter, max_tokens, rid))
+        group = await self.submit(self.jobs(req, list(prompt), adapter, max_tokens, rid), "prompt")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             with_ids = not isinstance(req.single_prompt(), str)
