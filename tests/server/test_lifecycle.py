@@ -57,6 +57,17 @@ def test_a_full_queue_is_429(small):
     assert small.engine.allocator.num_free == small.engine.allocator.num_blocks
 
 
+def test_more_choices_than_the_queue_holds_is_400_naming_n(small):
+    """n above --max-queued-requests could never be queued: a 400 naming n, not a 429 that no retry cures."""
+    with small.http() as h:
+        r = h.post("/v1/chat/completions", json={"model": "demo-r8", "messages": HI, "max_tokens": 2, "n": 3})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "n" and "max-queued-requests" in r.json()["error"]["message"]
+        r = h.post("/v1/chat/completions", json={"model": "demo-r8", "messages": HI, "max_tokens": 2, "n": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    small.wait_idle()
+
+
 def test_unload_with_policy_abort_ends_the_adapters_requests(small):
     with small.http() as h:
         assert h.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "late-r8"}).status_code == 200

@@ -193,6 +193,10 @@ class OpenAIServer:
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
              request_id: str, images: list | None = None) -> list[Job]:
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        limit = self.engine.max_queued_requests      # a call's choices are queued all or none
+        if req.n > limit:
+            raise APIError(400, f"n={req.n} is more than the {limit} requests this server queues at once "
+                                f"(--max-queued-requests)", param="n")
         jobs = []
         for i in range(req.n):
             try:
