@@ -283,6 +283,15 @@ def test_docs_routes_need_the_key_when_enabled(live, sibling):
     assert httpx.get(f"{open_server.url}/docs").status_code == 200
 
 
+def test_a_served_model_name_that_is_an_adapters_name_is_refused(live):
+    """Requests naming it would go to the base model and the adapter could never be reached."""
+    from vlora.config import ConfigError
+    from vlora.server.app import build_app
+
+    with pytest.raises(ConfigError, match="demo-r8"):
+        build_app(live.async_engine, replace(live.server_state.config, served_model_name="demo-r8"))
+
+
 # -- wire format ----------------------------------------------------------------------------------------
 def test_answers_carry_no_empty_extension_fields(live):
     with live.http() as h:

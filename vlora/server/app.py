@@ -39,7 +39,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from vlora.config import ServerConfig
+from vlora.config import ConfigError, ServerConfig
 from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestFailed,
                                        RequestGroup, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
@@ -101,6 +101,9 @@ class OpenAIServer:
         self.config = config
         e = self.engine.info          # one engine's or, for a cluster, its replicas'
         self.base_name = config.served_model_name or e.model_name
+        if self.base_name in self.engine.adapter_names:    # the model field could never pick the adapter
+            raise ConfigError(f"served model name {self.base_name!r} is also an adapter's name; choose another "
+                              f"--served-model-name")
         # the workers tokenize with their own copies; the engine thread detokenizes with the original
         self.work = HeavyWork(e.tokenizer)
         self.has_tokenizer = e.tokenizer is not None
