@@ -217,6 +217,8 @@ def test_unload_waits_for_the_adapters_running_requests(live):
                 time.sleep(0.01)
             r = h.post("/v1/chat/completions", json={"model": "busy", "messages": user("Hi")})
             assert r.status_code == 404
+            r = h.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": "late-r8"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"     # its name is still taken
             assert unload.is_alive()                          # still waiting for the stream
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         unload.join(60)

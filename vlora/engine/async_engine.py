@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
+from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class ShuttingDown(RuntimeError):
 
 class AdapterNotFound(RequestError):
     """The request names an adapter that is not registered (or is being unloaded)."""
+
+
+class AdapterExists(AdapterError):
+    """An adapter of that name is registered (or still being unloaded)."""
 
 
 class EngineFailed(RuntimeError):
@@ -318,8 +323,14 @@ class AsyncEngine:
         return await fut
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Register the PEFT adapter in directory ``path`` as ``name``; raises AdapterError if it is refused."""
-        await self.call(lambda e: e.adapters.register(name, path))
+        """Register the PEFT adapter in directory ``path`` as ``name``; raises AdapterError if it is refused
+        (AdapterExists if the name is taken, an adapter being unloaded included)."""
+        def register(e: Engine) -> None:
+            if name in e.adapters:
+                raise AdapterExists(f"an adapter named {name!r} is already loaded"
+                                    + (" (it is being unloaded)" if name in self._draining else ""))
+            e.adapters.register(name, path)
+        await self.call(register)
 
     async def unload_adapter(self, name: str, policy: str = "wait") -> int:
         """Unregister adapter ``name``; returns how many of its requests were waited for or aborted.

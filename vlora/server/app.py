@@ -40,8 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vlora.config import ConfigError, ServerConfig
-from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull, RequestFailed,
-                                       RequestGroup, ShuttingDown)
+from vlora.engine.async_engine import (AdapterExists, AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull,
+                                       RequestFailed, RequestGroup, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
@@ -391,6 +391,8 @@ class OpenAIServer:
         path = await self.adapter_source(req.lora_path)
         try:
             await self.engine.load_adapter(req.lora_name, path)
+        except AdapterExists as e:              # loaded meanwhile, or still being unloaded
+            raise APIError(400, str(e), param="lora_name", code="adapter_exists") from None
         except AdapterError as e:
             raise APIError(400, self.hide_paths(str(e), path, req.lora_path), param="lora_path",
                            code="invalid_adapter") from None
