@@ -392,7 +392,8 @@ class OpenAIServer:
         try:
             await self.engine.load_adapter(req.lora_name, path)
         except AdapterExists as e:              # loaded meanwhile, or still being unloaded
-            raise APIError(400, str(e), param="lora_name", code="adapter_exists") from None
+            raise APIError(400, str(e).replace(repr(req.lora_name), quote(req.lora_name)), param="lora_name",
+                           code="adapter_exists") from None
         except AdapterError as e:
             raise APIError(400, self.hide_paths(str(e), path, req.lora_path), param="lora_path",
                            code="invalid_adapter") from None
