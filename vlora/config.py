@@ -169,7 +169,8 @@ class ServerConfig:
     api_key: str | None = None
     """Require 'Authorization: Bearer <key>' on every /v1 route (default: $VLORA_API_KEY, else no key)."""
     served_model_name: str | None = None
-    """Name of the base model in the API (the 'model' field). Default: the model's own name."""
+    """Name of the base model in the API (the 'model' field); it must differ from every adapter's name. Default:
+    the model's own name."""
     adapter_dirs: tuple[str, ...] = ()
     """Directory /v1/load_lora_adapter may load adapters from (repeatable); none: runtime loading is refused."""
     allow_hub_adapters: bool = False
