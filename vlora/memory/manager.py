@@ -81,7 +81,8 @@ class MemoryManager:
         # pinned, and an adapter leaves the pool only with its KV unused
         keep |= {s.adapter.name for s in waiting if s.blocks and s.adapter is not None}
         ok = store.ensure(run_a + wait_a, keep)
-        store.protected = keep | ok
+        store.protected = keep            # those of waiting requests are pinned after the running ones grew
+        self.pool.wanted = ok - keep
         seqs = list(running) + list(waiting)
         if all(s.adapter is None or s.adapter.name in ok for s in seqs):
             return None
@@ -115,3 +116,4 @@ class MemoryManager:
         """Forget this iteration's adapter pins (after an aborted iteration: its requests are gone)."""
         if self.store is not None:
             self.store.protected = set()
+            self.pool.wanted = set()
