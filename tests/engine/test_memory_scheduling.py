@@ -3,8 +3,11 @@ the adapters resident in it (tiny model, CPU)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.models.test_parity import build
 from vlora import LLM, SamplingParams
+from vlora.engine.engine import RequestError
 
 
 def test_an_adapter_loaded_for_a_waiting_request_does_not_truncate_a_running_one(tmp_path):
@@ -35,3 +38,23 @@ def test_an_adapter_loaded_for_a_waiting_request_does_not_truncate_a_running_one
     assert got == {"long": ("length", want[0]), "short": ("length", want[1])}
     eng.pool.check()
     assert eng.pool.kv_pages == 0
+
+
+def test_a_prompt_that_cannot_fit_beside_its_adapter_is_refused(tmp_path):
+    """A prompt whose KV fits the pool but not beside its own adapter's pages could never run: it is refused
+    when added (naming the adapter), not finished "length" with no token after part of its prefill."""
+    path, paths, _ = build(tmp_path)
+    llm = LLM(str(path), adapters={"a16": paths["a16"]}, num_blocks=4, block_size=4, max_model_len=128,
+              lora_kernel="triton", max_loras=1, max_lora_rank=16, max_num_batched_tokens=64)
+    eng = llm.engine
+    room = eng.pool.num_pages - eng.adapters.store.pages_needed(eng.adapters.get("a16"))
+    too_long, longest = list(range(3, 3 + 4 * room)), list(range(3, 3 + 4 * room - 1))
+    with pytest.raises(RequestError, match="beside adapter 'a16'"):
+        eng.add_request(too_long, "a16", SamplingParams(max_tokens=2, ignore_eos=True))
+    got = {}
+    for prompt, adapter in ((too_long, None), (longest, "a16")):      # the base model has the whole pool
+        eng.add_request(prompt, adapter, SamplingParams(max_tokens=2, ignore_eos=True), request_id=str(adapter))
+        while eng.has_unfinished():
+            got.update({o.request_id: (o.finish_reason, len(o.token_ids)) for o in eng.step() if o.finished})
+    assert got == {"None": ("length", 2), "a16": ("length", 2)}
+    eng.pool.check()
