@@ -69,8 +69,10 @@ class MemoryManager:
     # -- the step loop's three points -------------------------------------------------------------
     def runnable(self, running: list, waiting: list, room: int, merged) -> set[str] | None:
         """Kernel path: bring the adapters of the running requests, then of the first ``room`` waiting ones,
-        into the pool (evicting idle ones); they stay protected from eviction this iteration. Returns the ids
-        of the requests (running or waiting) that can run now; None: every one."""
+        into the pool (evicting idle ones). Those of running requests stay protected from eviction this
+        iteration; those loaded only for waiting requests are pinned once the running sequences have their pages
+        (:meth:`UnifiedPool.pin_wanted`), which may displace them. Returns the ids of the requests (running or
+        waiting) that can run now; None: every one."""
         store = self.store
         if store is None:
             return None
