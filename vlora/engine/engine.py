@@ -242,7 +242,8 @@ class Engine:
                                f"{self.max_model_len - 1}")
         room = self.allocator.num_blocks
         pool, store = self.pool, self.adapters.store
-        if adapter is not None and store is not None and pool.adapter_limit is None and adapter.name not in pool.pinned:
+        counted = adapter is not None and adapter.name in pool.pinned and adapter.name in pool.adapter_pages
+        if adapter is not None and store is not None and pool.adapter_limit is None and not counted:
             room -= store.pages_needed(adapter)     # its adapter shares the pool while it runs
         if -(-(len(ids) + 1) // self.block_size) > room:
             beside = f" beside adapter {adapter.name!r}" if room < self.allocator.num_blocks else ""
