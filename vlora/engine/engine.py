@@ -240,13 +240,13 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
                                f"{self.max_model_len - 1}")
-        room = self.allocator.num_blocks
+        # a request of an adapter in the unified pool: the pool less that adapter, which shares it while the
+        # request runs (the adapters pinned now are those of requests that will finish)
         pool, store = self.pool, self.adapters.store
-        counted = adapter is not None and adapter.name in pool.pinned and adapter.name in pool.adapter_pages
-        if adapter is not None and store is not None and pool.adapter_limit is None and not counted:
-            room -= store.pages_needed(adapter)     # its adapter shares the pool while it runs
+        own = adapter is not None and store is not None and pool.adapter_limit is None
+        room = pool.num_pages - store.pages_needed(adapter) if own else self.allocator.num_blocks
         if -(-(len(ids) + 1) // self.block_size) > room:
-            beside = f" beside adapter {adapter.name!r}" if room < self.allocator.num_blocks else ""
+            beside = f" beside adapter {adapter.name!r}" if own else ""
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV cache "
                                f"({room} blocks of {self.block_size}{beside})")
 
