@@ -39,7 +39,7 @@ from vlora.engine.plan import StepPlan
 from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import RequestOutput, Sequence
 from vlora.lora.adapter import ModelShape
-from vlora.lora.batch import LoRALaunch
+from vlora.lora.batch import LoRALaunch, PackedAdapter
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
@@ -191,7 +191,7 @@ class Engine:
                                f"{adapter or self.model_name!r} has none")
         ids = self._tokenize(prompt)
         ids, spans = self._images(ids, images)
-        self._check_fits(ids)
+        self._check_fits(ids, packed)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -236,13 +236,19 @@ class Engine:
         except ImageInputError as e:
             raise RequestError(str(e)) from None
 
-    def _check_fits(self, ids: list[int]) -> None:
+    def _check_fits(self, ids: list[int], adapter: PackedAdapter | None = None) -> None:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the limit is max_model_len - 1 = "
                                f"{self.max_model_len - 1}")
-        if -(-(len(ids) + 1) // self.block_size) > self.allocator.num_blocks:
+        # a request of an adapter in the unified pool: the pool less that adapter, which shares it while the
+        # request runs (the adapters pinned now are those of requests that will finish)
+        pool, store = self.pool, self.adapters.store
+        own = adapter is not None and store is not None and pool.adapter_limit is None
+        room = pool.num_pages - store.pages_needed(adapter) if own else self.allocator.num_blocks
+        if -(-(len(ids) + 1) // self.block_size) > room:
+            beside = f" beside adapter {adapter.name!r}" if own else ""
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV cache "
-                               f"({self.allocator.num_blocks} blocks of {self.block_size})")
+                               f"({room} blocks of {self.block_size}{beside})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its memory; False if it is unknown or already finished."""

@@ -174,9 +174,11 @@ class Scheduler:
             self._count(seq, n)
             scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
-        # admit waiting sequences only when nothing was preempted (they would thrash)
+        # admit waiting sequences only when nothing was preempted (they would thrash); those whose adapter the
+        # running sequences' pages displaced wait
+        lost = self.allocator.pin_wanted()
         admitted = False
-        for seq in [s for s in self.waiting if ok(s)]:
+        for seq in [s for s in self.waiting if ok(s) and s.adapter_name not in lost]:
             if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
             if not self._admissible(seq, budget):

@@ -69,8 +69,10 @@ class MemoryManager:
     # -- the step loop's three points -------------------------------------------------------------
     def runnable(self, running: list, waiting: list, room: int, merged) -> set[str] | None:
         """Kernel path: bring the adapters of the running requests, then of the first ``room`` waiting ones,
-        into the pool (evicting idle ones); they stay protected from eviction this iteration. Returns the ids
-        of the requests (running or waiting) that can run now; None: every one."""
+        into the pool (evicting idle ones). Those of running requests stay protected from eviction this
+        iteration; those loaded only for waiting requests are pinned once the running sequences have their pages
+        (:meth:`UnifiedPool.pin_wanted`), which may displace them. Returns the ids of the requests (running or
+        waiting) that can run now; None: every one."""
         store = self.store
         if store is None:
             return None
@@ -81,7 +83,8 @@ class MemoryManager:
         # pinned, and an adapter leaves the pool only with its KV unused
         keep |= {s.adapter.name for s in waiting if s.blocks and s.adapter is not None}
         ok = store.ensure(run_a + wait_a, keep)
-        store.protected = keep | ok
+        store.protected = keep            # those of waiting requests are pinned after the running ones grew
+        self.pool.wanted = ok - keep
         seqs = list(running) + list(waiting)
         if all(s.adapter is None or s.adapter.name in ok for s in seqs):
             return None
@@ -115,3 +118,4 @@ class MemoryManager:
         """Forget this iteration's adapter pins (after an aborted iteration: its requests are gone)."""
         if self.store is not None:
             self.store.protected = set()
+            self.pool.wanted = set()

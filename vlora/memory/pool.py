@@ -50,6 +50,8 @@ class UnifiedPool:
         self.adapter_pages: dict[str, list[int]] = {}
         self.reserved: dict[str, list[int]] = {}     # runs of pages held by other owners (merged copies)
         self.pinned: set[str] = set()     # adapters that must stay this iteration (their pages are not KV's)
+        self.wanted: set[str] = set()     # adapters loaded for waiting requests: pinned only once the running
+        #                                   sequences have their pages (see :meth:`pin_wanted`)
         if adapter_limit is not None and not 0 <= adapter_limit <= num_pages:
             raise ValueError(f"adapter_limit must be in [0, {num_pages}], got {adapter_limit}")
         self.adapter_limit = adapter_limit               # None: one unified pool
@@ -107,6 +109,15 @@ class UnifiedPool:
         self.kv_pages -= len(pages)
         self._free.extend(pages)
         self._free.sort(reverse=True)                    # pop() hands out the lowest free page
+
+    def pin_wanted(self) -> set[str]:
+        """Pin the adapters loaded for waiting requests (:attr:`wanted`) that are still resident, before
+        admissions; returns those a running sequence's pages took meanwhile (their requests wait). Running
+        sequences come first: were the waiting requests' adapters pinned before they grew, a running sequence
+        that fits the pool could find it full of them and be finished "length"."""
+        kept = {n for n in self.wanted if n in self.adapter_pages}
+        self.pinned |= kept                 # in place: the adapter store shares the set
+        return self.wanted - kept
 
     # -- adapters ---------------------------------------------------------------------------------
     def pages_for(self, sizes: list[int], align: int = 16) -> int:
