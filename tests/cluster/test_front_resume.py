@@ -145,3 +145,16 @@ def test_a_broken_output_stream_aborts_the_request_on_its_replica(tokenizer, loo
     loop.run_until_complete(front._attempt(f, r))
     assert r.actor.aborted == ["r#0"] and front.failovers == 1 and f.moves == 1 and not r.ready
     assert f.replica is None and not f.done and not front._by_engine
+
+
+def test_a_refusal_keeps_the_field_at_fault():
+    """A replica's RequestError about a field other than the prompt reaches the front naming that field."""
+    from vlora.cluster.replica import raise_refusal, refusal
+    from vlora.engine.engine import RequestError
+
+    with pytest.raises(RequestError) as e:
+        raise_refusal(refusal(RequestError("task_head=True needs an adapter with a vision task head", "task_head")))
+    assert e.value.param == "task_head"
+    with pytest.raises(RequestError) as e:
+        raise_refusal(refusal(RequestError("prompt is empty")))
+    assert e.value.param is None

@@ -42,6 +42,7 @@ class Refusal:
 
     kind: str
     message: str
+    param: str | None = None     # a RequestError's field at fault
 
 
 # the exceptions a replica reports by name; the front raises the same classes as one engine would
@@ -54,11 +55,12 @@ def refusal(exc: Exception) -> Refusal:
     kind = next((name for name, cls in REFUSALS.items() if type(exc) is cls), None)
     if kind is None:                # a subclass (or an unexpected error): the nearest class the front knows
         kind = next((name for name, cls in REFUSALS.items() if isinstance(exc, cls)), "EngineFailed")
-    return Refusal(kind, str(exc))
+    return Refusal(kind, str(exc), getattr(exc, "param", None))
 
 
 def raise_refusal(r: Refusal):
-    raise REFUSALS.get(r.kind, EngineFailed)(r.message)
+    cls = REFUSALS.get(r.kind, EngineFailed)
+    raise cls(r.message) if r.param is None else cls(r.message, r.param)     # only RequestErrors carry a param
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class RequestError(ValueError):
-    """A request was refused before it entered the engine; nothing else changed."""
+    """A request was refused before it entered the engine; nothing else changed. ``param``: the request field at
+    fault, when it is not the prompt."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def resolve_device(name: str) -> torch.device:
@@ -188,7 +193,7 @@ class Engine:
                 raise RequestError(str(e.args[0])) from None
         if params.task_head and (packed is None or packed.name not in self.adapters.heads):
             raise RequestError(f"task_head=True needs an adapter with a vision task head; "
-                               f"{adapter or self.model_name!r} has none")
+                               f"{adapter or self.model_name!r} has none", param="task_head")
         ids = self._tokenize(prompt)
         ids, spans = self._images(ids, images)
         self._check_fits(ids, packed)

@@ -226,9 +226,7 @@ class OpenAIServer:
         except AdapterNotFound as e:
             raise APIError(404, str(e), param="model", code="model_not_found") from None
         except (RequestError, SamplingError) as e:
-            # the engine refuses task_head for a model without a task head (it alone knows which adapters have one)
-            param = "task_head" if str(e).startswith("task_head") else prompt_param
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=getattr(e, "param", None) or prompt_param) from None
 
     def check_accepting(self) -> None:
         if not self.engine.accepting:
@@ -385,15 +383,15 @@ class OpenAIServer:
         if req.lora_name != req.lora_name.strip():
             raise APIError(400, f"lora_name {quote(req.lora_name)} must not start or end with spaces",
                            param="lora_name")
+        taken = APIError(400, f"an adapter named {quote(req.lora_name)} is already loaded or still being unloaded "
+                              f"(unload it first)", param="lora_name", code="adapter_exists")
         if req.lora_name in self.engine.adapter_names:
-            raise APIError(400, f"an adapter named {quote(req.lora_name)} is already loaded (unload it first)",
-                           param="lora_name", code="adapter_exists")
+            raise taken
         path = await self.adapter_source(req.lora_path)
         try:
             await self.engine.load_adapter(req.lora_name, path)
-        except AdapterExists as e:              # loaded meanwhile, or still being unloaded
-            raise APIError(400, str(e).replace(repr(req.lora_name), quote(req.lora_name)), param="lora_name",
-                           code="adapter_exists") from None
+        except AdapterExists:                   # loaded meanwhile, or still being unloaded
+            raise taken from None
         except AdapterError as e:
             raise APIError(400, self.hide_paths(str(e), path, req.lora_path), param="lora_path",
                            code="invalid_adapter") from None
