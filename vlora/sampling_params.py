@@ -8,6 +8,12 @@ GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy: dividing logits by them overflows float32 (inf, then NaN
 probabilities), and at such a temperature sampling already picks the most likely token."""
 
+MAX_LOGPROBS = 20
+"""Most alternatives per token that ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's top_logprobs limit)."""
+
+MAX_LOGIT_BIAS = 300
+"""Most entries of ``logit_bias`` (OpenAI's limit)."""
+
 TOP_P_MIN = 1e-6
 """top_p values below this act as it: in float32 they round to 0 and would keep no token at all; at 1e-6 the most
 likely token alone is kept (its probability is at least 1 / vocabulary size), as it would be for any tinier p."""
@@ -41,6 +47,23 @@ class SamplingParams:
     """Forbid end-of-sequence and stop tokens until this many tokens are generated."""
     task_head: bool = False
     """Answer with the adapter's vision task head (label + scores after the prefill, no tokens); the adapter must carry one."""
+    min_p: float = 0.0
+    """Keep the tokens whose probability is at least min_p times the most likely one's (0 = all)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated (OpenAI's semantics, in [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated (OpenAI's semantics, in [-2, 2])."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or the output have positive logits divided by it and negative ones multiplied by it
+    (1 = off; > 1 discourages repeats)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling (a dict is accepted); biases in [-100, 100]."""
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: each generated token's log-probability and the k most likely alternatives'
+    (from the model's own distribution: before penalties, bias, temperature and truncation)."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: each prompt token's log-probability given the tokens before it, and the k most likely
+    alternatives' (the first prompt token has none). The request's prompt is computed in full (no prefix cache)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,10 +93,42 @@ class SamplingParams:
             raise SamplingError(f"task_head must be a bool, got {self.task_head!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise SamplingError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not _finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite_number(v) or not -2.0 <= v <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise SamplingError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple((t, float(b) if isinstance(b, int) and not isinstance(b, bool) else b) for t, b in bias)
+        except (TypeError, ValueError):
+            raise SamplingError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}") from None
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for t, b in bias:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if not _finite_number(b) or not -100.0 <= b <= 100.0:
+                raise SamplingError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise SamplingError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", bias)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
+                raise SamplingError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _finite_number(x) -> bool:

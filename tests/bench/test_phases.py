@@ -8,7 +8,6 @@ import pytest
 from tests.engine.test_async_scheduling import stub_llm
 from vlora import SamplingParams
 from vlora.bench.phases import PHASES, PhaseTimer, format_summary
-from vlora.engine import runner as runner_mod
 from vlora.engine import sampler
 
 
@@ -16,13 +15,13 @@ from vlora.engine import sampler
 def test_phases_add_up_and_are_undone(async_scheduling):
     llm = stub_llm(async_scheduling)
     eng = llm.engine
-    before = (eng.step, eng._schedule, runner_mod.sample_async, sampler.Sampled.result, eng.runner.graphs.run)
+    before = (eng.step, eng._schedule, eng.runner.sampler.sample, sampler.Sampled.result, eng.runner.graphs.run)
     timer = PhaseTimer(eng)
     llm.generate([[5, 6, 7]] * 4, None, SamplingParams(max_tokens=8, ignore_eos=True))
     timer.close()
-    assert (eng.step, eng._schedule, runner_mod.sample_async, sampler.Sampled.result,
+    assert (eng.step, eng._schedule, eng.runner.sampler.sample, sampler.Sampled.result,
             eng.runner.graphs.run) == before
-    assert "step" not in vars(eng) and "_schedule" not in vars(eng)
+    assert "step" not in vars(eng) and "_schedule" not in vars(eng) and "sample" not in vars(eng.runner.sampler)
     steps = timer.steps
     assert steps and not steps[0]["decode_only"] and steps[-1]["decode_only"]
     for s in steps:

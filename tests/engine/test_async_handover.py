@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-import vlora.engine.runner as runner_module
 from tests.helpers import make_tiny_model
 from vlora import LLM, SamplingParams
 from vlora.engine.async_engine import AsyncEngine, Job
@@ -25,13 +24,13 @@ def test_outputs_reach_the_loop_before_the_next_forward_is_waited_on(model_path,
     llm = LLM(model_path, num_blocks=32, block_size=4, max_model_len=64, max_num_batched_tokens=4)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     reference = [o.token_ids for o in llm.generate(PROMPTS, None, params)]
-    held_at_sample, real_sample = [], runner_module.sample
+    held_at_sample, real_sample = [], llm.engine.runner.sampler.sample
 
     def sample(*args, **kw):           # the first wait on an iteration's forward
         held_at_sample.append(sum(len(v) for v in ae._held.values()))
         return real_sample(*args, **kw)
 
-    monkeypatch.setattr(runner_module, "sample", sample)
+    monkeypatch.setattr(llm.engine.runner.sampler, "sample", sample)
 
     async def main():
         ae.start()

@@ -41,14 +41,10 @@ class PhaseTimer:
         self._wrap(runner, "launch", "runner")
         self._wrap(engine, "_finish", "finish")
         self._wrap(engine.memory, "after", "memory.after")
-        self._wrap(sampler, "sample_async", "sample")
+        self._wrap(runner.sampler, "sample", "sample")
         self._wrap(sampler.Sampled, "result", "wait")
         if runner.graphs is not None:
             self._wrap(runner.graphs, "run", "stage+replay", self._around_replay)
-        # the runner imported the sampler's functions by name
-        from vlora.engine import runner as runner_mod
-
-        self._wrap(runner_mod, "sample_async", "sample")
 
     def _wrap(self, obj, name: str, phase: str, around=None) -> None:
         had = name in vars(obj)

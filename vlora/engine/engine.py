@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass, replace
 
@@ -37,7 +38,7 @@ from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import Launched, ModelRunner
 from vlora.engine.plan import StepPlan
 from vlora.engine.scheduler import Scheduler
-from vlora.engine.sequence import RequestOutput, Sequence
+from vlora.engine.sequence import RequestOutput, Sequence, TokenLogprobs
 from vlora.lora.adapter import ModelShape
 from vlora.lora.batch import LoRALaunch, PackedAdapter
 from vlora.lora.registry import AdapterRegistry
@@ -167,7 +168,7 @@ class Engine:
         # adapters being unloaded once their requests finish (AsyncEngine's wait policy): their requests are not
         # handed back, since no other replica takes a request of an adapter being unloaded
         self.unloading: set[str] = set()
-        self._rng = torch.Generator(self.device).manual_seed(config.model.seed)
+        self._rng = random.Random(config.model.seed)   # the sampling seeds of requests that bring none
 
     @property
     def model_name(self) -> str:
@@ -194,15 +195,22 @@ class Engine:
         if params.task_head and (packed is None or packed.name not in self.adapters.heads):
             raise RequestError(f"task_head=True needs an adapter with a vision task head; "
                                f"{adapter or self.model_name!r} has none", param="task_head")
+        vocab = self.model.cfg.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab})", param="logit_bias")
         ids = self._tokenize(prompt)
         ids, spans = self._images(ids, images)
         self._check_fits(ids, packed)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
-        gen = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, packed, next(self._arrivals),
-                       prompt=prompt if isinstance(prompt, str) else None, generator=gen, slo=slo, images=spans)
+                       prompt=prompt if isinstance(prompt, str) else None, sample_seed=seed, slo=slo, images=spans)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -575,13 +583,17 @@ class Engine:
                 results.append(self._fail(seq, f"finishing the step failed: {describe(e)}"))
         return results
 
-    def _advance(self, seq: Sequence, token: int | TaskResult) -> RequestOutput:
+    def _advance(self, seq: Sequence, token: int | TokenLogprobs | TaskResult) -> RequestOutput:
         """Append a sampled token (or a task head's answer) to ``seq``; stop checks; its output."""
         if isinstance(token, TaskResult):   # answered by the adapter's task head: no decode
             seq.task = token
             self.scheduler.finish(seq, "stop")
             del self._seqs[seq.request_id]
             return self._output(seq, [])
+        if isinstance(token, TokenLogprobs):   # a row that asked for logprobs: the token and its logprobs
+            seq.logprobs.append(token)
+            seq.cumulative_logprob += token.logprob
+            token = token.token_id
         seq.output_token_ids.append(token)
         seq.last_progress = time.monotonic()
         reason = self._stop_reason(seq, token)
@@ -597,7 +609,7 @@ class Engine:
         seq.finish_reason = "error"
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
-                             seq.text, True, "error", [], "", reason, seq.task)
+                             seq.text, True, "error", [], "", reason, seq.task, *_logprobs(seq))
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -613,7 +625,15 @@ class Engine:
     def _output(self, seq: Sequence, new_tokens: list[int], error: str | None = None) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.adapter_name, seq.prompt_token_ids, list(seq.output_token_ids),
                              seq.text, seq.is_finished, seq.finish_reason, new_tokens,
-                             self.detokenizer.stream_delta(seq), error, seq.task)
+                             self.detokenizer.stream_delta(seq), error, seq.task, *_logprobs(seq))
+
+
+def _logprobs(seq: Sequence) -> tuple:
+    """(logprobs, prompt_logprobs, cumulative_logprob) of a RequestOutput: copies of what ``seq`` asked for."""
+    lp = seq.logprobs
+    return (None if lp is None else list(lp),
+            None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+            None if lp is None else seq.cumulative_logprob)
 
 
 def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, kernel_lora: bool):

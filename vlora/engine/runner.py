@@ -14,9 +14,9 @@ import torch
 
 from vlora.engine.faults import RequestFailed, describe, is_fatal
 from vlora.engine.modes import ModeSwitcher
-from vlora.engine.sampler import Sampled, sample, sample_async
+from vlora.engine.sampler import Sampled, Sampler
 from vlora.engine.scheduler import ScheduledSeq
-from vlora.engine.sequence import Sequence
+from vlora.engine.sequence import Sequence, TokenLogprobs
 from vlora.lora.batch import LoRABatch, LoRALaunch
 from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
@@ -55,8 +55,7 @@ class ModelRunner:
             self.group_widths, self.group_in = lora_groups(getattr(model, "local_cfg", model.cfg))
         self.graphs = None
         self._seg_cache = None        # (row adapters, merged adapter, mixed launch, segments) of the last replay
-        self._host_tokens = None      # two page-locked rows the sampled tokens land in (two iterations in flight)
-        self._slot = 0
+        self.sampler = Sampler(model.cfg.vocab_size, eos_token_ids, device)
         # called once per forward, after it is queued and before anything waits for it (the async engine
         # hands the previous iteration's outputs to the event loop then)
         self.before_sync: Callable[[], None] | None = None
@@ -74,10 +73,6 @@ class ModelRunner:
                                                  self.adapters.max_rank)
         self.graphs = make(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
                             scratch, lora, columns, self.lora_launch)
-        if self.device.type == "cuda":
-            from vlora.memory.pinned import pinned_empty
-
-            self._host_tokens = pinned_empty((2, 2 * self.graphs.max_batch), torch.long)   # tokens + flags
 
     def capture_graphs(self, mixed: bool = False) -> None:
         """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands
@@ -228,7 +223,7 @@ class ModelRunner:
         if not samplers:
             return answers
         logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
-        tokens = sample(logits, samplers, self.eos_token_ids)
+        tokens = self.sampler.sample(logits, samplers).result()
         return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
 
     def can_launch(self, scheduled: tuple[ScheduledSeq, ...]) -> bool:
@@ -250,9 +245,7 @@ class ModelRunner:
         if logits is None:
             return None
         samplers = [s.seq for s in ordered]
-        slot, self._slot = self._slot, 1 - self._slot          # the iteration in flight holds the other one
-        out = None if self._host_tokens is None else self._host_tokens[slot]
-        launched = Launched(samplers, sample_async(logits, samplers, self.eos_token_ids, out))
+        launched = Launched(samplers, self.sampler.sample(logits, samplers, pinned=self.device.type == "cuda"))
         self._launched()
         return launched
 
@@ -313,7 +306,7 @@ class Launched:
         self.seqs, self.sampled = seqs, sampled
         self.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
 
-    def result(self) -> dict[str, int | RequestFailed]:
+    def result(self) -> dict[str, int | TokenLogprobs | RequestFailed]:
         return {seq.request_id: t for seq, t in zip(self.seqs, self.sampled.result())}
 
 

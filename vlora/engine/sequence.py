@@ -51,7 +51,6 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0                      # leading blocks that came from the prefix cache (pinned there)
-    generator: torch.Generator | None = None
     finish_reason: str | None = None         # "stop" | "length" | "abort" | "rejected" (SLO early abort) | "error"
     #                                          | "migrate" (handed back to the cluster front, resumed elsewhere)
     text: str = ""                           # detokenized output (stop string excluded)
@@ -68,6 +67,12 @@ class Sequence:
     task: "TaskResult | None" = None         # the adapter's task head answer (task_head requests)
     mrope: torch.Tensor | None = None        # M-RoPE (Qwen2-VL) prompt with images: [3, prompt len] t/h/w positions
     rope_delta: int = 0                      # M-RoPE: a token after the prompt sits at its index + rope_delta
+    sample_seed: int = 0                     # the sampler's counter-based stream: the request's seed, else drawn
+    #                                          from the engine's generator when added
+    logprobs: list["TokenLogprobs"] | None = None          # params.logprobs set: one per output token
+    prompt_logprobs: list["TokenLogprobs | None"] | None = None   # params.prompt_logprobs set: one per prompt
+    #                                          token computed so far (the first is None)
+    cumulative_logprob: float = 0.0          # sum of the output tokens' logprobs (when logprobs is set)
 
     def __post_init__(self):
         if any(span.grid is not None for span in self.images):
@@ -119,6 +124,15 @@ class Sequence:
         return self.status is Status.FINISHED
 
 
+class TokenLogprobs(NamedTuple):
+    """A token's log-probability under the model (log-softmax of its logits, before penalties, bias, temperature
+    and truncation) and the ``k`` most likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) pairs
+
+
 class RequestOutput(NamedTuple):
     """What a request has produced so far; ``delta_*`` is what is new since the last one. (A named tuple: one is
     made per request per iteration, and a frozen dataclass costs several times as much to make.)"""
@@ -135,3 +149,6 @@ class RequestOutput(NamedTuple):
     error: str | None = None                 # why a request was refused after admission (finish "rejected") or
     #                                          failed while served (finish "error")
     task: "TaskResult | None" = None         # task_head requests: the head's label and scores (no tokens)
+    logprobs: list[TokenLogprobs] | None = None        # params.logprobs set: one per token of token_ids
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # params.prompt_logprobs set: one per prompt token
+    cumulative_logprob: float | None = None  # params.logprobs set: sum of the logprobs of token_ids
