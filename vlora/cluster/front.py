@@ -18,8 +18,9 @@ The OpenAI server and ``LLM(replicas=N)`` use it as they use one engine (``submi
 
 A resumed request's text is detokenized here over all its tokens (the replica sees the earlier ones as prompt),
 so text and stop strings are the same as without the move. Greedy requests give exactly the tokens of an
-unmoved run; a seeded sampled request resumes with seed + tokens already sent (modulo 2**63), so its tokens
-depend on where it moved (the engine's sampler state is not carried over).
+unmoved run, and so do seeded sampled ones: the sampler's noise is keyed by (seed, position of the token), and a
+resumed request keeps its seed and its positions (penalties then count the tokens sent before the move as prompt).
+Logprobs are carried across the move; prompt logprobs are those of the first replica.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class _Flight:
     prompt_ids: list[int] | None
     accepted: asyncio.Future
     tokens: list[int] = field(default_factory=list)     # sent to the client
+    logprobs: list | None = None                         # their TokenLogprobs (params.logprobs set)
+    prompt_logprobs: list | None = None                  # of the first replica (params.prompt_logprobs set)
     emitted: int = 0                                     # characters of text sent to the client
     attempt: int = 0
     replica: _ReplicaHandle | None = None
@@ -386,8 +389,7 @@ class ClusterFront:
         if n == 0:
             return replace(f.job, request_id=engine_id, prompt=f.prompt_ids or f.job.prompt)
         p = f.job.params
-        params = replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n),
-                         seed=None if p.seed is None else (p.seed + n) % 2**63)   # a seed is below 2**63
+        params = replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n), prompt_logprobs=None)
         self._text_here(f)
         return replace(f.job, request_id=engine_id, prompt=f.prompt_ids + f.tokens, params=params)
 
@@ -472,6 +474,10 @@ class ClusterFront:
         if f.done:
             return
         f.tokens.extend(out.delta_token_ids)
+        if out.logprobs is not None and out.delta_token_ids:
+            f.logprobs = (f.logprobs or []) + out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
+        if f.prompt_logprobs is None and out.prompt_logprobs is not None:
+            f.prompt_logprobs = out.prompt_logprobs
         if f.prompt_ids is None:
             f.prompt_ids = list(out.prompt_token_ids)
         finished, reason = out.finished, out.finish_reason
@@ -489,7 +495,8 @@ class ClusterFront:
         f.emitted += len(delta)
         f.done = finished
         self._deliver(f, RequestOutput(f.job.request_id, f.job.adapter, f.prompt_ids, list(f.tokens), text,
-                                       finished, reason, list(out.delta_token_ids), delta, out.error, out.task))
+                                       finished, reason, list(out.delta_token_ids), delta, out.error, out.task,
+                                       *_logprobs(f)))
 
     def _text_here(self, f: _Flight) -> Seq | None:
         """From now on ``f``'s text is detokenized here, over all its tokens (None: no tokenizer)."""
@@ -508,7 +515,7 @@ class ClusterFront:
             text, delta = seq.text, self._detok.stream_delta(seq)
             f.emitted += len(delta)
         return RequestOutput(f.job.request_id, f.job.adapter, f.prompt_ids or [], list(f.tokens), text, True,
-                             reason, [], delta)
+                             reason, [], delta, None, None, *_logprobs(f))
 
     def _deliver(self, f: _Flight, out: RequestOutput) -> None:
         if f.job.request_id in f.group._unfinished:     # not after the group failed
@@ -643,3 +650,11 @@ def _fire(ref) -> None:
 
 async def _awaitable(ref):
     return await ref
+
+
+def _logprobs(f: _Flight) -> tuple:
+    """(logprobs, prompt_logprobs, cumulative_logprob) of ``f``'s RequestOutput, over all its replicas."""
+    if f.job.params.logprobs is None:
+        return None, f.prompt_logprobs, None
+    lp = f.logprobs or []
+    return list(lp), f.prompt_logprobs, sum(t.logprob for t in lp)
