@@ -217,6 +217,7 @@ class ModelRunner:
         hidden = self.model(fb, self.kv_cache)
         self._launched()
         self._drop_images(ordered)
+        self._prompt_logprobs(ordered, hidden)
         if not samplers:
             return {}
         answers, samplers, hidden = self._task_heads(samplers, hidden[fb.logits_rows])
@@ -225,6 +226,39 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
         tokens = self.sampler.sample(logits, samplers).result()
         return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
+
+    def _prompt_logprobs(self, ordered: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """Append to each sequence that asked for prompt logprobs those of the prompt tokens its chunk predicts
+        (the logits of position p score token p + 1), from this forward's hidden rows; positions already scored
+        (before a preemption) are skipped."""
+        rows, targets, owners = [], [], []
+        row = 0
+        for s in ordered:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            have = seq.prompt_logprobs
+            if have is not None:
+                for p in range(max(len(have), start + 1), min(start + n, len(seq.prompt_token_ids) - 1) + 1):
+                    rows.append(row + p - 1 - start)
+                    targets.append(seq.prompt_token_ids[p])
+                    owners.append(seq)
+            row += n
+        if not rows:
+            return
+        k = max(seq.params.prompt_logprobs for seq in owners)
+        chosen, top_v, top_i = [], [], []
+        for lo in range(0, len(rows), 256):          # the logits of 256 positions at a time
+            idx = torch.tensor(rows[lo:lo + 256], device=hidden.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, idx)), dim=-1)
+            tgt = torch.tensor(targets[lo:lo + 256], device=hidden.device)
+            chosen += lp.gather(1, tgt[:, None])[:, 0].tolist()
+            if k:
+                top = lp.topk(k, dim=-1)
+                top_v += top.values.tolist()
+                top_i += top.indices.tolist()
+        for j, (seq, t) in enumerate(zip(owners, targets)):
+            own = seq.params.prompt_logprobs
+            top = tuple(zip(top_i[j][:own], top_v[j][:own])) if own else ()
+            seq.prompt_logprobs.append(TokenLogprobs(t, chosen[j], top))
 
     def can_launch(self, scheduled: tuple[ScheduledSeq, ...]) -> bool:
         """Whether the iteration is a decode the graphs replay (:meth:`launch` queues it without waiting)."""

@@ -110,7 +110,7 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> None:
         """A fresh sequence starts from the longest prefix cached under its adapter."""
-        if self.cache is None or seq.blocks or seq.num_computed:
+        if self.cache is None or seq.blocks or seq.num_computed or _needs_prompt_logits(seq):
             return
         pages = self.cache.match(seq.adapter_name, seq.cache_keys(0, seq.num_tokens))
         seq.blocks, seq.num_cached = pages, len(pages)
@@ -126,7 +126,7 @@ class Scheduler:
         if seq.blocks or seq.num_computed:
             return True
         unpinned = pinned = host = 0
-        if self.cache is not None:
+        if self.cache is not None and not _needs_prompt_logits(seq):
             unpinned, pinned, host = self.cache.peek(seq.adapter_name, seq.cache_keys(0, seq.num_tokens))
         matched = unpinned + pinned + host
         n = min(seq.num_tokens - matched * self.block_size, budget)
@@ -226,3 +226,9 @@ class Scheduler:
         self._computed_before.pop(seq.request_id, None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+
+def _needs_prompt_logits(seq: Sequence) -> bool:
+    """Whether ``seq`` still needs the logits of prompt positions (prompt logprobs): its prompt is then computed
+    in full, not taken from the prefix cache."""
+    return seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
