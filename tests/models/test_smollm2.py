@@ -66,3 +66,22 @@ def test_stop_strings_and_streamed_text(smollm):
     assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
     streamed = list(llm.stream(prompt, "r8", SamplingParams(max_tokens=40, stop=(stop,))))
     assert "".join(o.delta_text for o in streamed) == cut.text
+
+
+def test_logprobs_equal_peft_log_softmax(smollm):
+    """Logprobs of generated and prompt tokens, through the base model and an adapter, equal the log-softmax of
+    transformers + PEFT's logits; the top alternatives come in the same order."""
+    llm, pm = smollm
+    prompt = llm.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}])
+    sp = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=5, prompt_logprobs=1, ignore_eos=True)
+    for adapter in (None, "r8"):
+        out = llm.generate([prompt], adapter, sp)[0]
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            ref = torch.log_softmax(pm(input_ids=ids, adapter_names=[adapter or "__base__"]).logits[0].float(), -1)
+        for j, lp in enumerate(out.logprobs):
+            row = ref[len(prompt) - 1 + j]
+            assert lp.logprob == pytest.approx(row[out.token_ids[j]].item(), abs=2e-3)
+            assert [t for t, _ in lp.top] == row.topk(5).indices.tolist()
+        assert [lp.logprob for lp in out.prompt_logprobs[1:]] == pytest.approx(
+            [ref[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=2e-3)

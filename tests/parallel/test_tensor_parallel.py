@@ -234,3 +234,20 @@ def test_tp2_adapter_reloaded_under_its_name_while_merged_reaches_the_workers(ti
         assert ran[Mode.MERGED] > merged
     finally:
         two.close()
+
+
+def test_tp2_seeded_sampling_and_logprobs_equal_one_process(tiny_llama):
+    """A seeded sampled request (penalties, bias, logprobs) gives the tokens of one process: rank 0 samples, and
+    the sampler's noise depends only on the seed, the position and the token."""
+    path, adapters = tiny_llama
+    sp = SamplingParams(max_tokens=8, temperature=1.2, top_p=0.95, top_k=30, seed=7, ignore_eos=True,
+                        presence_penalty=0.5, repetition_penalty=1.3, logit_bias={4: 3.0}, logprobs=2)
+    want = engine(path, adapters, 1).generate(PROMPTS, NAMES, sp)
+    two = engine(path, adapters, 2)
+    try:
+        got = two.generate(PROMPTS, NAMES, sp)
+    finally:
+        two.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
