@@ -241,7 +241,11 @@ def test_cuda_async_scheduling_keeps_tokens(tmp_path):
     greedy = [o.token_ids for o in sync.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
     stops = [SamplingParams(max_tokens=9, stop_token_ids=[toks[2]]) for toks in greedy]
     seeded = [SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(7)]
-    for sps in (GRAPH_SPS, stops, seeded):
+    mixed = [SamplingParams(max_tokens=9, temperature=[0.0, 0.7, 1.1][i % 3], top_k=[0, 20, 5][i % 3], seed=i,
+                            min_p=0.05 * (i % 2), presence_penalty=0.5, frequency_penalty=0.3 * (i % 2),
+                            repetition_penalty=1.0 + 0.2 * (i % 3), logit_bias={3: 2.0, 5: -1.0}, min_tokens=4,
+                            logprobs=i % 4, stop_token_ids=[toks[2]]) for i, toks in enumerate(greedy)]
+    for sps in (GRAPH_SPS, stops, seeded, mixed):
         want = [o.token_ids for o in sync.generate(GRAPH_PROMPTS, GRAPH_NAMES, sps)]
         assert [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, sps)] == want
     assert llm.engine.num_overlapped > 0 and sync.engine.num_overlapped == 0

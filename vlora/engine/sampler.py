@@ -199,9 +199,10 @@ def _penalize(x: torch.Tensor, penalties, counts: TokenCounts) -> torch.Tensor:
 
 def _draw(x: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [S] int64, ok [S] bool): the argmax for greedy rows, a Gumbel-max draw for sampled ones."""
-    greedy = x.argmax(dim=-1)
     if b.all_greedy:
+        greedy = x.argmax(dim=-1)
         return greedy, torch.ones_like(greedy, dtype=torch.bool)
+    greedy = None if b.all_sampled else x.argmax(dim=-1)
     x = x / b.temperature
     ids = None
     if b.truncates:

@@ -18,10 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from vlora.kernels.compiles import jit
+
 BLOCK = 2048
 
 
-@triton.jit
+# the sizes follow the batch (top-k, vocabulary): unspecialised, two variants in all (with and without ids)
+@jit(ints=("K", "stride_x", "stride_ids", "num_blocks"), pointers=("x_ptr", "ids_ptr", "seed_ptr", "pos_ptr"))
 def _gumbel_argmax_kernel(x_ptr, ids_ptr, seed_ptr, pos_ptr, val_ptr, tok_ptr, K, stride_x, stride_ids, num_blocks,
                           HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -72,3 +75,12 @@ def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
     if nb == 1:
         return toks[:, 0]
     return toks.gather(1, vals.argmax(dim=1, keepdim=True))[:, 0]
+
+
+def build_variants(device: torch.device) -> int:
+    """Launch both variants once (start-up, before the first request); returns the launches."""
+    x = torch.zeros(2, 3, dtype=torch.float32, device=device)
+    z = torch.zeros(2, dtype=torch.int64, device=device)
+    gumbel_argmax(x, z, z)
+    gumbel_argmax(x, z, z, torch.zeros(2, 3, dtype=torch.int64, device=device))
+    return 2
