@@ -94,13 +94,14 @@ def test_stop_string_across_the_move_mid_stream_aborts_the_replica(tokenizer, lo
     assert f.engine_id in _Replica.actor.aborted
 
 
-def test_a_seed_at_the_top_of_its_range_resumes(tokenizer, loop):
-    """A seeded request resumes with its seed moved on by the tokens sent, kept in the range a seed may take."""
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**63 - 1)
+def test_a_resumed_request_keeps_its_seed(tokenizer, loop):
+    """A seeded request resumes with its own seed (the sampler's noise is keyed by the token's position, which the
+    resumed request keeps); prompt logprobs are the first replica's, not asked again over the moved tokens."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2**63 - 1, prompt_logprobs=2)
     front = front_with(tokenizer)
     f = moved_flight(front, tokenizer, params, tokenizer.encode("hello"), loop)
     job = front._resume_job(f)
-    assert 0 <= job.params.seed < 2**63 and job.params.seed != params.seed
+    assert job.params.seed == params.seed and job.params.prompt_logprobs is None
 
 
 def test_abort_between_placements_ends_with_the_text_streamed(tokenizer, loop):

@@ -72,6 +72,18 @@ def test_seeded_and_penalised_rows_equal_in_the_async_and_sync_loops():
     assert alone == want[:2]
 
 
+def test_a_seeded_request_resumed_from_its_tokens_continues_its_stream(tiny):
+    """What the cluster front does when it moves a request: a new request of prompt + the tokens sent so far, with
+    the same seed, draws the tokens the unmoved request drew next (repetition penalty and bias included: they
+    see prompt and output alike)."""
+    path, _ = tiny
+    sp = SamplingParams(**{**SEEDED.__dict__, "presence_penalty": 0.0, "frequency_penalty": 0.0})
+    llm = engine(path)
+    whole = llm.generate([PROMPT], None, sp)[0].token_ids
+    rest = SamplingParams(**{**sp.__dict__, "max_tokens": sp.max_tokens - 5})
+    assert llm.generate([PROMPT + whole[:5]], None, rest)[0].token_ids == whole[5:]
+
+
 def _reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
