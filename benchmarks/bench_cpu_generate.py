@@ -1,9 +1,11 @@
-"""vlora vs transformers+PEFT: mixed-adapter greedy generation on CPU.
+"""vlora vs transformers+PEFT: mixed-adapter generation on CPU, greedy and sampled.
 
 Both systems serve the same requests (chat prompts of varying length, adapters
-assigned round-robin, fixed output length, greedy) on the embedded
-SmolLM2-135M-Instruct in float32. Runs alternate A B A B after one smaller
-warm-up of each; the best time per system is reported (the median is kept too).
+assigned round-robin, fixed output length) on the embedded SmolLM2-135M-Instruct
+in float32, greedy (identical tokens expected) and sampled (temperature 0.8,
+top_p 0.95, top_k 50: the same work, different draws). Runs alternate A B C D
+after one smaller warm-up of each; the best time per system is reported (the
+median is kept too).
 
     python benchmarks/bench_cpu_generate.py            # 32 requests x 64 tokens, 4 adapters
     python benchmarks/bench_cpu_generate.py --requests 8 --max-tokens 16 --rounds 1
@@ -34,6 +36,7 @@ from vlora.bench.baselines import PeftBaseline  # noqa: E402
 from vlora.models.loader import resolve_model_dir  # noqa: E402
 
 RANKS = (8, 16, 16, 32)
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}       # what chat clients send
 QUESTIONS = [
     "Hi!",
     "What is 2 + 2?",
@@ -129,15 +132,18 @@ def main() -> None:
         log("loading transformers + PEFT")
         peft = PeftBaseline.from_pretrained(model_dir, {n: str(p) for n, p in adapters.items()})
 
-        def run_vlora(n: int, max_tokens: int) -> list[list[int]]:
+        def run_vlora(n: int, max_tokens: int, sampling: dict | None = None) -> list[list[int]]:
             # min_tokens bans EOS as PEFT's min_new_tokens does, so both pick the same greedy tokens
-            sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                                **(sampling or {"temperature": 0.0}))
             return [o.token_ids for o in llm.generate(prompts[:n], adapters=req_adapters[:n], sampling=sp)]
 
-        def run_peft(n: int, max_tokens: int) -> list[list[int]]:
-            return peft.generate(prompts[:n], req_adapters[:n], max_tokens, args.peft_batch_size)
+        def run_peft(n: int, max_tokens: int, sampling: dict | None = None) -> list[list[int]]:
+            return peft.generate(prompts[:n], req_adapters[:n], max_tokens, args.peft_batch_size, sampling)
 
-        systems = {"vlora": run_vlora, "peft": run_peft}
+        systems = {"vlora": run_vlora, "peft": run_peft,
+                   "vlora_sampled": lambda n, t: run_vlora(n, t, SAMPLED),
+                   "peft_sampled": lambda n, t: run_peft(n, t, SAMPLED)}
         warm_n, warm_tokens = max(1, min(args.requests, max(args.adapters, args.requests // 4))), min(8, args.max_tokens)
         for name, fn in systems.items():
             t = time.perf_counter()
@@ -184,11 +190,15 @@ def main() -> None:
         res[name] = {"seconds_best": best, "seconds_median": statistics.median(times[name]),
                      "seconds_all": times[name], "output_tok_per_s": total_tokens / best}
     ratio = res["vlora"]["output_tok_per_s"] / res["peft"]["output_tok_per_s"]
+    sampled_ratio = res["vlora_sampled"]["output_tok_per_s"] / res["peft_sampled"]["output_tok_per_s"]
+    kept = res["vlora_sampled"]["output_tok_per_s"] / res["vlora"]["output_tok_per_s"]
 
-    print(f"\n{'system':<20}{'seconds':>10}{'tok/s':>10}")
-    for name, label in (("vlora", "vlora"), ("peft", "transformers+PEFT")):
-        print(f"{label:<20}{res[name]['seconds_best']:>10.2f}{res[name]['output_tok_per_s']:>10.1f}")
-    print(f"vlora/PEFT throughput ratio: {ratio:.2f}x  (best of {args.rounds} rounds each)")
+    print(f"\n{'system':<28}{'seconds':>10}{'tok/s':>10}")
+    for name, label in (("vlora", "vlora greedy"), ("peft", "transformers+PEFT greedy"),
+                        ("vlora_sampled", "vlora sampled"), ("peft_sampled", "transformers+PEFT sampled")):
+        print(f"{label:<28}{res[name]['seconds_best']:>10.2f}{res[name]['output_tok_per_s']:>10.1f}")
+    print(f"vlora/PEFT throughput ratio: greedy {ratio:.2f}x, sampled {sampled_ratio:.2f}x; vlora sampled / greedy "
+          f"{kept:.2f}  (best of {args.rounds} rounds each)")
 
     record = {
         "benchmark": "cpu_generate",
@@ -200,10 +210,11 @@ def main() -> None:
         "config": {"model": model_dir.name, "dtype": "float32", "threads": args.threads,
                    "requests": args.requests, "adapters": args.adapters,
                    "ranks": [RANKS[i % len(RANKS)] for i in range(args.adapters)], "targets": ALL_TARGETS,
-                   "adapter_assignment": "round-robin", "max_tokens": args.max_tokens, "greedy": True,
+                   "adapter_assignment": "round-robin", "max_tokens": args.max_tokens, "sampled": SAMPLED,
                    "fixed_length": True, "rounds": args.rounds, "peft_batch_size": args.peft_batch_size,
                    "prompt_tokens": lens},
         "results": {**res, "throughput_ratio_vlora_over_peft": ratio,
+                    "throughput_ratio_vlora_over_peft_sampled": sampled_ratio, "vlora_sampled_over_greedy": kept,
                     "identical_requests": same, "differ_at_eos": eos_split,
                     "differ_elsewhere": len(near_tie_at), "output_tokens_per_run": total_tokens},
     }

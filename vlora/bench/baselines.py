@@ -47,8 +47,9 @@ class PeftBaseline:
 
     @torch.inference_mode()
     def generate(self, prompts_token_ids: list[list[int]], adapter_names: list[str | None],
-                 max_new_tokens: int, batch_size: int) -> list[list[int]]:
-        """Greedy, exactly ``max_new_tokens`` per request, in static batches; token ids per request."""
+                 max_new_tokens: int, batch_size: int, sampling: dict | None = None) -> list[list[int]]:
+        """Exactly ``max_new_tokens`` per request, in static batches; token ids per request. Greedy, or sampled
+        with ``sampling``'s ``generate`` arguments (temperature, top_p, top_k)."""
         if len(prompts_token_ids) != len(adapter_names):
             raise ValueError(f"{len(adapter_names)} adapter names for {len(prompts_token_ids)} prompts")
         if not self.has_adapters and any(n is not None for n in adapter_names):
@@ -65,6 +66,6 @@ class PeftBaseline:
                 kwargs["adapter_names"] = [BASE if n is None else n for n in adapter_names[i:i + batch_size]]
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                do_sample=False, pad_token_id=self.pad_token_id, **kwargs)
+                do_sample=sampling is not None, pad_token_id=self.pad_token_id, **(sampling or {}), **kwargs)
             outputs.extend(row[width:].tolist() for row in out)
         return outputs
