@@ -42,8 +42,14 @@ VALID = {   # field -> a valid value
     "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(-1, 2**70), "seed": st.integers(0, 2**63 - 1),
     "n": st.integers(1, 2), "stop": st.one_of(GOOD_TEXT.filter(bool), st.lists(GOOD_TEXT.filter(bool), max_size=3)),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3), "min_tokens": st.integers(0, 3),
-    "stream": st.booleans(), "ignore_eos": st.booleans(), "user": GOOD_TEXT, "frequency_penalty": st.just(0),
-    "presence_penalty": st.just(0.0), "logit_bias": st.just({}),
+    "stream": st.booleans(), "ignore_eos": st.booleans(), "user": GOOD_TEXT, "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0, 10, exclude_min=True),
+    "min_p": st.floats(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
+}
+ROUTE_VALID = {     # fields whose meaning differs by route: route -> field -> a valid value
+    "chat": {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)},
+    "completions": {"logprobs": st.integers(0, 20), "echo": st.booleans(), "best_of": st.integers(1, 3)},
 }
 PATH = st.one_of(st.sampled_from(["late-r8", "../late-r8", "/etc", "late-r8\x00", "file:///late-r8", "nope",
                                   "", "a" * 300]), TEXT)
@@ -68,9 +74,10 @@ def request(draw):
         body = {"lora_name": draw(TEXT.filter(lambda s: s not in ADAPTERS and s not in EXTRA))}
     else:
         path, required, limits = ROUTES[route]
-        fields = required + limits[:1] + draw(st.lists(st.sampled_from(OPTIONAL + limits[1:]), max_size=4,
-                                                       unique=True))
-        body = {name: draw(VALID[name]) for name in fields}
+        valid = {**VALID, **ROUTE_VALID[route]}
+        optional = OPTIONAL + limits[1:] + sorted(ROUTE_VALID[route])
+        fields = required + limits[:1] + draw(st.lists(st.sampled_from(optional), max_size=4, unique=True))
+        body = {name: draw(valid[name]) for name in fields}
         if body.get("stream") and draw(st.booleans()):
             body["stream_options"] = {"include_usage": draw(st.booleans())}
         # about 3 in 7 bodies stay valid; the others get one to three fields made anything

@@ -10,8 +10,9 @@ Policies (docs/server.md has the full list):
   (application/json, UTF-8, bounded size and depth, no lone surrogates), numbers in range
   and finite, token ids inside the vocabulary, paths free of NUL; errors name the field
   and quote at most 100 characters of what was sent, never a server path;
-- the event loop does no heavy work: parsing, tokenizing, chat templates and image
-  decoding run in a small thread pool, so /health answers while a large request is read;
+- the event loop does no heavy work: parsing, tokenizing, chat templates, image
+  decoding and logprobs (token text, whole answers' JSON) run in a small thread pool,
+  so /health answers while a large request is read;
 - unknown request fields are a 400 naming the field (typos never pass silently);
 - ``max_tokens`` larger than the context allows (prompt + max_tokens > context) is a
   400, as OpenAI and vLLM do; without max_tokens a chat answer may fill the context
@@ -24,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import os
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from huggingface_hub import constants as hub_constants
@@ -50,6 +53,7 @@ from vlora.sampling_params import SamplingError, SamplingParams
 from vlora.server import protocol as P
 from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
+from vlora.server.logprobs import TokenTexts, generated, prompt_items
 from vlora.server.metrics import ServerMetrics
 from vlora.server.workers import HeavyWork
 
@@ -106,6 +110,7 @@ class OpenAIServer:
                               f"--served-model-name")
         # the workers tokenize with their own copies; the engine thread detokenizes with the original
         self.work = HeavyWork(e.tokenizer)
+        self.texts = TokenTexts(self.work)      # token text for logprobs, decoded in the workers
         self.has_tokenizer = e.tokenizer is not None
         self.context_len = e.context_len
         self.vocab_size = e.vocab_size
@@ -195,20 +200,35 @@ class OpenAIServer:
 
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
              request_id: str, images: list | None = None) -> list[Job]:
+        """One job per candidate answer (``n``, or ``best_of``); candidate *i* samples with ``seed + i``."""
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+        bias = req.logit_bias_pairs()
+        for t, _ in bias:
+            if t >= self.vocab_size:
+                raise APIError(400, f"logit_bias names token id {quote(t)}, outside the vocabulary "
+                                    f"[0, {self.vocab_size})", param="logit_bias", code="invalid_token_id")
+        count = req.num_candidates()
         limit = self.engine.max_queued_requests      # a call's choices are queued all or none
-        if req.n > limit:
-            raise APIError(400, f"n={req.n} is more than the {limit} requests this server queues at once "
-                                f"(--max-queued-requests)", param="n")
+        if count > limit:
+            field = "n" if count == req.n else "best_of"
+            raise APIError(400, f"{field}={count} is more than the {limit} requests this server queues at once "
+                                f"(--max-queued-requests)", param=field)
+        logprobs = req.logprobs_k()
+        if logprobs is None and count > req.n:
+            logprobs = 0                # ranking the candidates needs their cumulative logprobs
         jobs = []
-        for i in range(req.n):
+        for i in range(count):
             try:
                 params = SamplingParams(
                     max_tokens=max_tokens, temperature=1.0 if req.temperature is None else float(req.temperature),
                     top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else float(req.top_p),
                     seed=None if req.seed is None else (req.seed + i) % 2**63, stop=req.stop_strings(),
                     stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                    min_tokens=req.min_tokens, task_head=req.task_head)
+                    min_tokens=req.min_tokens, task_head=req.task_head, min_p=float(req.min_p or 0.0),
+                    presence_penalty=float(req.presence_penalty or 0.0),
+                    frequency_penalty=float(req.frequency_penalty or 0.0),
+                    repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                    logit_bias=bias, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs_k())
             except SamplingError as e:
                 field = str(e).partition(" ")[0]
                 raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
@@ -246,16 +266,25 @@ class OpenAIServer:
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images), "messages")
+        with_logprobs = req.logprobs_k() is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self.chat_chunks(group, rid, req.model, prompt_len, include_usage), group)
+            return _sse(self.chat_chunks(group, rid, req.model, prompt_len, include_usage, with_logprobs), group)
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
         _raise_if_rejected(outs)
+        if with_logprobs:
+            return await self.work.run(_json, self.chat_response, rid, req.model, outs, prompt_len, True)
+        return self.chat_response(rid, req.model, outs, prompt_len, False)
+
+    def chat_response(self, rid: str, model: str, outs: list[RequestOutput], prompt_len: int,
+                      with_logprobs: bool) -> P.ChatCompletionResponse:
+        """The whole answer; ``with_logprobs`` decodes token text, so it then runs in a worker."""
         choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
-                                task=_task(o)) for i, o in enumerate(outs)]
-        return P.ChatCompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(prompt_len, outs))
+                                logprobs=self.texts.chat(o.logprobs) if with_logprobs and o.logprobs is not None
+                                else None, task=_task(o)) for i, o in enumerate(outs)]
+        return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(prompt_len, outs))
 
     async def completions(self, request: Request):
         self.check_accepting()
@@ -273,19 +302,48 @@ class OpenAIServer:
         max_tokens = self.max_tokens(len(prompt), (req.max_tokens, "max_tokens"), req.min_tokens, "prompt")
         if given_ids:
             self.check_token_ids(prompt, "prompt")
+        echo = None
+        if req.echo:      # the prompt's text as sent, or (token ids) decoded as the answer's text is
+            echo = req.single_prompt() if not given_ids else await self.work.run(self.work.decode, list(prompt))
+        form = _CompletionForm(list(prompt), echo, req.logprobs_k())
         rid = f"cmpl-{uuid.uuid4().hex}"
         group = await self.submit(self.jobs(req, list(prompt), adapter, max_tokens, rid), "prompt")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            with_ids = not isinstance(req.single_prompt(), str)
-            return _sse(self.completion_chunks(group, rid, req.model, len(prompt), include_usage, with_ids), group)
+            return _sse(self.completion_chunks(group, rid, req.model, form, include_usage, given_ids), group)
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
         _raise_if_rejected(outs)
-        choices = [P.CompletionChoice(index=i, text=o.text, finish_reason=o.finish_reason, task=_task(o))
-                   for i, o in enumerate(outs)]
-        return P.CompletionResponse(id=rid, model=req.model, choices=choices, usage=_usage(len(prompt), outs))
+        if form.logprobs is None:
+            return self.completion_response(rid, req.model, outs, req.n, form)
+        return await self.work.run(_json, self.completion_response, rid, req.model, outs, req.n, form)
+
+    def completion_response(self, rid: str, model: str, outs: list[RequestOutput], n: int,
+                            form: _CompletionForm) -> P.CompletionResponse:
+        """The whole answer: the ``n`` candidates of highest cumulative logprob when there are more (best_of),
+        best first; usage counts every candidate's tokens, as OpenAI bills them."""
+        best = outs if len(outs) == n else sorted(outs, key=_cumulative, reverse=True)[:n]
+        choices = []
+        for i, o in enumerate(best):
+            text, logprobs, _ = self.completion_part(form, o, o.text, o.logprobs or [], first=True, offset=0)
+            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=o.finish_reason, logprobs=logprobs,
+                                              task=_task(o)))
+        return P.CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(len(form.prompt), outs))
+
+    def completion_part(self, form: _CompletionForm, out: RequestOutput, text: str, new: list, first: bool,
+                        offset: int) -> tuple[str, P.CompletionLogprobs | None, int]:
+        """(text, logprobs, text offset after them) of a choice's part: its new ``text`` and ``new`` logprobs
+        entries, after ``offset`` characters. ``first``: the choice's first part, which an echo starts with the
+        prompt (and, with logprobs, the prompt tokens' logprobs)."""
+        echoed = first and form.echo is not None
+        if echoed:
+            text = form.echo + text
+        if form.logprobs is None or out.logprobs is None:      # not asked for, or the request failed
+            return text, None, offset
+        items = prompt_items(form.prompt, out.prompt_logprobs) if echoed else []
+        logprobs, offset = self.texts.completion(items + generated(new), offset)
+        return text, logprobs, offset
 
     async def chat_prompt(self, messages: list[P.ChatMessage]) -> tuple[list[int], list]:
         """(templated prompt, decoded images). Every image is checked first (sizes, decoding); a text-only model
@@ -314,55 +372,81 @@ class OpenAIServer:
             raise APIError(400, f"the chat template refused these messages ({quote(str(e), 300)[1:-1]})",
                            param="messages") from None
 
-    async def chat_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int, include_usage: bool):
+    async def chat_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int, include_usage: bool,
+                          with_logprobs: bool = False):
+        """Chunks of new text; ``with_logprobs``: also a chunk whenever tokens arrive, with their logprobs (built
+        in a worker: it decodes token text)."""
         created = int(time.time())
         index = {r: i for i, r in enumerate(group.request_ids)}
+        sent = dict.fromkeys(index, 0)        # logprobs entries streamed, per request
 
         def chunk(choices, usage=None) -> str:
             return _event(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
+
+        def events(outs: list[RequestOutput]) -> str:
+            parts = []
+            for out in outs:
+                if out.delta_text or out.finished or (with_logprobs and out.delta_token_ids):
+                    delta = P.DeltaMessage(content=out.delta_text) if out.delta_text else P.DeltaMessage()
+                    logprobs = None
+                    if with_logprobs and out.logprobs is not None:
+                        logprobs = self.texts.chat(out.logprobs[sent[out.request_id]:])
+                        sent[out.request_id] = len(out.logprobs)
+                    parts.append(chunk([P.ChatChunkChoice(index=index[out.request_id], delta=delta, logprobs=logprobs,
+                                                          finish_reason=out.finish_reason if out.finished else None)]))
+            return "".join(parts)
 
         yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                      for i in range(len(index))])
         finals = []
         async for outs in group.batches():
-            events = []
-            for out in outs:
-                if out.delta_text or out.finished:
-                    delta = P.DeltaMessage(content=out.delta_text) if out.delta_text else P.DeltaMessage()
-                    events.append(chunk([P.ChatChunkChoice(index=index[out.request_id], delta=delta,
-                                                           finish_reason=out.finish_reason if out.finished else None)]))
-                if out.finished:
-                    finals.append(out)
-            if events:
-                yield "".join(events)
+            text = await self.work.run(events, outs) if with_logprobs else events(outs)
+            finals += [out for out in outs if out.finished]
+            if text:
+                yield text
         if include_usage:
             yield chunk([], _usage(prompt_len, finals))
 
-    async def completion_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int,
+    async def completion_chunks(self, group: RequestGroup, rid: str, model: str, form: _CompletionForm,
                                 include_usage: bool, with_ids: bool = False):
-        """Chunks of new text; ``with_ids`` (a token-id prompt): a chunk whenever tokens arrive, with their ids
-        (one token each while the stream keeps up with the engine)."""
+        """Chunks of new text; ``with_ids`` (a token-id prompt) or logprobs asked for: a chunk whenever tokens
+        arrive (one token each while the stream keeps up with the engine), with their ids (``with_ids``) or
+        logprobs. An echo's prompt leads each choice's first chunk."""
         created = int(time.time())
         index = {r: i for i, r in enumerate(group.request_ids)}
+        sent = dict.fromkeys(index, 0)        # logprobs entries streamed, per request
+        offset = dict.fromkeys(index, 0)      # text_offset of the next token, per request
+        started: set[str] = set()             # requests whose first chunk (with the echo) went out
+        per_token = with_ids or form.logprobs is not None
+
+        def events(outs: list[RequestOutput]) -> str:
+            parts = []
+            for out in outs:
+                key = out.request_id
+                if not (out.delta_text or out.finished or (per_token and out.delta_token_ids)):
+                    continue
+                new = [] if out.logprobs is None else out.logprobs[sent[key]:]
+                text, logprobs, offset[key] = self.completion_part(form, out, out.delta_text, new,
+                                                                    key not in started, offset[key])
+                sent[key] += len(new)
+                started.add(key)
+                finish = out.finish_reason if out.finished else None
+                choice = (P.CompletionStreamChoice(index=index[key], text=text, finish_reason=finish,
+                                                   logprobs=logprobs, token_ids=out.delta_token_ids)
+                          if with_ids else P.CompletionChoice(index=index[key], text=text, finish_reason=finish,
+                                                              logprobs=logprobs))
+                parts.append(_event(P.CompletionResponse(id=rid, created=created, model=model, choices=[choice])))
+            return "".join(parts)
+
         finals = []
         async for outs in group.batches():
-            events = []
-            for out in outs:
-                if out.delta_text or out.finished or (with_ids and out.delta_token_ids):
-                    finish = out.finish_reason if out.finished else None
-                    choice = (P.CompletionStreamChoice(index=index[out.request_id], text=out.delta_text,
-                                                       finish_reason=finish, token_ids=out.delta_token_ids)
-                              if with_ids else P.CompletionChoice(index=index[out.request_id], text=out.delta_text,
-                                                                  finish_reason=finish))
-                    events.append(_event(P.CompletionResponse(id=rid, created=created, model=model,
-                                                              choices=[choice])))
-                if out.finished:
-                    finals.append(out)
-            if events:
-                yield "".join(events)
+            text = await self.work.run(events, outs) if form.logprobs is not None else events(outs)
+            finals += [out for out in outs if out.finished]
+            if text:
+                yield text
         if include_usage:
             yield _event(P.CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                              usage=_usage(prompt_len, finals)))
+                                              usage=_usage(len(form.prompt), finals)))
 
     # -- other routes ----------------------------------------------------------------------
     async def models(self, request: Request):
@@ -468,6 +552,26 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@dataclass(frozen=True)
+class _CompletionForm:
+    """What shapes a completion's choices: the prompt's ids, the echoed prompt text (None: no echo) and the
+    alternatives per token of the logprobs asked for (None: no logprobs)."""
+
+    prompt: list[int]
+    echo: str | None
+    logprobs: int | None
+
+
+def _cumulative(out: RequestOutput) -> float:
+    """A candidate's rank for best_of; one without a cumulative logprob (it failed) ranks last."""
+    return -math.inf if out.cumulative_logprob is None else out.cumulative_logprob
+
+
+def _json(build, *args) -> Response:
+    """``build(*args)`` serialized to a JSON response (in a worker: an answer with logprobs is large)."""
+    return Response(build(*args).model_dump_json(), media_type="application/json")
+
+
 def _event(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
@@ -541,6 +645,9 @@ def _parse(body: bytes, model: type[BaseModel]):
     except ValidationError as e:
         message, param = _validation_message(e)
         raise APIError(400, message, param=param) from None
+    problem = getattr(req, "invalid", lambda: None)()
+    if problem is not None:
+        raise APIError(400, problem[1], param=problem[0])
     problem = getattr(req, "unsupported", lambda: None)()
     if problem is not None:
         raise APIError(400, problem[1], param=problem[0], code="unsupported")

@@ -3,9 +3,11 @@
 Requests are validated strictly: a field of the wrong JSON type is an error
 (``"10"`` is not an integer), and so is an unknown field, so a typo such as
 ``temprature`` is a 400 that names it instead of a silently ignored knob.
-OpenAI fields whose feature vlora does not implement (penalties, logprobs,
-tools, ...) are accepted only at their neutral value; anything else is a 400
-that says the feature is unsupported (see :meth:`SamplingRequest.unsupported`).
+Checks that span fields or look inside one (``logit_bias`` keys, ``top_logprobs``
+without ``logprobs``, ``best_of`` below ``n``) are in :meth:`SamplingRequest.invalid`.
+OpenAI fields whose feature vlora does not implement (tools, suffix, ...) are
+accepted only at their neutral value; anything else is a 400 that says the
+feature is unsupported (see :meth:`SamplingRequest.unsupported`).
 Numbers must be finite (``NaN``, ``Infinity`` and ``1e999`` are refused naming the field).
 
 Responses carry vlora's extra fields (``task``, ``parent``) only when they hold something,
@@ -18,6 +20,8 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+
+from vlora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
@@ -74,23 +78,50 @@ class SamplingRequest(_Request):
     min_tokens: int = Field(0, ge=0)                    # extension
     task_head: bool = False                             # extension: answer with the adapter's vision task head
     user: str | None = None                             # accepted, unused
-    # accepted at their neutral value only
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)   # extension; 1 = off
+    min_p: float | None = Field(None, ge=0, le=1)           # extension; 0 = off
+    logit_bias: dict[str, float] | None = None          # token id (as a string: a JSON key) -> bias
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; call after :meth:`invalid` found nothing."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per generated token the client asked logprobs for (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives per prompt token the client asked logprobs for (None: none)."""
+        return None
+
+    def num_candidates(self) -> int:
+        """Answers to generate: n, or best_of when the n best of more are wanted."""
+        return self.n
+
+    def invalid(self) -> tuple[str, str] | None:
+        """(field, message) for the first value the field types alone do not catch, else None."""
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                return "logit_bias", f"logit_bias holds at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            for key, bias in self.logit_bias.items():
+                # ASCII digits only (int() would also take "+1", " 1", "1_0" and other scripts' digits), and
+                # short enough that int() never meets its length limit
+                if not (0 < len(key) <= 20 and key.isascii() and key.isdigit()):
+                    shown = key if len(key) <= 40 else key[:40] + "..."
+                    return "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {shown!r}"
+                if not -100 <= bias <= 100:
+                    return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}"
+        return None
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, message) for the first field set to a value vlora does not implement, else None."""
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                return name, f"{name} is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.task_head and self.stream:
             return "task_head", "task_head answers are not streamed (send stream: false)"
         if self.stream_options is not None and not self.stream:
@@ -107,7 +138,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # alternatives per token; needs logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
@@ -121,9 +152,15 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def invalid(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:      # as OpenAI answers it
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
+        return super().invalid()
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs:
-            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
         if self.tools:
             return "tools", "tools (function calling) are not supported"
         if self.response_format not in (None, {"type": "text"}):
@@ -136,10 +173,10 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
     max_tokens: int | None = Field(16, ge=1)            # OpenAI's default for completions
-    echo: bool | None = None
-    logprobs: int | None = None
+    echo: bool | None = None                            # the answer's text starts with the prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # alternatives per token (OpenAI caps it at 5)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)   # candidates generated; the n most likely are answered
 
     def single_prompt(self) -> str | list[int]:
         """The prompt; a batch of one (``["text"]`` or ``[[ids]]``) is unwrapped."""
@@ -148,18 +185,29 @@ class CompletionRequest(SamplingRequest):
             return p[0]
         return p
 
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    def num_candidates(self) -> int:
+        return self.n if self.best_of is None else self.best_of
+
+    def invalid(self) -> tuple[str, str] | None:
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+            if self.best_of > self.n and self.stream:      # the best are known only once all candidates end
+                return "best_of", "best_of larger than n cannot be streamed (send stream: false)"
+        return super().invalid()
+
     def unsupported(self) -> tuple[str, str] | None:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
             return "prompt", "one prompt per request (send a string or a list of token ids); use n for several answers"
-        if self.echo:
-            return "echo", "echo is not supported"
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
-        if self.best_of not in (None, self.n):
-            return "best_of", "best_of is not supported (only best_of == n)"
         return super().unsupported()
 
 
@@ -200,11 +248,41 @@ class TaskAnswer(_Response):
     scores: dict[str, float]
 
 
+class TopLogprob(_Response):
+    """A token and its log-probability; ``bytes``: its UTF-8 bytes (None where the token's text is unknown:
+    a model without a tokenizer)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token, and the most likely tokens at its position (most likely first)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[TokenLogprob] | None
+
+
+class CompletionLogprobs(_Response):
+    """The legacy completions shape: parallel lists, one entry per token. ``token_logprobs`` and
+    ``top_logprobs`` are None for an echoed prompt's first token (nothing comes before it);
+    ``top_logprobs[i]`` maps token text to logprob for the most likely tokens and the chosen one."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(_Response):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     task: TaskAnswer | None = _extension()              # task_head requests
 
 
@@ -226,7 +304,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None                # the delta's tokens
 
 
 class ChatCompletionChunk(_Response):
@@ -242,7 +320,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     task: TaskAnswer | None = _extension()              # task_head requests
 
 

@@ -45,6 +45,11 @@ class HeavyWork:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer().encode(text, add_special_tokens=False)
 
+    def decode(self, ids: list[int]) -> str:
+        """Token ids to text as the engine writes an answer (special tokens left out); "" without a tokenizer."""
+        tok = self.tokenizer()
+        return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
+
     def chat_template(self, conversation: list[dict]) -> list[int]:
         return apply_chat_template(self.tokenizer(), conversation)
 
