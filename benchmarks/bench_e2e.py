@@ -28,9 +28,30 @@ reports the host time of a decode step per phase (``vlora.bench.phases``) and, o
 one graph replay and the next (sampling, the token copy and idle time); ``--also-sync`` repeats both runs with
 async scheduling off, on the same engine.
 
+Sampled decoding (``--sampling``, default ``greedy,sampled``): on the same engine, right after each of the
+vlora runs above (with the adapters, then base only), every setting named runs the same requests back to back
+with nothing timed inside the loop (no step or phase timers), each after a short warm-up of its own (on the
+first run only); reported per setting: output tok/s, mean TTFT and the ratio of tok/s to greedy's on the same
+engine (greedy is always measured, first). Every setting keeps ``ignore_eos`` and ``max_tokens =
+--output-len``, so all do the same work:
+
+- ``greedy``: temperature 0;
+- ``sampled``: temperature 0.8, top_p 0.95, top_k 50;
+- ``seeded``: sampled, with seed i for request i (distinct seeds);
+- ``min_tokens``: greedy, min_tokens = --output-len;
+- ``penalties``: sampled, presence, frequency and repetition penalties all 0.5 (a repetition penalty below 1
+  favours repeats; what is measured is the penalties' cost) and logit_bias +1.0 on token ids 100-109;
+- ``logprobs``: sampled, logprobs 5 (each token's logprob and its top 5 alternatives).
+
+A setting that fails (the engine raises, a request fails or ends short, or ``logprobs`` brings none) is
+recorded with its error and the others still run; the script then exits with status 1 after writing its results.
+
     python benchmarks/bench_e2e.py --out benchmarks/results            # GPU, the issue's setting
     python benchmarks/bench_e2e.py --model random:tiny-llama --device cpu --requests 4 --input-len 16 \\
         --output-len 4 --adapters 2 --ranks 8,16 --out /tmp/e2e            # CPU smoke run of the script
+    python benchmarks/bench_e2e.py --model random:tiny-llama --device cpu --requests 4 --input-len 16 \\
+        --output-len 4 --adapters 2 --ranks 8,16 --skip-hf --out /tmp/e2e \\
+        --sampling greedy,sampled,seeded,min_tokens,penalties,logprobs  # every sampling setting, on a CPU
 """
 
 from __future__ import annotations
@@ -57,6 +78,55 @@ from vlora.bench.phases import PhaseTimer, format_summary  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
+
+
+SAMPLING = ("greedy", "sampled", "seeded", "min_tokens", "penalties", "logprobs")
+"""The ``--sampling`` settings (see the module docstring)."""
+BIAS_IDS = range(100, 110)
+"""The token ids the ``penalties`` setting biases (logit_bias +1.0 each)."""
+
+
+def sampling_fields(setting: str, max_tokens: int, i: int) -> dict:
+    """The SamplingParams fields of request ``i`` under a ``--sampling`` setting, beside max_tokens and ignore_eos
+    (their names are the OpenAI body's too; ``logit_bias`` keys are ints here)."""
+    sampled = dict(temperature=0.8, top_p=0.95, top_k=50)
+    fields = {"greedy": dict(temperature=0.0),
+              "sampled": sampled,
+              "seeded": dict(sampled, seed=i),
+              "min_tokens": dict(temperature=0.0, min_tokens=max_tokens),
+              "penalties": dict(sampled, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=0.5,
+                                logit_bias={t: 1.0 for t in BIAS_IDS}),
+              "logprobs": dict(sampled, logprobs=5)}
+    if setting not in fields:
+        raise ValueError(f"unknown sampling setting {setting!r} (known: {', '.join(SAMPLING)})")
+    return fields[setting]
+
+
+def sampling_params(setting: str, max_tokens: int, n: int) -> list[SamplingParams]:
+    """One SamplingParams per request (``seeded`` gives each its own seed); ignore_eos, so all do the same work."""
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling_fields(setting, max_tokens, i))
+            for i in range(n)]
+
+
+def parse_sampling(text: str) -> list[str]:
+    """``--sampling``: comma-separated setting names -> the list, greedy first (always measured), no repeats."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in SAMPLING]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown sampling setting(s) {', '.join(bad)} (known: {', '.join(SAMPLING)})")
+    return ["greedy"] + [x for x in dict.fromkeys(names) if x != "greedy"]
+
+
+def output_check(setting: str, run: dict, output_len: int) -> str | None:
+    """Why a run of ``setting`` does not count (a request failed or ended short), else None; a ``logprobs`` run
+    must also have brought a logprob with every output token."""
+    if run["errors"]:
+        return f"{len(run['errors'])} request(s) failed: {run['errors'][0]}"
+    if any(n != output_len for n in run["tokens"]):
+        return f"output lengths {sorted(set(run['tokens']))}, expected {output_len} each"
+    if setting == "logprobs" and any(n != output_len for n in run["logprobs"]):
+        return f"logprobs came back for {sorted(set(run['logprobs']))} tokens per request, expected {output_len}"
+    return None
 
 
 def log(msg: str) -> None:
@@ -167,23 +237,47 @@ class StepTimer:
 
 def run_offline(engine, prompts, adapters, sp, dev: torch.device) -> dict:
     """All requests at once through ``engine.step`` (continuous batching, as ``LLM.generate``): wall seconds,
-    each request's time to first token (from the moment all were added) and output tokens."""
+    each request's time to first token (from the moment all were added), output tokens, logprobs received
+    (0 where none) and the errors of the requests that failed. ``sp``: one SamplingParams, or one per request.
+    If the engine raises, the run's unfinished requests are aborted (as far as it still can) before it re-raises."""
     names = adapters if isinstance(adapters, list) else [adapters] * len(prompts)
+    params = sp if isinstance(sp, list) else [sp] * len(prompts)
     sync(dev)
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, a, sp) for p, a in zip(prompts, names)]
+    ids: list[str] = []
     first: dict[str, float] = {}
     tokens: dict[str, int] = {}
-    while len(tokens) < len(ids):
-        outs = engine.step()
-        now = time.perf_counter()
-        for out in outs:
-            if out.delta_token_ids and out.request_id not in first:
-                first[out.request_id] = now - t0
-            if out.finished:
-                tokens[out.request_id] = len(out.token_ids)
-    sync(dev)
-    return {"wall_s": time.perf_counter() - t0, "ttft_s": [first[r] for r in ids], "tokens": [tokens[r] for r in ids]}
+    logprobs: dict[str, int] = {}
+    errors: list[str] = []
+    try:
+        for p, a, s in zip(prompts, names, params):
+            ids.append(engine.add_request(p, a, s))
+        mine = set(ids)
+        while len(tokens) < len(ids):
+            outs = engine.step()
+            now = time.perf_counter()
+            for out in outs:
+                rid = out.request_id
+                if rid not in mine:              # an aborted request of an earlier run that failed
+                    continue
+                if out.delta_token_ids and rid not in first:
+                    first[rid] = now - t0
+                if out.finished:
+                    tokens[rid] = len(out.token_ids)
+                    logprobs[rid] = len(getattr(out, "logprobs", None) or ())
+                    if out.finish_reason == "error" or out.error:
+                        errors.append(f"{rid}: {out.finish_reason}: {out.error}")
+        sync(dev)
+    except BaseException:
+        for rid in ids:
+            if rid not in tokens:
+                try:
+                    engine.abort(rid)
+                except Exception:
+                    pass
+        raise
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": [first[r] for r in ids if r in first],
+            "tokens": [tokens[r] for r in ids], "logprobs": [logprobs[r] for r in ids], "errors": errors}
 
 
 def ttft_stats(xs: list[float]) -> dict:
@@ -271,6 +365,8 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         log(f"decode forward B={b} (graph replay mid-run): with adapters {res['vlora_graph_lora_ms']:.2f} ms, "
             f"base {res['vlora_graph_base_ms']:.2f} ms")
 
+    res["sampling_settings"] = {s: sampling_fields(s, args.output_len, 0) for s in args.sampling}
+    sampling = res["sampling"] = {s: {} for s in args.sampling}
     runs = [("adapters", names), ("base", None)]
     if args.also_sync and args.async_scheduling:
         runs += [("adapters_sync", names), ("base_sync", None)]
@@ -297,6 +393,8 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         log(f"vlora {label}: {out_tokens / wall:.0f} output tok/s ({wall:.2f} s), TTFT "
             f"{fmt_ttft(res[f'vlora_{label}_ttft_s'])}, decode step (B={b}) "
             f"{step if step is None else round(step, 2)} ms, {len(timer.steps)} steps")
+        if label in ("adapters", "base"):     # the sampling settings, on this engine, before the next run
+            run_sampling(args, eng, dev, prompts, adapters, label, sampling, warm_up=label == runs[0][0])
     res["prefill_flops"] = prefill_flops(eng.model.cfg, [len(p) for p in prompts])
     res["matmul_flops_s"] = matmul_rate(dev, dtype)
     kv_tok = 2 * eng.model.cfg.num_layers * eng.model.cfg.kv_size * torch.finfo(dtype).bits // 8
@@ -311,6 +409,63 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
         res["graph_replays"] = graphs.num_replays
     log(f"vlora batch 1: decode step {res['vlora_b1_decode_step_ms']:.2f} ms (engine loop), "
         f"forward {res.get('vlora_b1_graph_ms', float('nan')):.2f} ms (graph replay)")
+
+
+def run_sampling(args, eng, dev, prompts, adapters, label: str, sampling: dict, warm_up: bool) -> None:
+    """Every ``--sampling`` setting on this engine, back to back, nothing timed inside the loop: output tok/s,
+    mean TTFT and wall time into ``sampling[setting]`` under ``label``, or the setting's error into its
+    ``error``. ``warm_up``: each non-greedy setting first runs 4 tokens (its first use may compile)."""
+    out_tokens = len(prompts) * args.output_len
+    for setting in args.sampling:
+        entry = sampling[setting]
+        try:
+            if warm_up and setting != "greedy":
+                run_offline(eng, prompts, adapters, sampling_params(setting, 4, len(prompts)), dev)
+            run = run_offline(eng, prompts, adapters, sampling_params(setting, args.output_len, len(prompts)), dev)
+            error = output_check(setting, run, args.output_len)
+        except Exception as e:                   # the engine raised: record it, go on with the next setting
+            error = f"{type(e).__name__}: {e}"
+        if error is not None:
+            entry.setdefault("error", {})[label] = error
+            log(f"vlora {label}, sampling {setting}: FAILED: {error}")
+            continue
+        entry[label] = out_tokens / run["wall_s"]
+        entry.setdefault("ttft_mean_s", {})[label] = statistics.fmean(run["ttft_s"])
+        entry.setdefault("wall_s", {})[label] = run["wall_s"]
+        greedy = sampling["greedy"].get(label)
+        ratio = f" = {entry[label] / greedy:.2f}x greedy" if greedy else ""
+        log(f"vlora {label}, sampling {setting}: {entry[label]:.0f} output tok/s ({run['wall_s']:.2f} s){ratio}, "
+            f"TTFT mean {1e3 * entry['ttft_mean_s'][label]:.0f} ms")
+
+
+def sampling_table(res: dict) -> list[str]:
+    """The ``sampling`` section's ratios to greedy (computed here, into it) and its table's lines."""
+    sampling = res.get("sampling") or {}
+    if not sampling:
+        return []
+    labels = ("adapters", "base")
+    greedy = sampling.get("greedy", {})
+    lines = [f"sampled decoding, {res['requests']} requests of {res['input_len']}/{res['output_len']} tokens: "
+             f"output tok/s, x greedy on the same engine, mean TTFT",
+             f"  {'setting':<11}" + "".join(f"{label:>32}" for label in labels)]
+    for setting, entry in list(sampling.items()):
+        entry["ratio_to_greedy"] = {label: entry[label] / greedy[label] for label in labels
+                                    if label in entry and greedy.get(label)}
+        keys = (*labels, "ratio_to_greedy", "ttft_mean_s", "wall_s", "error")        # the JSON's order
+        sampling[setting] = entry = {k: entry[k] for k in keys if k in entry}
+        cells = []
+        for label in labels:
+            if label in entry:
+                ratio = entry["ratio_to_greedy"].get(label)
+                ratio = "     -" if ratio is None else f"{ratio:5.2f}x"
+                cells.append(f"{entry[label]:8.0f} tok/s {ratio} {1e3 * entry['ttft_mean_s'][label]:6.0f} ms")
+            else:
+                cells.append("FAILED" if label in entry.get("error", {}) else "-")
+        lines.append(f"  {setting:<11}" + "".join(f"{c:>32}" for c in cells))
+    for setting, entry in sampling.items():
+        for label, error in entry.get("error", {}).items():
+            lines.append(f"  {setting} ({label}) failed: {error}")
+    return lines
 
 
 def engine_settings(eng) -> dict:
@@ -409,7 +564,7 @@ def summarize(res: dict) -> list[str]:
             lines.append(f"batch-{res['requests']} decode, {label}: engine-loop step {step:.2f} ms vs forward "
                          f"{graph:.2f} ms: {step - graph:.2f} ms ({(step - graph) / step:.0%}) not in the "
                          f"forward{between}")
-    return lines
+    return lines + sampling_table(res)
 
 
 def plot(res: dict, path: Path) -> None:
@@ -474,6 +629,9 @@ def main() -> None:
                     help="repeat both vlora runs with async scheduling off, on the same engine (before/after)")
     ap.add_argument("--skip-peft", action="store_true", help="leave out the transformers+PEFT mixed run")
     ap.add_argument("--skip-hf", action="store_true", help="leave out both transformers runs")
+    ap.add_argument("--sampling", type=parse_sampling, default=parse_sampling("greedy,sampled"),
+                    help=f"sampling settings measured on the same engine, comma-separated, of {','.join(SAMPLING)} "
+                         f"(default greedy,sampled; greedy is always measured)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -503,6 +661,10 @@ def main() -> None:
     (args.out / f"e2e-{tag}.json").write_text(json.dumps(res, indent=2))
     plot(res, args.out / f"e2e-{tag}.png")
     log(f"wrote {args.out}/e2e-{tag}.json and .png")
+    failed = [s for s, entry in res["sampling"].items() if entry.get("error")]
+    if failed:
+        log(f"sampling settings that failed: {', '.join(failed)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

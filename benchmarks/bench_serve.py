@@ -20,8 +20,20 @@ were added), and HTTP / offline ratios; for the server, the CPU time of its
 event-loop thread (HTTP, JSON, SSE) and of its other threads (the engine) per
 output token. Writes ``serve-<device>.json``.
 
+Sampled decoding (``--sampling``, default ``greedy,sampled``; the settings of ``bench_e2e.py``: greedy,
+sampled, seeded, min_tokens, penalties, logprobs): each label runs every setting named, back to back, in both
+systems (greedy always, first); over HTTP each request's body carries the setting's fields (temperature,
+top_p, top_k, seed, min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias with
+string keys, logprobs), offline the same SamplingParams. Reported per setting and label: both systems' output
+tok/s and TTFT and the HTTP / offline ratios (the greedy figures also where they were before: ``offline``,
+``http`` and ``<label>_http_over_offline_*``). A setting that fails in one system (an error, a short stream, or
+``logprobs`` without logprobs) is recorded with its error and the others still run; the script then exits with
+status 1 after writing its results.
+
     python benchmarks/bench_serve.py --out benchmarks/results                      # GPU, the issue's setting
     python benchmarks/bench_serve.py --model random:tiny-llama --device cpu --out /tmp/serve   # small, on a CPU
+    python benchmarks/bench_serve.py --model random:tiny-llama --device cpu --requests 8 --adapters 4 \\
+        --sampling greedy,sampled,seeded,min_tokens,penalties,logprobs --out /tmp/serve     # every setting, CPU
 """
 
 from __future__ import annotations
@@ -48,7 +60,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
-from bench_e2e import fmt_ttft, log, make_prompts, run_offline, ttft_stats, write_adapters  # noqa: E402
+from bench_e2e import (SAMPLING, fmt_ttft, log, make_prompts, output_check, parse_sampling,  # noqa: E402
+                       run_offline, sampling_fields, sampling_params, ttft_stats, write_adapters)
 
 from vlora import SamplingParams  # noqa: E402
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig  # noqa: E402
@@ -57,8 +70,16 @@ from vlora.engine.engine import Engine  # noqa: E402
 LABELS = ("adapters", "base")
 
 
+def openai_fields(setting: str, max_tokens: int, i: int) -> dict:
+    """The body fields of request ``i`` under a ``--sampling`` setting (logit_bias keys as strings, as in JSON)."""
+    fields = dict(sampling_fields(setting, max_tokens, i))
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {str(t): b for t, b in fields["logit_bias"].items()}
+    return fields
+
+
 def offline(args, prompts, names, adapter_dirs) -> dict:
-    """The offline engine with the server's defaults: output tok/s and TTFT per label."""
+    """The offline engine with the server's defaults: {setting: {label: output tok/s and TTFT, or its error}}."""
     engine = Engine(EngineConfig(model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
                                  cache=CacheConfig(), lora=LoRAConfig(check_base_model=False)))
     log(f"offline engine: {engine.sizing.describe()}")
@@ -84,14 +105,25 @@ def _offline_runs(args, engine, prompts, names) -> dict:
     graphs = engine.runner.graphs
     if graphs is not None:
         graphs.capture_all()
-    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    out = {}
+    out = {setting: {} for setting in args.sampling}
     for label in LABELS:
-        run = run_offline(engine, prompts, names if label == "adapters" else None, sp, dev)
-        assert all(n == args.output_len for n in run["tokens"])
-        out[label] = {"tok_s": sum(run["tokens"]) / run["wall_s"], "wall_s": run["wall_s"],
-                      "ttft_s": ttft_stats(run["ttft_s"])}
-        log(f"offline {label}: {out[label]['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(out[label]['ttft_s'])}")
+        adapters = names if label == "adapters" else None
+        for setting in args.sampling:
+            try:
+                if label == LABELS[0] and setting != "greedy":       # its first use may compile
+                    run_offline(engine, prompts, adapters, sampling_params(setting, 4, len(prompts)), dev)
+                run = run_offline(engine, prompts, adapters, sampling_params(setting, args.output_len, len(prompts)),
+                                  dev)
+                error = output_check(setting, run, args.output_len)
+            except Exception as e:               # the engine raised: record it, go on with the next setting
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                out[setting][label] = {"error": error}
+                log(f"offline {label}, {setting}: FAILED: {error}")
+                continue
+            r = out[setting][label] = {"tok_s": sum(run["tokens"]) / run["wall_s"], "wall_s": run["wall_s"],
+                                       "ttft_s": ttft_stats(run["ttft_s"])}
+            log(f"offline {label}, {setting}: {r['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(r['ttft_s'])}")
     return out
 
 
@@ -149,9 +181,10 @@ async def wait_healthy(client, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
 
 
-async def one_stream(client, body: dict, t0: float) -> tuple[float | None, float, int]:
-    """(time to first token, time of the last chunk, output tokens) of one streaming completion."""
-    first, tokens = None, 0
+async def one_stream(client, body: dict, t0: float) -> tuple[float | None, float, int, int]:
+    """(time to first token, time of the last chunk, output tokens, tokens with a logprob) of one streaming
+    completion."""
+    first, tokens, logprobs = None, 0, 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -165,19 +198,28 @@ async def one_stream(client, body: dict, t0: float) -> tuple[float | None, float
             if n and first is None:
                 first = time.perf_counter() - t0
             tokens += n
-    return first, time.perf_counter() - t0, tokens
+            for c in chunk["choices"]:       # completions' logprobs: {"tokens", "token_logprobs", ...} per chunk
+                lp = c.get("logprobs")
+                if isinstance(lp, dict):
+                    logprobs += len(lp.get("token_logprobs") or lp.get("content") or ())
+    return first, time.perf_counter() - t0, tokens, logprobs
 
 
-async def drive(client, prompts, models, max_tokens: int) -> dict:
-    """Every request at once; output tok/s over first send to last token, and TTFTs."""
+async def drive(client, prompts, models, max_tokens: int, setting: str = "greedy") -> dict:
+    """Every request at once, each with ``setting``'s fields; output tok/s over first send to last token, TTFTs,
+    each stream's tokens and logprobs. If a stream fails, the first error is raised once all have ended."""
     t0 = time.perf_counter()
     runs = await asyncio.gather(*(one_stream(client, {"model": m, "prompt": p, "max_tokens": max_tokens,
-                                                      "temperature": 0, "ignore_eos": True, "stream": True}, t0)
-                                  for p, m in zip(prompts, models)))
-    wall = max(end for _, end, _ in runs)
-    tokens = [n for _, _, n in runs]
-    return {"tok_s": sum(tokens) / wall, "wall_s": wall, "tokens": tokens,
-            "ttft_s": ttft_stats([f for f, _, _ in runs if f is not None])}
+                                                      "ignore_eos": True, "stream": True,
+                                                      **openai_fields(setting, max_tokens, i)}, t0)
+                                  for i, (p, m) in enumerate(zip(prompts, models))), return_exceptions=True)
+    failed = [r for r in runs if isinstance(r, BaseException)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(runs)} streams failed, the first: {failed[0]}")
+    wall = max(end for _, end, _, _ in runs)
+    tokens = [n for _, _, n, _ in runs]
+    return {"tok_s": sum(tokens) / wall, "wall_s": wall, "tokens": tokens, "logprobs": [n for *_, n in runs],
+            "ttft_s": ttft_stats([f for f, _, _, _ in runs if f is not None])}
 
 
 async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
@@ -197,17 +239,29 @@ async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
             models = {"adapters": names, "base": [base_name] * len(prompts)}
             for label in LABELS:                      # warm-up: compiles, graph captures
                 await drive(client, prompts, models[label], 4)
+            out["sampling"] = {setting: {} for setting in args.sampling}
             for label in LABELS:
-                before = thread_cpu_s(proc.pid)
-                r = await drive(client, prompts, models[label], args.output_len)
-                tokens = r.pop("tokens")
-                assert all(n == args.output_len for n in tokens), "a stream missed tokens"
-                r["server_cpu"] = cpu_split(proc.pid, before, sum(tokens))
-                out[label] = r
-                c = r["server_cpu"]
-                log(f"HTTP {label}: {r['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(r['ttft_s'])}; server CPU per "
-                    f"output token: event loop {c['event_loop_us_per_token']:.0f} us, other threads "
-                    f"{c['other_threads_us_per_token']:.0f} us")
+                for setting in args.sampling:
+                    try:
+                        if label == LABELS[0] and setting != "greedy":    # its first use may compile
+                            await drive(client, prompts, models[label], 4, setting)
+                        before = thread_cpu_s(proc.pid)
+                        r = await drive(client, prompts, models[label], args.output_len, setting)
+                        error = output_check(setting, {"errors": [], **r}, args.output_len)
+                    except Exception as e:       # refused or failed: record it, go on with the next setting
+                        error = f"{type(e).__name__}: {e}"
+                    if error is not None:
+                        out["sampling"][setting][label] = {"error": error}
+                        log(f"HTTP {label}, {setting}: FAILED: {error}")
+                        continue
+                    tokens = r.pop("tokens")
+                    r.pop("logprobs")
+                    r["server_cpu"] = cpu_split(proc.pid, before, sum(tokens))
+                    out["sampling"][setting][label] = r
+                    c = r["server_cpu"]
+                    log(f"HTTP {label}, {setting}: {r['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(r['ttft_s'])}; "
+                        f"server CPU per output token: event loop {c['event_loop_us_per_token']:.0f} us, other "
+                        f"threads {c['other_threads_us_per_token']:.0f} us")
     finally:      # profiled, SIGINT: uvicorn re-raises the signal after its shutdown, and cProfile writes its
         proc.send_signal(signal.SIGINT if args.profile else signal.SIGTERM)   # stats on KeyboardInterrupt only
         try:
@@ -215,6 +269,39 @@ async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     return out
+
+
+def ratios(res: dict) -> list[str]:
+    """HTTP / offline per setting and label into ``res["sampling"]`` (greedy's also where they were before), and
+    the table's lines."""
+    lines = [f"{res['requests']} requests of {res['input_len']}/{res['output_len']} tokens: output tok/s offline "
+             f"-> over HTTP (HTTP / offline), per sampling setting",
+             f"  {'setting':<11}" + "".join(f"{label:>30}" for label in LABELS)]
+    failures = []
+    for setting, entry in res["sampling"].items():
+        cells = []
+        for label in LABELS:
+            h, o = entry["http"].get(label, {}), entry.get("offline", {}).get(label, {})
+            for system, r in (("offline", o), ("HTTP", h)):
+                if "error" in r:
+                    failures.append(f"  {setting} ({label}, {system}) failed: {r['error']}")
+            if "tok_s" in h and "tok_s" in o:
+                entry.setdefault("http_over_offline_tok_s", {})[label] = h["tok_s"] / o["tok_s"]
+                entry.setdefault("http_over_offline_ttft_mean", {})[label] = h["ttft_s"]["mean"] / o["ttft_s"]["mean"]
+                log(f"{label}, {setting}: HTTP / offline = {entry['http_over_offline_tok_s'][label]:.2f} x output "
+                    f"tok/s (target >= 0.9), {entry['http_over_offline_ttft_mean'][label]:.2f} x mean TTFT "
+                    f"(target <= 1.2)")
+                cells.append(f"{o['tok_s']:.0f} -> {h['tok_s']:.0f} ({entry['http_over_offline_tok_s'][label]:.2f}x)")
+            else:
+                cells.append(" / ".join(f"{n} {'FAILED' if 'error' in r else '-' if not r else round(r['tok_s'])}"
+                                        for n, r in (("offline", o), ("HTTP", h))))
+        lines.append(f"  {setting:<11}" + "".join(f"{c:>30}" for c in cells))
+    greedy = res["sampling"].get("greedy", {})
+    for label in LABELS:                          # where the greedy figures were before --sampling
+        for key in ("tok_s", "ttft_mean"):
+            if label in greedy.get(f"http_over_offline_{key}", {}):
+                res[f"{label}_http_over_offline_{key}"] = greedy[f"http_over_offline_{key}"][label]
+    return lines + failures
 
 
 def main() -> None:
@@ -229,6 +316,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     ap.add_argument("--serve-args", default="", help="extra `vlora serve` options (default: none, its defaults)")
     ap.add_argument("--skip-offline", action="store_true", help="leave out the offline engine")
+    ap.add_argument("--sampling", type=parse_sampling, default=parse_sampling("greedy,sampled"),
+                    help=f"sampling settings, comma-separated, of {','.join(SAMPLING)} (default greedy,sampled; "
+                         f"greedy is always measured); each runs in both systems")
     ap.add_argument("--profile", type=Path, default=None,
                     help="run the server under cProfile (its main thread: the event loop), stats written here")
     ap.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the server's /health")
@@ -247,20 +337,30 @@ def main() -> None:
     base_name = "random-" + args.model.removeprefix("random:")
     with tempfile.TemporaryDirectory() as tmp:
         adapter_dirs, names = write_adapters(args, Path(tmp))
-        if not args.skip_offline:
-            res["offline"] = offline(args, prompts, names, adapter_dirs)
-        res["http"] = asyncio.run(over_http(args, prompts, names, adapter_dirs, base_name))
-    if "offline" in res:
-        for label in LABELS:
-            h, o = res["http"][label], res["offline"][label]
-            res[f"{label}_http_over_offline_tok_s"] = h["tok_s"] / o["tok_s"]
-            res[f"{label}_http_over_offline_ttft_mean"] = h["ttft_s"]["mean"] / o["ttft_s"]["mean"]
-            log(f"{label}: HTTP / offline = {res[f'{label}_http_over_offline_tok_s']:.2f} x output tok/s "
-                f"(target >= 0.9), {res[f'{label}_http_over_offline_ttft_mean']:.2f} x mean TTFT (target <= 1.2)")
+        offline_runs = None if args.skip_offline else offline(args, prompts, names, adapter_dirs)
+        http = asyncio.run(over_http(args, prompts, names, adapter_dirs, base_name))
+    res["sampling_settings"] = {s: openai_fields(s, args.output_len, 0) for s in args.sampling}
+    res["sampling"] = {s: {"http": http["sampling"][s]} for s in args.sampling}
+    if offline_runs is not None:
+        for s in args.sampling:
+            res["sampling"][s]["offline"] = offline_runs[s]
+    # the greedy figures where they were before --sampling: offline, http, <label>_http_over_offline_*
+    if offline_runs is not None:
+        res["offline"] = {label: r for label, r in offline_runs["greedy"].items() if "error" not in r}
+    res["http"] = {"start_s": http["start_s"], **{label: r for label, r in http["sampling"]["greedy"].items()
+                                                  if "error" not in r}}
+    lines = ratios(res)
+    for line in lines:
+        log(line)
     tag = gpu.lower().replace(" ", "-")
     path = args.out / f"serve-{tag}.json"
     path.write_text(json.dumps(res, indent=2))
     log(f"wrote {path}")
+    failed = [s for s, e in res["sampling"].items() if any("error" in r for sys_ in ("http", "offline")
+                                                          for r in e.get(sys_, {}).values())]
+    if failed:
+        log(f"sampling settings that failed: {', '.join(failed)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -2,17 +2,18 @@
 
 One pass over the batch's logits ``[S, V]`` (float32, one row per sequence):
 
-1. the raw log-probabilities of the rows that asked for logprobs (before anything below changes the logits);
-2. ``logit_bias`` added, and the end-of-sequence and stop ids of rows below ``min_tokens`` set to -inf
+1. ``logit_bias`` added, and the end-of-sequence and stop ids of rows below ``min_tokens`` set to -inf
    (one indexed write each for the batch);
-3. penalties from the per-sequence token counts on the device (``token_counts.py``): repetition (logits of
+2. penalties from the per-sequence token counts on the device (``token_counts.py``): repetition (logits of
    prompt and generated tokens divided by it when positive, multiplied when negative), then frequency
    (times the count) and presence (once) over generated tokens;
-4. greedy rows: the argmax; sampled rows: the logits divided by the temperature, then top-k, top-p inside
+3. greedy rows: the argmax; sampled rows: the logits divided by the temperature, then top-k, top-p inside
    the (renormalised) top-k set, and min-p (relative to the most likely token) as -inf writes on the sorted
    candidates, and one Gumbel-max draw (``kernels/sampling.py``; ``kernels/philox.py`` on the CPU) with noise
    keyed by (the request's seed, the token's position, the token id). When every sampled row has a top-k,
-   the candidates are ``torch.topk``'s; otherwise the sorted vocabulary.
+   the candidates are ``torch.topk``'s; otherwise the sorted vocabulary;
+4. for the rows that asked for logprobs, the model's own log-probabilities (of the logits before step 1) at the
+   chosen token and the top ones: logit - logsumexp, without the full log-softmax.
 
 The per-row parameters are device tensors built once per batch composition (:class:`SamplingBatch`); each
 step sends only the rows' positions (and the rows still below ``min_tokens`` when that changes). No Python loop
@@ -151,10 +152,7 @@ class Sampler:
         b = self.batch(seqs)
         dev = logits.device
         positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long).to(dev, non_blocking=True)
-        raw_lp = None
-        if b.lp_rows:                                   # the model's own distribution, before any change below
-            raw_lp = torch.log_softmax(logits.index_select(0, b.lp_index), dim=-1)
-        x = logits
+        x = logits                                      # ``logits`` stays the model's own: each change is a copy
         if b.bias is not None:
             x = x.index_put((b.bias[0], b.bias[1]), b.bias[2], accumulate=True)
         banned = b.banned(dev)
@@ -167,11 +165,15 @@ class Sampler:
             rows, slots, _ = b.penalties
             self._counts.add(slots, tokens.index_select(0, rows))
         parts = [tokens, ok]
-        if raw_lp is not None:
-            parts.append(raw_lp.gather(1, tokens.index_select(0, b.lp_index)[:, None])[:, 0])
+        if b.lp_rows:                 # log-softmax at the chosen and the top tokens only: logit - logsumexp
+            every = len(b.lp_rows) == len(seqs)
+            raw = logits if every else logits.index_select(0, b.lp_index)
+            lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+            chosen = tokens if every else tokens.index_select(0, b.lp_index)
+            parts.append((raw.gather(1, chosen[:, None]) - lse)[:, 0])
             if b.lp_k:
-                top = raw_lp.topk(b.lp_k, dim=-1)
-                parts += [top.values.flatten(), top.indices.flatten()]
+                top = raw.topk(b.lp_k, dim=-1)
+                parts += [(top.values - lse).flatten(), top.indices.flatten()]
         host = None
         if pinned:
             n = sum(p.numel() for p in parts)
@@ -200,8 +202,7 @@ def _penalize(x: torch.Tensor, penalties, counts: TokenCounts) -> torch.Tensor:
 def _draw(x: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [S] int64, ok [S] bool): the argmax for greedy rows, a Gumbel-max draw for sampled ones."""
     if b.all_greedy:
-        greedy = x.argmax(dim=-1)
-        return greedy, torch.ones_like(greedy, dtype=torch.bool)
+        return x.argmax(dim=-1), torch.isfinite(x.amax(dim=-1))
     greedy = None if b.all_sampled else x.argmax(dim=-1)
     x = x / b.temperature
     ids = None
@@ -225,7 +226,7 @@ def _draw(x: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> tuple[t
     drawn = _gumbel_argmax(x.contiguous(), b.seeds, positions, None if ids is None else ids.contiguous())
     if b.all_sampled:
         return drawn, ok
-    return torch.where(b.greedy, greedy, drawn), ok | b.greedy
+    return torch.where(b.greedy, greedy, drawn), ok
 
 
 def _gumbel_argmax(x, seeds, positions, ids):

@@ -1,7 +1,9 @@
 """Counter-based random numbers for sampling: Philox4x32-10, and Gumbel noise keyed by (seed, position, token).
 
-Semantics: ``noise(seed, position, token) = -log(-log(u))`` with
-``u = ((philox(key=seed, counter=(token, position, 0, 0))[0] >> 8) + 0.5) / 2**24``, a uniform in (0, 1).
+Semantics: ``noise(seed, position, token) = -log(max(-log(u), 1e-10))`` with
+``u = ((philox(key=seed, counter=(token, position mod 2**32, 0, 0))[0] >> 9) + 0.5) / 2**23``, a uniform in
+[2**-24, 1 - 2**-24] (every value exact in float32, so it is never 0 or 1; the clamp keeps the noise finite
+where a fast ``log`` rounds ``log(1 - 2**-24)`` to 0).
 
 A sampled row's token is ``argmax_t(logits[t] / temperature + noise(seed, position, t))`` over the kept tokens
 (the Gumbel-max trick: the argmax is distributed as softmax of the kept logits). The noise of a token depends on
@@ -43,9 +45,18 @@ def philox4x32(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
-    """uint32 bits (int64 tensor) -> float32 uniforms in (0, 1): the top 24 bits, centred in their interval (exact
-    in float32, so the Triton kernel gets the same values)."""
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 2 ** 24)
+    """uint32 bits (int64 tensor) -> float32 uniforms in (0, 1): the top 23 bits, centred in their interval (exact
+    in float32: below 2**23 the halves are representable, so the Triton kernel gets the same values and none
+    rounds to 1)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / 2 ** 23)
+
+
+def noise(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise of uniforms ``u`` (finite: see the module's docstring)."""
+    return -torch.log(torch.clamp_min(-torch.log(u), EXP_MIN))
+
+
+EXP_MIN = 1e-10
 
 
 def gumbel(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -53,8 +64,8 @@ def gumbel(seeds: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
     ``positions`` [R] (int64)."""
     ids = token_ids.to(torch.int64)
     bits = philox4x32(seeds.to(torch.int64)[:, None], ids if ids.dim() == 2 else ids[None, :],
-                      positions.to(torch.int64)[:, None])[0]
-    return -torch.log(-torch.log(uniform(bits)))
+                      positions.to(torch.int64)[:, None] & _MASK)[0]
+    return noise(uniform(bits))
 
 
 def gumbel_argmax(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,

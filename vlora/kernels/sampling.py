@@ -41,8 +41,8 @@ def _gumbel_argmax_kernel(x_ptr, ids_ptr, seed_ptr, pos_ptr, val_ptr, tok_ptr, K
     c0 = tid.to(tl.uint32)
     zero = tl.zeros_like(c0)
     bits, _, _, _ = tl.philox(seed, c0, zero + pos, zero, zero)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    y = x - tl.log(-tl.log(u))
+    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    y = x - tl.log(tl.maximum(-tl.log(u), 1e-10))
     best = tl.max(y, 0)
     k = tl.min(tl.where(y == best, offs, K), 0)       # the first column holding the block's best
     k = tl.minimum(k, K - 1)                          # a block of NaN / -inf only: any column (the row fails)
