@@ -16,8 +16,8 @@ One pass over the batch's logits ``[S, V]`` (float32, one row per sequence):
    chosen token and the top ones: logit - logsumexp, without the full log-softmax.
 
 The per-row parameters are device tensors built once per batch composition (:class:`SamplingBatch`); each
-step sends only the rows' positions (and the rows still below ``min_tokens`` when that changes). No Python loop
-over rows runs per step except the one reading the results.
+step sends only the rows' positions (and the rows still below ``min_tokens`` when that changes). No launch is
+per row: the host's per-step work is reading the rows' lengths and, after the copy, their results.
 
 A row that cannot be sampled (its kept logits are all -inf or not finite, e.g. NaN logits, or stop ids
 outside the vocabulary under ``min_tokens``) gets a :class:`~vlora.engine.faults.RequestFailed` in place of its
