@@ -8,6 +8,10 @@ GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy: dividing logits by them overflows float32 (inf, then NaN
 probabilities), and at such a temperature sampling already picks the most likely token."""
 
+REPETITION_MIN = 0.01
+"""Smallest repetition_penalty (and 1 / the largest): dividing a logit by a tinier one overflows float32, which
+would fail the request instead of sampling it."""
+
 MAX_LOGPROBS = 20
 """Most alternatives per token that ``logprobs`` / ``prompt_logprobs`` may ask for (OpenAI's top_logprobs limit)."""
 
@@ -55,7 +59,7 @@ class SamplingParams:
     """Subtracted from a token's logit once per time it was generated (OpenAI's semantics, in [-2, 2])."""
     repetition_penalty: float = 1.0
     """Tokens of the prompt or the output have positive logits divided by it and negative ones multiplied by it
-    (1 = off; > 1 discourages repeats)."""
+    (1 = off; > 1 discourages repeats; in [0.01, 100])."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias) pairs added to the logits before sampling (a dict is accepted); biases in [-100, 100]."""
     logprobs: int | None = None
@@ -99,8 +103,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not _finite_number(v) or not -2.0 <= v <= 2.0:
                 raise SamplingError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise SamplingError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        rep = self.repetition_penalty
+        if not _finite_number(rep) or not REPETITION_MIN <= rep <= 1 / REPETITION_MIN:
+            raise SamplingError(f"repetition_penalty must be in [{REPETITION_MIN}, {1 / REPETITION_MIN:g}], "
+                                f"got {self.repetition_penalty!r}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             bias = tuple((t, float(b) if isinstance(b, int) and not isinstance(b, bool) else b) for t, b in bias)

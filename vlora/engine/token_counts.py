@@ -32,7 +32,8 @@ class TokenCounts:
         self._owners[s], self._slots[seq.request_id] = seq, s
         self.counts[s].zero_()
         self.in_prompt[s].zero_()
-        self.in_prompt[s, torch.tensor(seq.prompt_token_ids, dtype=torch.long).to(self.device, non_blocking=True)] = True
+        prompt = torch.tensor(seq.prompt_token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        self.in_prompt[s, prompt] = True
         out = [t for t in seq.output_token_ids if t != Sequence.PENDING]
         if out:
             ids = torch.tensor(out, dtype=torch.long).to(self.device, non_blocking=True)

@@ -5,8 +5,9 @@ V-LoRA's mixed mode and prefix-cached prefills met theirs late, behind the warm-
 With the batch-dependent arguments unspecialised (:func:`vlora.kernels.compiles.jit`), a kernel's variant is
 a function of its tile config, and a LoRA config is a function of the tuning table's bucketed key (tokens,
 segments, the group's size, rank): this module walks every key the engine's limits allow and launches each
-distinct variant once on a one-token problem. The sampler's Gumbel-max kernel has two variants. Attention's variants are the decode split (one per power of
-two of parts) and the prefill kernel; the fused merge kernels', when the mode policy merges, one per
+distinct variant once on a one-token problem. The sampler's Gumbel-max kernel has two variants. Attention's
+variants are the decode split (one per power of two of parts) and the prefill kernel; the fused merge
+kernels', when the mode policy merges, one per
 :func:`vlora.kernels.merge.variant` of the ranks allowed. The rest (norms, RoPE, activations, skinny GEMMs,
 decode attention) runs in every decode graph capture.
 """
