@@ -154,7 +154,12 @@ def _serve_args(args):
     if args.api_key is None:
         args.api_key = os.environ.get("VLORA_API_KEY") or None
     adapters = _check_paths(args)
-    return adapters, _pick(ServerConfig, args)
+    config = _pick(ServerConfig, args)
+    if config.chat_template is not None:        # a template that does not parse fails before the model loads
+        from vlora.server.templates import load_chat_template
+
+        load_chat_template(config.chat_template)
+    return adapters, config
 
 
 def serving_engine(args):

@@ -191,6 +191,12 @@ class ServerConfig:
     """On shutdown (SIGTERM), seconds to let running requests finish before they are aborted."""
     enable_docs: bool = False
     """Serve the interactive API docs (/docs, /redoc, /openapi.json); behind the API key when one is set."""
+    chat_template: str | None = None
+    """Jinja chat template file: the server's default template for /v1/chat/completions, in place of the model's
+    own (checked at start: a missing file or one that does not parse is an error)."""
+    trust_request_chat_template: bool = False
+    """Let requests send their own chat_template (a Jinja template run in a sandbox); off: such a request is a 400,
+    as in vLLM, since a template can make the server loop or render a huge prompt."""
 
     def __post_init__(self) -> None:
         if isinstance(self.adapter_dirs, (str, os.PathLike)):
@@ -203,6 +209,8 @@ class ServerConfig:
         for d in self.adapter_dirs + ((self.image_dir,) if self.image_dir is not None else ()):
             if not os.path.isdir(d):
                 raise ConfigError(f"{d!r} is not a directory")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"chat_template (--chat-template) {self.chat_template!r}: no such file")
         for name in ("max_queued_requests", "max_request_bytes", "max_image_bytes", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -31,6 +31,8 @@ class LiveServer:
     def __init__(self, engine, config: ServerConfig):
         import uvicorn
 
+        from vlora.server.transport import uvicorn_config
+
         self.app = build_app(engine, config)
         self.server_state = self.app.state.server
         self.async_engine = self.server_state.engine
@@ -39,7 +41,8 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=30))
+        # the protocol and header bound of `vlora serve`
+        self.uvicorn = uvicorn.Server(uvicorn_config(self.app, log_level="warning", timeout_graceful_shutdown=30))
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

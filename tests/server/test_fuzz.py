@@ -36,7 +36,9 @@ RARELY = st.sampled_from([False] * 14 + [True])     # (an integer draw would fav
 SMALL = st.integers(1, 3)           # a valid token limit: a fuzzed request must not generate for long
 VALID = {   # field -> a valid value
     "model": st.sampled_from([BASE, *ADAPTERS]), "messages": st.lists(MESSAGE, min_size=1, max_size=3),
-    "prompt": st.one_of(GOOD_TEXT.filter(bool), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)),
+    "prompt": st.one_of(GOOD_TEXT.filter(bool), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+                        st.lists(GOOD_TEXT.filter(bool), min_size=1, max_size=3),        # a list of prompts
+                        st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), min_size=1, max_size=3)),
     "max_tokens": SMALL, "max_completion_tokens": SMALL,
     "temperature": st.one_of(st.floats(0, 2), st.sampled_from([0, 1e-300, 5e-324, 1e-5])),
     "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(-1, 2**70), "seed": st.integers(0, 2**63 - 1),
@@ -48,7 +50,11 @@ VALID = {   # field -> a valid value
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
 }
 ROUTE_VALID = {     # fields whose meaning differs by route: route -> field -> a valid value
-    "chat": {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20)},
+    "chat": {"logprobs": st.booleans(), "top_logprobs": st.integers(0, 20), "add_generation_prompt": st.booleans(),
+             "continue_final_message": st.booleans(),
+             "chat_template_kwargs": st.dictionaries(st.one_of(st.sampled_from(["enable_thinking", "bos_token",
+                                                                                "tokenize", "messages"]), TEXT),
+                                                     JSON, max_size=2)},
     "completions": {"logprobs": st.integers(0, 20), "echo": st.booleans(), "best_of": st.integers(1, 3)},
 }
 PATH = st.one_of(st.sampled_from(["late-r8", "../late-r8", "/etc", "late-r8\x00", "file:///late-r8", "nope",

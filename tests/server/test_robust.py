@@ -223,15 +223,21 @@ def test_errors_quote_at_most_100_characters_of_the_input(live):
 
 
 # -- the event loop stays free ------------------------------------------------------------------------
-def test_a_16_mib_message_is_413_before_tokenizing(live, sibling, monkeypatch):
+def test_a_16_mib_message_is_context_length_exceeded_before_tokenizing(live, sibling, monkeypatch):
+    """Text longer than the context could hold is refused as any prompt too long is (400
+    context_length_exceeded, which clients truncate on), before it is tokenized."""
     server = sibling(max_request_bytes=ServerConfig().max_request_bytes)   # 32 MiB: the text limit refuses it
     monkeypatch.setattr(server.server_state.work, "chat_template", _never)
     big = chat(messages=[{"role": "user", "content": "x" * (16 << 20)}])
     with server.http() as h:
-        err = check_error(h.post("/v1/chat/completions", json=big), 413, "messages", "characters")
-        assert err["code"] == "request_too_large"
+        err = check_error(h.post("/v1/chat/completions", json=big), 400, "messages", "characters")
+        assert err["code"] == "context_length_exceeded"
         monkeypatch.setattr(server.server_state.work, "encode", _never)
-        check_error(h.post("/v1/completions", json={"model": BASE, "prompt": "x" * (16 << 20)}), 413, "prompt")
+        err = check_error(h.post("/v1/completions", json={"model": BASE, "prompt": "x" * (16 << 20)}), 400, "prompt")
+        assert err["code"] == "context_length_exceeded"
+        err = check_error(h.post("/v1/completions", json={"model": BASE, "prompt": ["Hi", "x" * (16 << 20)]}), 400,
+                          "prompt[1]")
+        assert err["code"] == "context_length_exceeded"
         assert h.get("/health").status_code == 200
 
 

@@ -149,8 +149,9 @@ class LLM:
             conversations = [conversations]
         return self.generate([self.apply_chat_template(c) for c in conversations], adapters, sampling)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict], **options) -> list[int]:
+        """Token ids of ``messages``; ``options``: as :func:`apply_chat_template` takes them."""
+        return apply_chat_template(self.tokenizer, messages, **options)
 
     def stream(self, prompt: Prompt, adapter: str | None = None,
                sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
@@ -179,11 +180,20 @@ class LLM:
         return Job(prompt, adapter, sampling or SamplingParams(), f"llm-{next(self._ids)}")
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` ([{"role", "content"}, ...]) in the model's chat format, ready for the answer."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+def apply_chat_template(tokenizer, messages: list[dict], *, chat_template: str | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of ``messages`` ([{"role", "content"}, ...]) in the model's chat format, ready for the answer.
+
+    ``chat_template``: a Jinja template used in place of the model's; ``add_generation_prompt``: end with the
+    header of an assistant turn; ``continue_final_message``: end inside the last message (no end-of-turn), for
+    the model to continue it; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``)."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("this model has no chat template")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, chat_template=chat_template,
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tokenize=True,
+                                        **(template_kwargs or {}))
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

@@ -17,6 +17,13 @@ Policies (docs/server.md has the full list):
 - ``max_tokens`` larger than the context allows (prompt + max_tokens > context) is a
   400, as OpenAI and vLLM do; without max_tokens a chat answer may fill the context
   and a completion stops at 16 tokens (OpenAI's defaults);
+- a prompt longer than the context is a 400 ``context_length_exceeded`` naming the field (text that
+  cannot fit whatever it holds is refused so before it is tokenized); 413 is for bodies over the byte limit;
+- chat templates: the model's, or ``--chat-template``'s; ``chat_template_kwargs``, ``add_generation_prompt``,
+  ``continue_final_message`` as vLLM takes them; a request's own ``chat_template`` only with
+  ``--trust-request-chat-template``;
+- /v1/completions takes a list of prompts: one ``choices`` list, choice i of prompt p at index p * n + i;
+- a request header block over 64 KiB is refused with 431 (:mod:`vlora.server.transport`);
 - a client that disconnects, streaming or not, has its requests aborted.
 """
 
@@ -55,6 +62,9 @@ from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
 from vlora.server.logprobs import TokenTexts, generated, prompt_items
 from vlora.server.metrics import ServerMetrics
+from vlora.server.templates import describe as describe_template_error
+from vlora.server.templates import compile_template, load_chat_template, reserved_kwarg
+from vlora.server.transport import uvicorn_config
 from vlora.server.workers import HeavyWork
 
 log = logging.getLogger(__name__)
@@ -121,6 +131,8 @@ class OpenAIServer:
                                   "".join(e.tokenizer.convert_ids_to_tokens(list(e.vision.image_prompt_ids))))
         self.metrics = ServerMetrics(self.engine, self.base_name)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
+        # the server's default chat template (--chat-template), in place of the model's; checked here
+        self.chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
         self.created = int(time.time())
 
     # -- plumbing --------------------------------------------------------------------------
@@ -184,12 +196,12 @@ class OpenAIServer:
                                param=f"{param}[{i}]", code="invalid_token_id")
 
     def check_text_size(self, chars: int, param: str) -> None:
-        """413 for text too long for the context whatever it tokenizes to (a token holds at most
-        max_token_chars characters), before any tokenizing."""
+        """400 context_length_exceeded for text too long for the context whatever it tokenizes to (a token holds
+        at most max_token_chars characters), before any tokenizing."""
         if self.max_text_chars is not None and chars > self.max_text_chars:
-            raise APIError(413, f"{param} holds {chars} characters of text; this model's context of "
+            raise APIError(400, f"{param} holds {chars} characters of text; this model's context of "
                                 f"{self.context_len} tokens holds at most {self.max_text_chars}",
-                           param=param, code="request_too_large")
+                           param=param, code="context_length_exceeded")
 
     def image_tokens(self, images: list) -> int:
         """Prompt tokens the images add once their placeholders are expanded (one placeholder per image)."""
@@ -197,6 +209,19 @@ class OpenAIServer:
         if vision is None or vision.tokens_per_image is None:   # Qwen2-VL: per image size, checked on admission
             return 0
         return len(images) * (vision.tokens_per_image - 1)
+
+    def check_choices(self, req: P.SamplingRequest, prompts: int = 1) -> None:
+        """A call's choices (``n`` or ``best_of`` per prompt) are queued all or none: they must fit the queue."""
+        count = req.num_candidates()
+        limit = self.engine.max_queued_requests
+        if count > limit:
+            field = "n" if count == req.n else "best_of"
+            raise APIError(400, f"{field}={count} is more than the {limit} requests this server queues at once "
+                                f"(--max-queued-requests)", param=field)
+        if prompts * count > limit:
+            raise APIError(400, f"{prompts} prompts x {count} choices each = {prompts * count} requests, more than "
+                                f"the {limit} this server queues at once (--max-queued-requests): send fewer prompts "
+                                f"per call", param="prompt")
 
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
              request_id: str, images: list | None = None) -> list[Job]:
@@ -207,12 +232,8 @@ class OpenAIServer:
             if t >= self.vocab_size:
                 raise APIError(400, f"logit_bias names token id {quote(t)}, outside the vocabulary "
                                     f"[0, {self.vocab_size})", param="logit_bias", code="invalid_token_id")
+        self.check_choices(req)
         count = req.num_candidates()
-        limit = self.engine.max_queued_requests      # a call's choices are queued all or none
-        if count > limit:
-            field = "n" if count == req.n else "best_of"
-            raise APIError(400, f"{field}={count} is more than the {limit} requests this server queues at once "
-                                f"(--max-queued-requests)", param=field)
         logprobs = req.logprobs_k()
         if logprobs is None and count > req.n:
             logprobs = 0                # ranking the candidates needs their cumulative logprobs
@@ -261,7 +282,7 @@ class OpenAIServer:
         self.check_text_size(sum(len(m.content) if isinstance(m.content, str) else
                                  sum(len(p.text) for p in m.content if isinstance(p, P.TextPart))
                                  for m in req.messages), "messages")
-        prompt, images = await self.chat_prompt(req.messages)
+        prompt, images = await self.chat_prompt(req.messages, req)
         prompt_len = len(prompt) + self.image_tokens(images)
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -290,46 +311,63 @@ class OpenAIServer:
         self.check_accepting()
         req: P.CompletionRequest = await self.read_request(request, P.CompletionRequest)
         adapter = self.adapter_for(req.model)
-        prompt = req.single_prompt()
-        given_ids = not isinstance(prompt, str)
-        if not given_ids:
+        sent = req.prompts()            # one prompt, or a list of them (all strings or all token-id lists)
+        names = [f"prompt[{i}]" for i in range(len(sent))] if req.is_batch() else ["prompt"]
+        self.check_choices(req, len(sent))
+        given_ids = not isinstance(sent[0], str)
+        if given_ids:
+            prompts = [list(p) for p in sent]
+        else:
             if not self.has_tokenizer:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            self.check_text_size(len(prompt), "prompt")
-            prompt = await self.work.run(self.work.encode, prompt)
-        if not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
-        max_tokens = self.max_tokens(len(prompt), (req.max_tokens, "max_tokens"), req.min_tokens, "prompt")
-        if given_ids:
-            self.check_token_ids(prompt, "prompt")
-        echo = None
+            for text, name in zip(sent, names):
+                self.check_text_size(len(text), name)
+            encode = self.work.encode
+            prompts = await self.work.run(lambda texts: [encode(t) for t in texts], sent)
+        limits = []
+        for ids, name in zip(prompts, names):
+            if not ids:
+                raise APIError(400, f"{name} is empty", param=name)
+            limits.append(self.max_tokens(len(ids), (req.max_tokens, "max_tokens"), req.min_tokens, name))
+            if given_ids:
+                self.check_token_ids(ids, name)
+        echoes = [None] * len(prompts)
         if req.echo:      # the prompt's text as sent, or (token ids) decoded as the answer's text is
-            echo = req.single_prompt() if not given_ids else await self.work.run(self.work.decode, list(prompt))
-        form = _CompletionForm(list(prompt), echo, req.logprobs_k())
+            decode = self.work.decode
+            echoes = sent if not given_ids else await self.work.run(lambda ps: [decode(p) for p in ps], prompts)
+        forms = [_CompletionForm(ids, echo, req.logprobs_k()) for ids, echo in zip(prompts, echoes)]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, list(prompt), adapter, max_tokens, rid), "prompt")
+        jobs = []
+        for i, (ids, max_tokens) in enumerate(zip(prompts, limits)):      # prompt i's choices: a run of jobs
+            jobs += self.jobs(req, list(ids), adapter, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
+        group = await self.submit(jobs, "prompt")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self.completion_chunks(group, rid, req.model, form, include_usage, given_ids), group)
+            return _sse(self.completion_chunks(group, rid, req.model, forms, include_usage, given_ids), group)
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
         _raise_if_rejected(outs)
-        if form.logprobs is None:
-            return self.completion_response(rid, req.model, outs, req.n, form)
-        return await self.work.run(_json, self.completion_response, rid, req.model, outs, req.n, form)
+        if req.logprobs_k() is None:
+            return self.completion_response(rid, req.model, outs, req.n, forms)
+        return await self.work.run(_json, self.completion_response, rid, req.model, outs, req.n, forms)
 
     def completion_response(self, rid: str, model: str, outs: list[RequestOutput], n: int,
-                            form: _CompletionForm) -> P.CompletionResponse:
-        """The whole answer: the ``n`` candidates of highest cumulative logprob when there are more (best_of),
-        best first; usage counts every candidate's tokens, as OpenAI bills them."""
-        best = outs if len(outs) == n else sorted(outs, key=_cumulative, reverse=True)[:n]
+                            forms: list[_CompletionForm]) -> P.CompletionResponse:
+        """The whole answer, prompt by prompt: each prompt's ``n`` candidates of highest cumulative logprob when
+        there are more (best_of), best first, choice ``i`` of prompt ``p`` at index ``p * n + i`` (as OpenAI and
+        vLLM order them). Usage counts each prompt's tokens once and every candidate's tokens, as OpenAI bills."""
+        count = len(outs) // len(forms)
         choices = []
-        for i, o in enumerate(best):
-            text, logprobs, _ = self.completion_part(form, o, o.text, o.logprobs or [], first=True, offset=0)
-            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=o.finish_reason, logprobs=logprobs,
-                                              task=_task(o)))
-        return P.CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(len(form.prompt), outs))
+        for p, form in enumerate(forms):
+            candidates = outs[p * count:(p + 1) * count]
+            best = candidates if count == n else sorted(candidates, key=_cumulative, reverse=True)[:n]
+            for i, o in enumerate(best):
+                text, logprobs, _ = self.completion_part(form, o, o.text, o.logprobs or [], first=True, offset=0)
+                choices.append(P.CompletionChoice(index=p * n + i, text=text, finish_reason=o.finish_reason,
+                                                  logprobs=logprobs, task=_task(o)))
+        return P.CompletionResponse(id=rid, model=model, choices=choices,
+                                    usage=_usage(sum(len(f.prompt) for f in forms), outs))
 
     def completion_part(self, form: _CompletionForm, out: RequestOutput, text: str, new: list, first: bool,
                         offset: int) -> tuple[str, P.CompletionLogprobs | None, int]:
@@ -345,9 +383,28 @@ class OpenAIServer:
         logprobs, offset = self.texts.completion(items + generated(new), offset)
         return text, logprobs, offset
 
-    async def chat_prompt(self, messages: list[P.ChatMessage]) -> tuple[list[int], list]:
+    async def chat_prompt(self, messages: list[P.ChatMessage],
+                          req: P.ChatCompletionRequest | None = None) -> tuple[list[int], list]:
         """(templated prompt, decoded images). Every image is checked first (sizes, decoding); a text-only model
-        then refuses them; an LMM gets its image placeholder token where each image part was."""
+        then refuses them; an LMM gets its image placeholder token where each image part was. ``req``: the
+        template controls (the request's own template, its variables, generation prompt or continuation)."""
+        template, kwargs, add_prompt, cont = None, None, True, False
+        if req is not None:
+            if req.chat_template is not None and not self.config.trust_request_chat_template:
+                raise APIError(400, "this server does not run chat templates sent in requests (start it with "
+                                    "--trust-request-chat-template, or set the default with --chat-template)",
+                               param="chat_template", code="unsupported")
+            problem = reserved_kwarg(req.chat_template_kwargs)
+            if problem is not None:
+                raise APIError(400, problem[1], param=problem[0])
+            template, kwargs = req.chat_template, req.chat_template_kwargs
+            add_prompt, cont = req.template_options()
+        if template is not None:        # compiled (and cached) in a worker: a syntax error names the field
+            try:
+                await self.work.run(compile_template, template)
+            except Exception as e:
+                raise APIError(400, f"chat_template does not parse ({quote(describe_template_error(e), 300)[1:-1]})",
+                               param="chat_template", code="invalid_chat_template") from None
         urls = [part.image_url.url for m in messages if isinstance(m.content, list)
                 for part in m.content if isinstance(part, P.ImagePart)]
         images = []
@@ -364,13 +421,19 @@ class OpenAIServer:
                  "content": m.content if isinstance(m.content, str) else
                  "\n".join(p.text if isinstance(p, P.TextPart) else self.image_placeholder for p in m.content)}
                 for m in messages]
+        own = template is not None
         try:
-            return await self.work.run(self.work.chat_template, conv), images
+            ids = await self.work.run(self.work.chat_template, conv, template if own else self.chat_template, kwargs,
+                                      add_prompt, cont)
         except RequestError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:       # a template may reject a conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template refused these messages ({quote(str(e), 300)[1:-1]})",
-                           param="messages") from None
+            text = quote(describe_template_error(e), 300)[1:-1]
+            if own:                  # the request's own template: it, or the messages, may be at fault
+                raise APIError(400, f"the request's chat_template failed to render these messages ({text})",
+                               param="chat_template", code="invalid_chat_template") from None
+            raise APIError(400, f"the chat template refused these messages ({text})", param="messages") from None
+        return ids, images
 
     async def chat_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int, include_usage: bool,
                           with_logprobs: bool = False):
@@ -407,17 +470,21 @@ class OpenAIServer:
         if include_usage:
             yield chunk([], _usage(prompt_len, finals))
 
-    async def completion_chunks(self, group: RequestGroup, rid: str, model: str, form: _CompletionForm,
+    async def completion_chunks(self, group: RequestGroup, rid: str, model: str, forms: list[_CompletionForm],
                                 include_usage: bool, with_ids: bool = False):
-        """Chunks of new text; ``with_ids`` (a token-id prompt) or logprobs asked for: a chunk whenever tokens
+        """Chunks of new text; ``with_ids`` (token-id prompts) or logprobs asked for: a chunk whenever tokens
         arrive (one token each while the stream keeps up with the engine), with their ids (``with_ids``) or
-        logprobs. An echo's prompt leads each choice's first chunk."""
+        logprobs. An echo's prompt leads each choice's first chunk. The group's jobs are the prompts' choices in
+        order (``n`` per prompt: best_of is not streamed), so job ``k`` is choice ``k`` (prompt ``k // n``)."""
         created = int(time.time())
         index = {r: i for i, r in enumerate(group.request_ids)}
+        per_prompt = len(group.request_ids) // len(forms)
+        form_of = {r: forms[i // per_prompt] for r, i in index.items()}
+        logprobs_k = forms[0].logprobs
         sent = dict.fromkeys(index, 0)        # logprobs entries streamed, per request
         offset = dict.fromkeys(index, 0)      # text_offset of the next token, per request
         started: set[str] = set()             # requests whose first chunk (with the echo) went out
-        per_token = with_ids or form.logprobs is not None
+        per_token = with_ids or logprobs_k is not None
 
         def events(outs: list[RequestOutput]) -> str:
             parts = []
@@ -426,7 +493,7 @@ class OpenAIServer:
                 if not (out.delta_text or out.finished or (per_token and out.delta_token_ids)):
                     continue
                 new = [] if out.logprobs is None else out.logprobs[sent[key]:]
-                text, logprobs, offset[key] = self.completion_part(form, out, out.delta_text, new,
+                text, logprobs, offset[key] = self.completion_part(form_of[key], out, out.delta_text, new,
                                                                     key not in started, offset[key])
                 sent[key] += len(new)
                 started.add(key)
@@ -440,13 +507,13 @@ class OpenAIServer:
 
         finals = []
         async for outs in group.batches():
-            text = await self.work.run(events, outs) if form.logprobs is not None else events(outs)
+            text = await self.work.run(events, outs) if logprobs_k is not None else events(outs)
             finals += [out for out in outs if out.finished]
             if text:
                 yield text
         if include_usage:
             yield _event(P.CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                              usage=_usage(len(form.prompt), finals)))
+                                              usage=_usage(sum(len(f.prompt) for f in forms), finals)))
 
     # -- other routes ----------------------------------------------------------------------
     async def models(self, request: Request):
@@ -777,7 +844,7 @@ def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None
             async_engine.begin_shutdown()
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+    server = Server(uvicorn_config(app, host=config.host, port=config.port, log_level=log_level,
                                    timeout_graceful_shutdown=config.drain_timeout))
     # an engine that cannot go on has answered its requests; the process stops (exit status 1) so that a
     # supervisor restarts it, rather than answering 503 for good

@@ -26,6 +26,7 @@ from vlora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
 MAX_STOP_TOKEN_IDS = 256    # most stop_token_ids per request (each is checked at every generated token)
+MAX_CHAT_TEMPLATE_CHARS = 256 * 1024    # longest per-request chat_template (real templates are a few KiB)
 
 
 class _Request(BaseModel):
@@ -145,6 +146,16 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    # chat-template controls (vLLM's extensions)
+    chat_template: str | None = Field(None, min_length=1, max_length=MAX_CHAT_TEMPLATE_CHARS)
+    chat_template_kwargs: dict[str, Any] | None = None      # extra variables for the template
+    add_generation_prompt: bool | None = None           # default: true, unless continue_final_message
+    continue_final_message: bool = False                # continue the last (assistant) message, no end-of-turn
+
+    def template_options(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message) as the template gets them."""
+        add = not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
+        return add, self.continue_final_message
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """(the answer's token limit, the field that gave it): max_completion_tokens wins over max_tokens."""
@@ -158,6 +169,13 @@ class ChatCompletionRequest(SamplingRequest):
     def invalid(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:      # as OpenAI answers it
             return "top_logprobs", "top_logprobs needs logprobs set to true"
+        if self.continue_final_message:
+            if self.add_generation_prompt:          # as vLLM answers it
+                return ("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                        "true (send add_generation_prompt: false, or leave it out)")
+            if self.messages[-1].role != "assistant":
+                return ("continue_final_message", f"continue_final_message continues the last message, which must "
+                        f"be the assistant's (it is {self.messages[-1].role!r})")
         return super().invalid()
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -178,12 +196,14 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)   # candidates generated; the n most likely are answered
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt; a batch of one (``["text"]`` or ``[[ids]]``) is unwrapped."""
+    def is_batch(self) -> bool:
+        """Whether ``prompt`` is a list of prompts (strings or token-id lists) rather than one prompt."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]
-        return p
+        return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one, or each of a list of prompts."""
+        return list(self.prompt) if self.is_batch() else [self.prompt]
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
@@ -203,11 +223,8 @@ class CompletionRequest(SamplingRequest):
         return super().invalid()
 
     def unsupported(self) -> tuple[str, str] | None:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
-            return "prompt", "one prompt per request (send a string or a list of token ids); use n for several answers"
         if self.suffix:
-            return "suffix", "suffix is not supported"
+            return "suffix", "suffix (text after the insertion point) is not supported: send the prompt alone"
         return super().unsupported()
 
 
