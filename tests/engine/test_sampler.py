@@ -348,9 +348,11 @@ def _one(sampler, logits_row, seq) -> int | RequestFailed:
 
 
 def _oracle(x32: torch.Tensor, kept: torch.Tensor, seed: int, position: int) -> int:
-    """The Gumbel-max draw over the full vocabulary (kept tokens only) with the sampler's noise."""
-    x = torch.where(kept, x32, torch.tensor(-INF))[None]
-    return int(philox.gumbel_argmax(x, torch.tensor([seed]), torch.tensor([position]))[0])
+    """The Gumbel-max draw over the full vocabulary (kept tokens only) with the sampler's noise on the CPU."""
+    from vlora.engine.sampler import cpu_noise
+
+    x = torch.where(kept, x32, torch.tensor(-INF))
+    return int((x + cpu_noise(seed, position, x.shape[0])).argmax())
 
 
 def _mixed_batch_params():

@@ -240,9 +240,14 @@ def test_gpu_kernel_matches_twin():
 
 
 @pytest.mark.gpu
-def test_gpu_sampler_draws_the_cpu_sampler_tokens():
-    """The sampler on CUDA (the Triton kernel) and on the CPU (the twin) draw the same tokens for a mixed batch."""
+def test_gpu_sampler_draws_the_cpu_sampler_tokens(monkeypatch):
+    """The sampler on CUDA (the Triton kernel) and on the CPU with the kernel's torch twin in place of its own
+    noise draw the same tokens for a mixed batch."""
+    from vlora.engine import sampler as sampler_module
     from vlora.engine.sampler import Sampler
+
+    monkeypatch.setattr(sampler_module, "cpu_gumbel_argmax",
+                        lambda x, b, positions, ids: philox.gumbel_argmax(x, b.seeds, positions, ids))
     from vlora.engine.sequence import Sequence
     from vlora.sampling_params import SamplingParams
 

@@ -9,8 +9,8 @@ One pass over the batch's logits ``[S, V]`` (float32, one row per sequence):
    (times the count) and presence (once) over generated tokens;
 3. greedy rows: the argmax; sampled rows: the logits divided by the temperature, then top-k, top-p inside
    the (renormalised) top-k set, and min-p (relative to the most likely token) as -inf writes on the sorted
-   candidates, and one Gumbel-max draw (``kernels/sampling.py``; ``kernels/philox.py`` on the CPU) with noise
-   keyed by (the request's seed, the token's position, the token id). When every sampled row has a top-k,
+   candidates, and one Gumbel-max draw (``kernels/sampling.py``: Philox noise in registers; on the CPU,
+   :func:`cpu_noise`) with noise keyed by (the request's seed, the token's position, the token id). When every sampled row has a top-k,
    the candidates are ``torch.topk``'s; otherwise the sorted vocabulary;
 4. for the rows that asked for logprobs, the model's own log-probabilities (of the logits before step 1) at the
    chosen token and the top ones: logit - logsumexp, without the full log-softmax.
@@ -53,6 +53,8 @@ class SamplingBatch:
         dev = device
         sampled = [i for i, p in enumerate(ps) if not p.greedy]
         self.sampled = bool(sampled)
+        self.sampled_rows = sampled
+        self.vocab = vocab
         self.all_greedy = len(sampled) == 0
         self.all_sampled = len(sampled) == n
         # -- temperature, truncation, seeds
@@ -223,18 +225,49 @@ def _draw(x: torch.Tensor, b: SamplingBatch, positions: torch.Tensor) -> tuple[t
                 drop = low if drop is None else drop | low
             x = x.masked_fill(drop, float("-inf"))
     ok = torch.isfinite(x.amax(dim=-1))
-    drawn = _gumbel_argmax(x.contiguous(), b.seeds, positions, None if ids is None else ids.contiguous())
+    ids = None if ids is None else ids.contiguous()
+    if x.is_cuda:
+        from vlora.kernels.sampling import gumbel_argmax
+
+        drawn = gumbel_argmax(x.contiguous(), b.seeds, positions, ids)
+    else:
+        drawn = cpu_gumbel_argmax(x, b, positions, ids)
     if b.all_sampled:
         return drawn, ok
     return torch.where(b.greedy, greedy, drawn), ok
 
 
-def _gumbel_argmax(x, seeds, positions, ids):
-    if x.is_cuda:
-        from vlora.kernels.sampling import gumbel_argmax
+def cpu_gumbel_argmax(x: torch.Tensor, b: SamplingBatch, positions: torch.Tensor,
+                      ids: torch.Tensor | None) -> torch.Tensor:
+    """The Gumbel-max draw on the CPU: each sampled row's noise over the whole vocabulary from a generator seeded
+    by (seed, position) (:func:`cpu_noise`), indexed by token id; the greedy rows' results are discarded."""
+    noise = torch.zeros(x.shape[0], b.vocab)
+    seeds, pos = b.seeds.tolist(), positions.tolist()
+    for r in b.sampled_rows:
+        noise[r] = cpu_noise(seeds[r], pos[r], b.vocab)
+    k = (x + (noise if ids is None else noise.gather(1, ids))).argmax(dim=-1)
+    return k if ids is None else ids.gather(1, k[:, None])[:, 0]
 
-        return gumbel_argmax(x, seeds, positions, ids)
-    return philox.gumbel_argmax(x, seeds, positions, ids)
+
+def cpu_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise [vocab] for the token at ``position`` of a request of ``seed``, on the CPU: -log(-log(u)) of
+    uniforms from torch's generator seeded by a mix of the two. A function of (seed, position, token id) alone,
+    as the GPU kernel's Philox noise is, but a different stream: the torch twin of that noise
+    (``kernels/philox.py``) costs about 9 ms a row for a 49k vocabulary on a 2-core CPU, this about 0.5 ms."""
+    g = torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ (position & _M64)) >> 1)
+    u = torch.rand(vocab, generator=g).clamp_min_(2.0 ** -25)      # [2**-25, 1): never 0
+    return -torch.log(torch.clamp_min(-torch.log(u), philox.EXP_MIN))
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's output function: mixes a 64-bit value (neighbouring positions give unrelated seeds)."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
 
 
 class Sampled:
