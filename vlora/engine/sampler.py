@@ -52,7 +52,6 @@ class SamplingBatch:
         self.errors: dict[int, RequestFailed] = {}
         dev = device
         sampled = [i for i, p in enumerate(ps) if not p.greedy]
-        self.sampled = bool(sampled)
         self.sampled_rows = sampled
         self.vocab = vocab
         self.all_greedy = len(sampled) == 0
@@ -253,7 +252,8 @@ def cpu_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     """Gumbel noise [vocab] for the token at ``position`` of a request of ``seed``, on the CPU: -log(-log(u)) of
     uniforms from torch's generator seeded by a mix of the two. A function of (seed, position, token id) alone,
     as the GPU kernel's Philox noise is, but a different stream: the torch twin of that noise
-    (``kernels/philox.py``) costs about 9 ms a row for a 49k vocabulary on a 2-core CPU, this about 0.5 ms."""
+    (``kernels/philox.py``) runs ten rounds of int64 tensor ops over the vocabulary, many times the cost of one
+    generator draw on a CPU."""
     g = torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ (position & _M64)) >> 1)
     u = torch.rand(vocab, generator=g).clamp_min_(2.0 ** -25)      # [2**-25, 1): never 0
     return -torch.log(torch.clamp_min(-torch.log(u), philox.EXP_MIN))

@@ -45,17 +45,14 @@ class TokenCounts:
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
     def _free_slot(self) -> int:
-        for i, owner in enumerate(self._owners):
-            if owner is None:
-                return i
-        for i, owner in enumerate(self._owners):       # those of finished sequences go back
-            if owner.is_finished or self._slots.get(owner.request_id) != i:
-                if self._slots.get(owner.request_id) == i:
-                    del self._slots[owner.request_id]
-                self._owners[i] = None
-        for i, owner in enumerate(self._owners):
-            if owner is None:
-                return i
+        if None not in self._owners:                   # the slots of finished sequences go back
+            for i, owner in enumerate(self._owners):
+                if owner.is_finished or self._slots.get(owner.request_id) != i:
+                    if self._slots.get(owner.request_id) == i:
+                        del self._slots[owner.request_id]
+                    self._owners[i] = None
+        if None in self._owners:
+            return self._owners.index(None)
         n = len(self._owners)                          # every slot is live: double the tables
         self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
         self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
