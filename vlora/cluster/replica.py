@@ -32,6 +32,7 @@ from vlora.config import EngineConfig
 from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, EngineInfo, EngineStats, Job,
                                        QueueFull, RequestFailed, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
+from vlora.engine.observer import StepObserver, StepRecord
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingError
 
@@ -80,10 +81,8 @@ class Replica:
                  batch_cap: int | None = None):
         self.replica_id = replica_id
         self.batch_cap = batch_cap
-        engine = Engine(config)
-        engine.hand_back_preempted = True
         self._steps: deque = deque(maxlen=1 << 18)      # the step log, read (and emptied) by step_log()
-        engine.step = self._timed(engine.step)
+        engine = Engine(config, hand_back_preempted=True, observers=[_StepLog(self._steps)])
         self.engine = AsyncEngine(engine, max_queued_requests, on_fatal=self._fatal)
         self.engine.start()
         self.incarnation = uuid.uuid4().hex
@@ -93,19 +92,6 @@ class Replica:
         self._arrived = asyncio.Event()      # set when the outbox gets an item (or a newer stream starts)
         self._stream = 0                     # the newest outputs() call; older ones end
         self._pumps: set[asyncio.Task] = set()
-
-    def _timed(self, step):
-        """``step`` logging each call: when it began (wall clock, comparable across the host's processes), how
-        long it took, the outputs it gave and the sequences then running; what the served path's costs are
-        measured from (benchmarks/bench_cluster.py records it)."""
-        steps = self._steps
-
-        def timed():
-            began, t0 = time.time(), time.perf_counter()
-            outs = step()
-            steps.append((began, time.perf_counter() - t0, len(outs), len(self.engine.engine.scheduler.running)))
-            return outs
-        return timed
 
     def step_log(self) -> list[tuple[float, float, int, int]]:
         """The steps logged since the last call, oldest first."""
@@ -239,3 +225,15 @@ def _load(engine: Engine) -> tuple[int, int, int, frozenset[str]]:
     store = engine.adapters.store
     resident = frozenset(store.resident) if store is not None else frozenset(engine.adapters.names())
     return len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.available(), resident
+
+
+class _StepLog(StepObserver):
+    """Logs each engine step: when it began (wall clock, comparable across the host's processes), how long it
+    took, the outputs it gave and the sequences then running; what the served path's costs are measured from
+    (benchmarks/bench_cluster.py records it)."""
+
+    def __init__(self, steps: deque):
+        self.steps = steps
+
+    def step_done(self, record: StepRecord) -> None:
+        self.steps.append((record.began, record.seconds, record.outputs, record.running))

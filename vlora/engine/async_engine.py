@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vlora.engine.engine import Engine, RequestError
+from vlora.engine.observer import StepObserver
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingParams
@@ -254,7 +255,7 @@ class AsyncEngine:
         # GPU (the runner's ``before_sync``), so that the event loop's stream work, which needs the
         # interpreter lock, runs while this thread waits on the GPU instead of stalling its host work
         self._held: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        engine.runner.before_sync = self._deliver_held
+        engine.observe(_HandOver(self._deliver_held))
         self.stats = self._snapshot()
         self.adapter_names = frozenset(engine.adapters.names())   # servable adapters, published
         self.info = EngineInfo.of(engine)
@@ -529,3 +530,13 @@ class AsyncEngine:
                 self._draining.discard(name)
                 self.engine.unregister_adapter(name)
                 self._reply(loop, fut, lambda count=count: count)
+
+
+class _HandOver(StepObserver):
+    """Hands the routed deliveries to the event loops while a forward runs on the device."""
+
+    def __init__(self, deliver: Callable[[], None]):
+        self.deliver = deliver
+
+    def before_sync(self) -> None:
+        self.deliver()

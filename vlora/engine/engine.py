@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,6 +35,7 @@ from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
 from vlora.engine.mode_costs import ModeCosts
+from vlora.engine.observer import StepObserver, StepRecord
 from vlora.engine.orchestrator import Orchestrator
 from vlora.engine.runner import Launched, ModelRunner
 from vlora.engine.plan import StepPlan
@@ -77,8 +79,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, hand_back_preempted: bool = False,
+                 observers: Iterable[StepObserver] = ()):
+        """``hand_back_preempted`` (cluster replicas): a request preempted for KV goes back to the cluster front
+        (finish "migrate") to resume elsewhere by recompute, rather than wait here for pages this replica is
+        short of. ``observers``: told of each forward and step (:mod:`vlora.engine.observer`)."""
         self.config = config = config or EngineConfig()
+        self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         mc = config.model
@@ -148,6 +155,7 @@ class Engine:
             self.kernel_build = build_kernels(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs,
                                               workers=min(8, max(1, (os.cpu_count() or 2) // 2)),
                                               merges=sc.policy != "unmerged")
+        self.runner.before_sync = self._before_sync
         self.detokenizer = Detokenizer(self.tokenizer)
         self.mode_costs: ModeCosts | None = None      # the modes timed on this GPU (profile_modes)
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
@@ -162,9 +170,7 @@ class Engine:
         self._flight: _Flight | None = None           # a decode queued on the device, its tokens not yet read
         self._last_landed = 0.0                       # when the tokens of the last queued iteration were read
         self.num_overlapped = 0                       # iterations queued behind another one (async_scheduling)
-        # cluster replicas: a request preempted for KV goes back to the cluster front (finish "migrate") to resume
-        # elsewhere by recompute, rather than wait here for pages this replica is short of
-        self.hand_back_preempted = False
+        self.hand_back_preempted = hand_back_preempted
         # adapters being unloaded once their requests finish (AsyncEngine's wait policy): their requests are not
         # handed back, since no other replica takes a request of an adapter being unloaded
         self.unloading: set[str] = set()
@@ -351,8 +357,26 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending) or self._flight is not None
 
+    def observe(self, observer: StepObserver) -> None:
+        """Tell ``observer`` of each forward and step from now on (:mod:`vlora.engine.observer`)."""
+        self.observers.append(observer)
+
+    def _before_sync(self) -> None:
+        for o in self.observers:
+            o.before_sync()
+
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if not self.observers:
+            return self._step()
+        began, t0 = time.time(), time.perf_counter()
+        outputs = self._step()
+        record = StepRecord(began, time.perf_counter() - t0, len(outputs), len(self.scheduler.running))
+        for o in self.observers:
+            o.step_done(record)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self._flight is not None:
             return self._step_in_flight()
         plan = self._schedule()                     # who runs, how many tokens each, in which mode
