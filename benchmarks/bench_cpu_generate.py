@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.helpers import ALL_TARGETS, make_peft_adapter  # noqa: E402
 from vlora import LLM, SamplingParams  # noqa: E402
-from vlora.engine.llm import apply_chat_template  # noqa: E402
+from vlora.llm import apply_chat_template  # noqa: E402
 from vlora.bench.baselines import PeftBaseline  # noqa: E402
 from vlora.models.loader import resolve_model_dir  # noqa: E402
 

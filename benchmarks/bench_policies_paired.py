@@ -104,7 +104,7 @@ def _setting(text: str, default_adapters: int) -> Setting:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from vlora.engine.engine import Engine
+    from vlora.builder import build_engine
 
     policies = tuple(args.policies.split(","))
     unknown = [p for p in policies if p not in POLICIES]
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     log = lambda m: print(m, file=sys.stderr, flush=True)              # noqa: E731
 
-    engine = Engine(_engine_config(args))
+    engine = build_engine(_engine_config(args))
     if args.mixed_launch:
         engine.runner.lora_launch = replace(engine.runner.lora_launch, mixed=args.mixed_launch)
         if engine.runner.graphs is not None:

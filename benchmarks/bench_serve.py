@@ -65,7 +65,7 @@ from bench_e2e import (SAMPLING, fmt_ttft, log, make_prompts, output_check, pars
 
 from vlora import SamplingParams  # noqa: E402
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig  # noqa: E402
-from vlora.engine.engine import Engine  # noqa: E402
+from vlora.builder import build_engine  # noqa: E402
 
 LABELS = ("adapters", "base")
 
@@ -80,7 +80,7 @@ def openai_fields(setting: str, max_tokens: int, i: int) -> dict:
 
 def offline(args, prompts, names, adapter_dirs) -> dict:
     """The offline engine with the server's defaults: {setting: {label: output tok/s and TTFT, or its error}}."""
-    engine = Engine(EngineConfig(model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
+    engine = build_engine(EngineConfig(model=ModelConfig(model=args.model, device=args.device, dtype=args.dtype),
                                  cache=CacheConfig(), lora=LoRAConfig(check_base_model=False)))
     log(f"offline engine: {engine.sizing.describe()}")
     for name, path in adapter_dirs.items():

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from vlora.cluster.costs import CostTable, ReplicaLimits  # noqa: E402
-from vlora.engine.llm import LLM  # noqa: E402
+from vlora.llm import LLM  # noqa: E402
 from vlora.lora.adapter import LORA_TARGETS, ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.sampling_params import SamplingParams  # noqa: E402

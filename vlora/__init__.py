@@ -1,7 +1,8 @@
 """vlora: serve many LoRA adapters on one model, fast."""
 
+from vlora.builder import build_engine
 from vlora.engine.admission import SLO
-from vlora.engine.llm import LLM, AdapterRequest
+from vlora.llm import LLM, AdapterRequest
 from vlora.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "AdapterRequest", "SLO"]
+__all__ = ["LLM", "SamplingParams", "AdapterRequest", "SLO", "build_engine"]

@@ -165,11 +165,11 @@ def _serve_args(args):
 def serving_engine(args):
     """What ``vlora serve`` serves for ``args``: (engine with its adapters registered, server config, adapter
     name -> path). The arguments are checked before the model loads."""
-    from vlora.engine.engine import Engine
+    from vlora.builder import build_engine
     from vlora.models.loader import cache_root
 
     adapters, server_config = _serve_args(args)
-    engine = Engine(_engine_config(args))
+    engine = build_engine(_engine_config(args))
     if not adapters:
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
     for name, path in adapters.items():
@@ -287,7 +287,7 @@ def cmd_bench(args) -> int:
     from pathlib import Path
 
     from vlora.bench.sweep import POLICIES, SweepConfig, default_meta, run_sweep, write_report
-    from vlora.engine.engine import Engine
+    from vlora.builder import build_engine
 
     floats = lambda text: tuple(float(x) for x in text.split(",") if x)   # noqa: E731
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)       # noqa: E731
@@ -301,7 +301,7 @@ def cmd_bench(args) -> int:
                       output_range=ints(args.output_range), trace=args.trace, ttft_slo_s=args.ttft_slo,
                       seed=args.bench_seed, repeats=args.repeats)
     _check_paths(args)
-    engine = Engine(_engine_config(args))
+    engine = build_engine(_engine_config(args))
     rows = run_sweep(engine, cfg, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
     path = write_report(rows, cfg, Path(args.out), default_meta(engine))
     print(f"report: {path}", file=sys.stderr)

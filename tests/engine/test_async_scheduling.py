@@ -113,7 +113,7 @@ def test_abort_and_arrivals_mid_run():
     ids = [eng.add_request(p, None, sp) for p, sp in zip(prompts, sps)]
     for _ in range(4):
         eng.step()
-    assert eng._flight is not None
+    assert eng.in_flight
     assert eng.abort(ids[1])
     late = eng.add_request([7, 8, 9], None, SamplingParams(max_tokens=6, ignore_eos=True))
     outs = {}
@@ -141,7 +141,7 @@ def test_outputs_of_an_iteration_landed_by_an_abort_are_streamed():
     streamed, final = {r: [] for r in ids}, {}
     aborted = False
     while eng.has_unfinished():
-        if not aborted and eng._flight is not None and len(streamed[ids[1]]) == 2:
+        if not aborted and eng.in_flight and len(streamed[ids[1]]) == 2:
             aborted = eng.abort(ids[0])         # lands the iteration that samples ids[1]'s third token
         for out in eng.step():
             streamed[out.request_id].extend(out.delta_token_ids)
@@ -163,7 +163,7 @@ def test_a_full_batch_keeps_queueing_with_requests_waiting():
     while eng.has_unfinished():
         for out in eng.step():
             outs[out.request_id] = out
-        queued_with_waiting += eng._flight is not None and bool(eng.scheduler.waiting)
+        queued_with_waiting += eng.in_flight and bool(eng.scheduler.waiting)
     assert queued_with_waiting > 0
     assert [outs[r].token_ids for r in ids] == [expected(p, sp) for p, sp in zip(prompts, sps)]
     assert eng.pool.kv_pages == 0

@@ -203,7 +203,7 @@ SERVER = textwrap.dedent("""
     from vlora.config import ServerConfig
     from vlora.engine.engine import Engine
     from vlora.engine.faults import EngineFatal
-    from vlora.engine.llm import LLM
+    from vlora.llm import LLM
     from vlora.server.app import serve
 
     engine = LLM(sys.argv[1], num_blocks=16, block_size=4, max_model_len=64).engine

@@ -4,7 +4,7 @@ import pytest
 from transformers import LlamaConfig
 
 from vlora.config import ConfigError
-from vlora.engine.llm import LLM
+from vlora.llm import LLM
 from vlora.memory.sizing import CPU_POOL_CAP, GiB, adapter_pages, plan
 from vlora.models.loader import RANDOM_PRESETS, decoder_config
 

@@ -218,7 +218,7 @@ def idle_cores(cores: int | None = None, load: float | None = None) -> int:
 
 def prompt_ids(tokenizer, message: str) -> list[int]:
     """Token ids the engine gets when ``message`` is asked: chat template if the model has one, else plain."""
-    from vlora.engine.llm import apply_chat_template
+    from vlora.llm import apply_chat_template
 
     if getattr(tokenizer, "chat_template", None):
         return apply_chat_template(tokenizer, [{"role": "user", "content": message}])

@@ -31,6 +31,7 @@ from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
 from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, EngineInfo, EngineStats, Job,
                                        QueueFull, RequestFailed, ShuttingDown)
+from vlora.builder import build_engine
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.observer import StepObserver, StepRecord
 from vlora.lora.adapter import AdapterError
@@ -82,7 +83,7 @@ class Replica:
         self.replica_id = replica_id
         self.batch_cap = batch_cap
         self._steps: deque = deque(maxlen=1 << 18)      # the step log, read (and emptied) by step_log()
-        engine = Engine(config, hand_back_preempted=True, observers=[_StepLog(self._steps)])
+        engine = build_engine(config, hand_back_preempted=True, observers=[_StepLog(self._steps)])
         self.engine = AsyncEngine(engine, max_queued_requests, on_fatal=self._fatal)
         self.engine.start()
         self.incarnation = uuid.uuid4().hex

@@ -20,11 +20,13 @@ stops where the tokens did. Anything that changes the engine from outside the lo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -34,15 +36,16 @@ from vlora.config import ConfigError, EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
+from vlora.engine.executor import Executor
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.observer import StepObserver, StepRecord
 from vlora.engine.orchestrator import Orchestrator
-from vlora.engine.runner import Launched, ModelRunner
+from vlora.engine.runner import Launched
 from vlora.engine.plan import StepPlan
 from vlora.engine.scheduler import Scheduler
 from vlora.engine.sequence import RequestOutput, Sequence, TokenLogprobs
 from vlora.lora.adapter import ModelShape
-from vlora.lora.batch import LoRALaunch, PackedAdapter
+from vlora.lora.batch import PackedAdapter
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
@@ -78,84 +81,68 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _settled(method):
+    """Marks an engine method that changes the engine from outside the step loop: the iterations queued on the
+    device land first (their outputs go out with the next step's), so that it sees every sequence's tokens."""
+    @functools.wraps(method)
+    def settled(self, *args, **kwargs):
+        self.land_in_flight()
+        return method(self, *args, **kwargs)
+    return settled
+
+
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, *, hand_back_preempted: bool = False,
-                 observers: Iterable[StepObserver] = ()):
-        """``hand_back_preempted`` (cluster replicas): a request preempted for KV goes back to the cluster front
+    def __init__(self, config: EngineConfig | None = None, *, executor: type[Executor] | None = None,
+                 hand_back_preempted: bool = False, observers: Iterable[StepObserver] = ()):
+        """``executor``: what runs the iterations (:mod:`vlora.engine.executor`; ``vlora.build_engine`` picks
+        the tensor-parallel one from the configuration). ``hand_back_preempted`` (cluster replicas): a request preempted for KV goes back to the cluster front
         (finish "migrate") to resume elsewhere by recompute, rather than wait here for pages this replica is
         short of. ``observers``: told of each forward and step (:mod:`vlora.engine.observer`)."""
         self.config = config = config or EngineConfig()
         self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        mc = config.model
-        loaded = load_model(mc.model, self.dtype, self.device, mc.max_model_len, mc.max_images_per_request,
-                            mc.max_pixels_per_image, mc.seed, cut=_rank0_cut(mc.tensor_parallel_size))
-        self.model, self.max_model_len = loaded.model, loaded.max_model_len
-        self.vision = loaded.vision          # LMMs: the vision tower + projector (VisionModel)
+        # the model, loaded by what runs it (this rank's cut, under tensor parallelism)
+        self.executor = ex = (executor or Executor)(config, self.dtype, self.device)
+        self.model, self.max_model_len, self.vision = ex.model, ex.max_model_len, ex.vision
         # random:<preset> models have no tokenizer: prompts are token ids
-        self.tokenizer = _load_tokenizer(loaded.model_dir) if loaded.model_dir is not None else None
-        tp = mc.tensor_parallel_size
-        lc = config.lora
-        kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and self.device.type == "cuda")
-        if tp > 1:                       # rank 0's shard; workers hold the others (vlora/parallel)
-            self.model = _tensor_parallel(self.model, config, self.dtype, self.device, kernel_lora)
-        kv_heads = getattr(self.model, "kv_heads_per_rank", self.model.cfg.num_kv_heads)   # this rank's KV heads
+        self.tokenizer = _load_tokenizer(ex.model_dir) if ex.model_dir is not None else None
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        cc = config.cache
+        cc, lc = config.cache, config.lora
         self.block_size = cc.block_size
-        self.sizing = _size(config, getattr(self.model, "local_cfg", cfg), self.device, self.dtype,   # TP: a rank's
-                            self.max_model_len, lc.max_loras if kernel_lora else 0)
+        self.sizing = _size(config, ex.local_cfg, self.device, self.dtype, self.max_model_len,
+                            lc.max_loras if ex.kernel_lora else 0)
         sc = config.scheduler
         if sc.max_num_seqs is None or sc.max_num_batched_tokens is None:    # the limits chosen for this device
             sc = replace(sc, max_num_seqs=self.sizing.max_num_seqs,
                          max_num_batched_tokens=self.sizing.max_num_batched_tokens)
             self.config = config = replace(config, scheduler=sc)
+            ex.config = config
         pages = self.sizing.num_pages
         fixed = cc.memory_policy == "lru-fixed"
-        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, kv_heads, cfg.head_dim,
+        self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, ex.kv_heads, cfg.head_dim,
                                 self.dtype, self.device,
                                 adapter_limit=int(pages * cc.adapter_pool_fraction) if fixed else None)
         self.allocator = self.pool                    # KV blocks are pages of the unified pool
-        kv = self.pool.kv
         ins, outs = cfg.lora_in_out()
-        self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), config.lora.max_lora_rank,
-                                        self.dtype, self.device, config.lora.check_base_model,
-                                        config.lora.lora_kernel, self.pool)
-        if tp > 1:
-            self.model.registry = self.adapters
-            if self.adapters.store is not None:      # the pool holds rank 0's slices (the workers theirs)
-                self.adapters.store.view = self.model.part
+        self.adapters = AdapterRegistry(ModelShape(cfg.name, cfg.num_layers, ins, outs), lc.max_lora_rank,
+                                        self.dtype, self.device, lc.check_base_model, lc.lora_kernel, self.pool)
+        ex.attach(self.adapters)
         self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
         self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
-        self.scheduler = Scheduler(config.scheduler, self.allocator, cc.block_size, self.prefix_cache)
+        self.scheduler = Scheduler(sc, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
-        use_kernels = mc.kernels == "triton" or (mc.kernels == "auto" and cuda)
-        graph_safe = getattr(self.model, "graph_safe", True)     # e.g. not a mixture of experts (routed shapes)
-        graph_batch = config.scheduler.max_num_seqs if cuda and mc.cuda_graphs and use_kernels and graph_safe else 0
-        self.runner = ModelRunner(self.model, kv, cc.block_size, self.device, tuple(sorted(self.eos_token_ids)),
-                                  self.adapters, use_kernels, graph_batch, self.max_model_len, self.vision,
-                                  # tensor-parallel workers take segments as (rows, adapter, scale): two passes
-                                  LoRALaunch(lc.lora_overlap, lc.lora_pdl, mixed="two" if tp > 1 else "one"))
-        if tp > 1:                                    # merges fold each rank's slices into its shard
-            from vlora.parallel.model import ShardModes
-
-            self.runner.modes = ShardModes(self.model)
-        elif self.memory.copies is not None:          # merged copies in pool pages (cache.merged_copy)
-            self.runner.modes.keep_copies(self.memory.copies)
-        sc = config.scheduler
-        self.kernel_build = {}                        # what start-up built (vlora.engine.warmup)
-        if use_kernels and cuda and mc.build_kernels:
-            from vlora.engine.warmup import build_kernels
-
-            self.kernel_build = build_kernels(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs,
-                                              workers=min(8, max(1, (os.cpu_count() or 2) // 2)),
-                                              merges=sc.policy != "unmerged")
+        graph_batch = sc.max_num_seqs if cuda and config.model.cuda_graphs and ex.use_kernels and ex.graph_safe \
+            else 0
+        ex.start(self.pool.kv, cc.block_size, tuple(sorted(self.eos_token_ids)), self.adapters, graph_batch,
+                 self.memory.copies)
+        self.runner = ex.runner                       # rank 0's model runner (its graphs, modes, sampler)
         self.runner.before_sync = self._before_sync
+        self.kernel_build = ex.kernel_build           # what start-up built (vlora.engine.warmup)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.mode_costs: ModeCosts | None = None      # the modes timed on this GPU (profile_modes)
         self.orchestrator = Orchestrator(sc.policy, sc.starvation_s, sc.max_num_seqs)
@@ -167,7 +154,9 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []       # outputs of aborts, flushed by the next step
         self._forward_failures = 0                    # iterations in a row whose forward failed
-        self._flight: _Flight | None = None           # a decode queued on the device, its tokens not yet read
+        # iterations handed to the executor whose tokens are not read yet, oldest first: at most one without
+        # async scheduling, two while decodes are queued behind one another
+        self._queue: deque[_Queued] = deque()
         self._last_landed = 0.0                       # when the tokens of the last queued iteration were read
         self.num_overlapped = 0                       # iterations queued behind another one (async_scheduling)
         self.hand_back_preempted = hand_back_preempted
@@ -282,8 +271,8 @@ class Engine:
             return False
         return self._stop(request_id, "migrate")
 
+    @_settled
     def _stop(self, request_id: str, reason: str) -> bool:
-        self.land_in_flight()
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
@@ -303,31 +292,32 @@ class Engine:
                 raise RequestError(str(e.args[0])) from None
         self.admission.set_slo(None if adapter == self.model_name else adapter, slo)
 
+    @_settled
     def unregister_adapter(self, name: str) -> None:
         """Forget an adapter no request uses; unmerged first if it is the merged one."""
         if any(s.adapter_name == name for s in self._seqs.values()):
             raise RequestError(f"adapter {name!r} is in use by running requests")
-        self.land_in_flight()
-        merged = self.runner.modes.merged
+        merged = self.executor.modes.merged
         if merged is not None and merged.name == name:
-            self.runner.modes.unmerge()
-        self.runner.modes.forget(name)
+            self.executor.modes.unmerge()
+        self.executor.modes.forget(name)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_adapter(name)
         self.adapters.unregister(name)
         self.admission.set_slo(name, None)
 
     # -- inference modes (the orchestrator decides; these are the mechanics) -------------------
+    @_settled
     def merge_adapter(self, name: str) -> float:
         """Fold adapter ``name`` into the base weights (exact; other requests keep their outputs)."""
-        self.land_in_flight()
-        return self.runner.modes.merge(self.adapters.get(name))
+        return self.executor.modes.merge(self.adapters.get(name))
 
+    @_settled
     def unmerge_adapter(self) -> float:
         """Restore the base weights bit for bit."""
-        self.land_in_flight()
-        return self.runner.modes.unmerge()
+        return self.executor.modes.unmerge()
 
+    @_settled
     def profile_modes(self, reps: int = 10) -> ModeCosts | None:
         """Time the inference modes on this GPU (:mod:`vlora.engine.mode_costs`) with up to nine registered
         adapters (the largest rank is the one merged), and give the orchestrator those costs from now on. Needs
@@ -336,26 +326,24 @@ class Engine:
         the GPU."""
         from vlora.engine.mode_costs import profile_modes
 
-        self.land_in_flight()
         store, names = self.adapters.store, self.adapters.names()[:9]
-        if self.runner.graphs is None or store is None or len(names) < 2 or self.runner.modes.merged is not None:
+        if self.executor.graphs is None or store is None or len(names) < 2 or self.executor.modes.merged is not None:
             return None
         adapters = sorted((self.adapters.get(n) for n in names), key=lambda a: -a.rank)   # the largest merges
         if len(store.ensure(adapters, set())) < 2:
             return None
-        self.runner.capture_graphs(mixed=True)
+        self.executor.capture_graphs(mixed=True)
         self.mode_costs = profile_modes(self.runner, adapters, self.config.scheduler.max_num_seqs, reps)
         self.orchestrator.profile = self.mode_costs
         return self.mode_costs
 
+    @_settled
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
-        self.land_in_flight()
-        if hasattr(self.model, "close"):
-            self.model.close()
+        """Stop what the executor started (tensor-parallel workers; they also stop when this process exits)."""
+        self.executor.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending) or self._flight is not None
+        return self.scheduler.num_unfinished > 0 or bool(self._pending) or bool(self._queue)
 
     def observe(self, observer: StepObserver) -> None:
         """Tell ``observer`` of each forward and step from now on (:mod:`vlora.engine.observer`)."""
@@ -377,49 +365,112 @@ class Engine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
-        if self._flight is not None:
-            return self._step_in_flight()
-        plan = self._schedule()                     # who runs, how many tokens each, in which mode
-        self.memory.prepare(plan, self.runner.modes)  # the plan's adapters pinned, the merged one resident
-        if not plan.is_empty and self._may_overlap():
-            failed = self._launch(plan, None)       # queued: the next decode goes in behind it before its tokens
-            if self._flight is not None:            # are read
-                return self._step_in_flight()
-            tokens = failed if failed is not None else self._run(plan)
-        else:
-            tokens = self._run(plan) if not plan.is_empty else {}   # forward + sample
-        outputs = self._finish(plan, tokens)         # append, stop checks, free pages, stream deltas
-        self.memory.after(plan, list(self.scheduler.waiting), idle=not self.scheduler.num_unfinished)
+        """Schedule, prepare memory and hand iterations to the executor until the queue is full (one iteration;
+        two while a decode can be queued behind the one in flight), then finish the oldest."""
+        while len(self._queue) < (2 if self._may_overlap() else 1):
+            behind = self._queue[-1] if self._queue else None
+            plan = self._schedule() if behind is None else self._lookahead(behind)
+            if plan is None:
+                break
+            self.memory.prepare(plan, self.executor.modes)   # the plan's adapters pinned, the merged one resident
+            item = self._submit(plan, behind)                # forward + sample: queued on the device, or done
+            self._queue.append(item)
+            if item.launched is None:                        # computed (or failed): nothing goes behind it
+                break
+        return self._land()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an iteration is queued on the device and its tokens not read yet."""
+        return bool(self._queue)
+
+    def land_in_flight(self) -> None:
+        """Finish the iterations queued on the device, if any (their outputs go out with the next step's)."""
+        while self._queue:
+            outputs = self._land(after=False)    # takes the pending outputs and leaves a new list: extend that one
+            self._pending.extend(outputs)
+
+    def _may_overlap(self) -> bool:
+        """Whether decode iterations may be queued behind one another (async scheduling): the engine's setting,
+        an executor that can, the unmerged policy with nothing merged, no swapper (its copies run on their own
+        stream), graphs to replay (with the LoRA kernels, when there are adapters)."""
+        graphs = self.executor.graphs
+        return (self.config.scheduler.async_scheduling and self.executor.may_queue and graphs is not None
+                and self.config.scheduler.policy == "unmerged" and self.executor.modes.merged is None
+                and self.swapper is None and (graphs.lora_setup is not None or not len(self.adapters)))
+
+    def _submit(self, plan: StepPlan, behind: _Queued | None) -> _Queued:
+        """Hand ``plan`` to the executor once: a decode the graphs replay is queued on the device while async
+        scheduling may queue (behind ``behind``, whose pending tokens are its input), anything else is computed
+        now. A forward that fails fails every request of the plan (:meth:`_forward_failed`)."""
+        mode = self.executor.modes.mode_for([s.seq.adapter for s in plan.scheduled])
+        item = _Queued(plan, mode, time.perf_counter())
+        if plan.is_empty:
+            item.tokens = {}
+            return item
+        try:
+            if self._may_overlap():
+                item.launched = self.executor.launch(plan.scheduled, None if behind is None else behind.launched)
+            if item.launched is None and behind is None:
+                item.tokens = self.executor.run(plan.scheduled)
+        except Exception as e:
+            item.launched, item.tokens = None, self._forward_failed(plan, e)
+            return item
+        if item.launched is None and item.tokens is None:
+            raise RuntimeError("async scheduling: the lookahead decode could not be queued")
+        self._forward_failures = 0
+        if item.launched is not None:
+            if behind is None:                    # its rows' pending tokens; one queued behind another takes
+                self._commit(plan.scheduled)      # them once the one before has landed (:meth:`_land`)
+            return item
+        seconds = time.perf_counter() - item.t0
+        decodes = sum(1 for s in plan.scheduled if s.start >= len(s.seq.prompt_token_ids))
+        prefill = sum(s.num_tokens for s in plan.scheduled if s.start < len(s.seq.prompt_token_ids))
+        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in plan.scheduled))
+        self.estimator.observe(prefill, decodes, seconds)
+        self.last_mode = mode
+        return item
+
+    def _land(self, after: bool = True) -> list[RequestOutput]:
+        """Finish the oldest iteration of the queue (reading its tokens waits for them). The one behind it, if
+        any, then holds the pending tokens of its rows still running; one whose rows all ended, or whose
+        queueing failed, is finished too. ``after``: the memory's after-iteration work follows."""
+        item = self._queue.popleft()
+        outputs = self._finish(item.plan, self._tokens(item), committed=item.launched is not None)
+        if self._queue:
+            nxt = self._queue[0]
+            live = tuple(s for s in nxt.plan.scheduled if not s.seq.is_finished)
+            if nxt.launched is not None:
+                self.num_overlapped += 1
+                self._commit(live)
+                if not live:                      # every row ended with the tokens just read
+                    outputs += self._land(after=False)
+            else:                                 # its queueing failed: its live rows fail
+                self._queue.popleft()
+                outputs += self._finish(replace(nxt.plan, scheduled=live), nxt.tokens)
+        if after:
+            # no adapter prefetch while a decode is in flight: its copy stream could fill pages that sequences
+            # finished just now still have a (wasted) row writing to
+            waiting = [] if self._queue else list(self.scheduler.waiting)
+            self.memory.after(item.plan, waiting, idle=not self.scheduler.num_unfinished)
         return outputs
 
-    # -- async scheduling: the next decode queued before the tokens of the one in flight are read ----------
-    def _may_overlap(self) -> bool:
-        """Whether decode iterations may be queued behind one another: the engine's setting, one GPU, the
-        unmerged policy with nothing merged, no swapper (its copies run on their own stream), graphs to
-        replay (with the LoRA kernels, when there are adapters)."""
-        graphs = self.runner.graphs
-        return (self.config.scheduler.async_scheduling and graphs is not None
-                and self.config.model.tensor_parallel_size == 1 and self.config.scheduler.policy == "unmerged"
-                and self.runner.modes.merged is None and self.swapper is None
-                and (graphs.lora_setup is not None or not len(self.adapters)))
-
-    def _launch(self, plan: StepPlan, prev: Launched | None, commit: bool = True) -> dict[str, RequestFailed] | None:
-        """Queue ``plan`` (a graph-replayed decode) as the iteration in flight (``self._flight``; left None when
-        the graphs cannot replay it); returns None, or, when queueing failed, every request's
-        :class:`RequestFailed`. ``commit``: count its tokens computed now (:meth:`_commit`)."""
-        mode = self.runner.modes.mode_for([s.seq.adapter for s in plan.scheduled])
-        t0 = time.perf_counter()
+    def _tokens(self, item: _Queued) -> dict:
+        """The tokens of ``item``: read from the device for a queued one (waits), timed from when it was queued
+        or when the one before it landed, whichever is later."""
+        if item.launched is None:
+            return item.tokens
         try:
-            launched = self.runner.launch(plan.scheduled, prev)
+            tokens = item.launched.result()
         except Exception as e:
-            return self._forward_failed(plan, e)
-        if launched is None:                       # not one the graphs replay: nothing queued
-            return None
-        self._forward_failures = 0
-        self._flight = _Flight(plan, launched, mode, t0)
-        if commit:
-            self._commit(plan.scheduled)
-        return None
+            return self._forward_failed(item.plan, e)
+        now = time.perf_counter()
+        seconds = now - max(item.t0, self._last_landed)
+        self._last_landed = now
+        self.orchestrator.observe(item.mode, seconds, decode_only=True)
+        self.estimator.observe(0, len(item.plan.scheduled), seconds)
+        self.last_mode = item.mode
+        return tokens
 
     @staticmethod
     def _commit(scheduled) -> None:
@@ -428,96 +479,24 @@ class Engine:
             s.seq.num_computed += 1
             s.seq.output_token_ids.append(Sequence.PENDING)
 
-    def _step_in_flight(self) -> list[RequestOutput]:
-        """With a decode in flight: queue the next one behind it where that is exact, then read the first one's
-        tokens and finish it. Returns the outputs of the iteration whose tokens were read."""
-        flight, self._flight = self._flight, None
-        nxt = self._lookahead(flight)
-        failed = None
-        if nxt is not None:
-            self.memory.prepare(nxt, self.runner.modes)
-            failed = self._launch(nxt, flight.launched, commit=False)
-        queued, self._flight = self._flight, None
-        if nxt is not None and queued is None and failed is None:
-            raise RuntimeError("async scheduling: the lookahead decode could not be queued")
-        # the sequences hold the pending tokens of ``flight`` until it is finished; then ``queued``'s count
-        outputs = self._finish(flight.plan, self._land(flight), committed=True)
-        live = tuple(s for s in nxt.scheduled if not s.seq.is_finished) if nxt is not None else ()
-        if queued is not None:
-            self.num_overlapped += 1
-            self._commit(live)
-            self._flight = queued
-            if not live:                   # every row ended with the tokens just read: nothing left to wait for
-                self.land_in_flight()
-        elif failed is not None and live:
-            outputs += self._finish(replace(nxt, scheduled=live), failed)
-        # no adapter prefetch for the queue while a decode is in flight: its copy stream could fill pages that
-        # sequences finished just now still have a (wasted) row writing to
-        waiting = [] if self._flight is not None else list(self.scheduler.waiting)
-        self.memory.after(flight.plan, waiting, idle=not self.scheduler.num_unfinished)
-        return outputs
-
-    def _lookahead(self, flight: _Flight) -> StepPlan | None:
-        """The next decode, scheduled while the tokens of ``flight`` are still on the device: every running
-        sequence continues but those its pending token ends (``max_tokens``, ``max_model_len``). None where that
-        would not be exact or not a graph replay: a waiting request could be admitted (the batch has room; with
-        none, it is admitted once a sequence ends, one iteration later than without the lookahead), a running
-        sequence has more than one token to compute, a new page would have to be reclaimed or a sequence
-        preempted, or the batch outgrows the graphs."""
+    def _lookahead(self, behind: _Queued) -> StepPlan | None:
+        """The next decode, scheduled while the tokens of ``behind`` are still on the device: every running
+        sequence continues but those its pending token ends (``max_tokens``, ``max_model_len``). None where
+        that would not be exact (the scheduler's :meth:`~Scheduler.lookahead` says when) or a sequence wants its
+        task head."""
         sched = self.scheduler
-        if not self._may_overlap() or (sched.waiting and len(sched.running) < self.config.scheduler.max_num_seqs):
+        if behind.launched is None or any(s.params.task_head for s in sched.running):
             return None
-        pool, bs, mml = self.allocator, self.block_size, self.max_model_len
-        eligible, pages = [], 0
-        limit = None
-        for seq in sched.running:
-            out, done, p = seq.output_token_ids, seq.num_computed, seq.params
-            total = len(seq.prompt_token_ids) + len(out)
-            if total - done != 1 or p.task_head:
-                return None
-            if len(out) >= p.max_tokens or total >= mml:
-                continue                               # its pending token is its last
-            eligible.append(seq.request_id)
-            if len(seq.blocks) * bs <= done:          # its next token starts a page
-                pages += 1
-                limit = pool.num_blocks if limit is None else limit
-                if len(seq.blocks) + 1 > limit:
-                    return None
-        if (not eligible or len(eligible) > self.runner.graphs.max_batch or pages > pool.num_free
-                or len(eligible) > self.config.scheduler.max_num_batched_tokens):
+        mml = self.max_model_len
+        ending = {s.request_id for s in sched.running
+                  if len(s.output_token_ids) >= s.params.max_tokens or s.num_tokens >= mml}
+        ids = sched.lookahead(ending, self.executor.graphs.max_batch)
+        if ids is None:
             return None
-        plan = self._schedule(only=eligible)
-        if plan.preempted or plan.truncated or len(plan.scheduled) != len(eligible):
-            raise RuntimeError("async scheduling: the lookahead schedule is not the decode its checks promise")
+        plan = self._schedule(only=ids)
+        if plan.preempted or plan.truncated or len(plan.scheduled) != len(ids):
+            raise RuntimeError("async scheduling: the lookahead schedule is not the decode the scheduler promised")
         return plan
-
-    def _land(self, flight: _Flight) -> dict[str, int | RequestFailed]:
-        """Read the tokens of ``flight`` (waits for them); a failure fails each of its requests."""
-        plan = flight.plan
-        try:
-            tokens = flight.launched.result()
-        except Exception as e:
-            return self._forward_failed(plan, e)
-        now = time.perf_counter()
-        seconds = now - max(flight.t0, self._last_landed)   # queued behind another: from when that one landed
-        self._last_landed = now
-        self.orchestrator.observe(flight.mode, seconds, decode_only=True)
-        self.estimator.observe(0, len(plan.scheduled), seconds)
-        self.last_mode = flight.mode
-        return tokens
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether a decode iteration is queued on the device and its tokens not read yet."""
-        return self._flight is not None
-
-    def land_in_flight(self) -> None:
-        """Finish the iteration in flight, if any (its outputs go out with the next step's)."""
-        flight, self._flight = self._flight, None
-        if flight is not None:
-            # _finish takes the pending outputs and leaves a new list: extend that one, after the call
-            outputs = self._finish(flight.plan, self._land(flight), committed=True)
-            self._pending.extend(outputs)
 
     def _schedule(self, only: list[str] | None = None) -> StepPlan:
         """SLO rejections, the mode policy's pick, the requests whose adapters can be resident, then the
@@ -526,7 +505,7 @@ class Engine:
             self.scheduler.finish(seq, "rejected")
             self._seqs.pop(seq.request_id, None)
             self._pending.append(self._output(seq, [], error=reason))
-        modes, sched = self.runner.modes, self.scheduler
+        modes, sched = self.executor.modes, self.scheduler
         decision = self.orchestrator.plan(sched.unfinished(), modes, self.adapters)
         room = max(0, self.config.scheduler.max_num_seqs - len(sched.running))
         ready = self.memory.runnable(sched.running, list(sched.waiting), room, modes.merged)
@@ -541,25 +520,6 @@ class Engine:
                 self.hand_back(seq.request_id)
         return StepPlan(out.scheduled, preempted, truncated, decision)
 
-    def _run(self, plan: StepPlan) -> dict[str, int | TaskResult | RequestFailed]:
-        """Forward + sample. A forward that fails without being pinned on one request fails every request
-        of the iteration (a :class:`RequestFailed` each) and puts the base weights back; a CUDA error, or the
-        forward failing ``MAX_FORWARD_FAILURES`` iterations in a row, raises :class:`EngineFatal`."""
-        mode = self.runner.modes.mode_for([s.seq.adapter for s in plan.scheduled])
-        t0 = time.perf_counter()
-        try:
-            tokens = self.runner.run(plan.scheduled)
-        except Exception as e:
-            return self._forward_failed(plan, e)
-        self._forward_failures = 0
-        seconds = time.perf_counter() - t0
-        decodes = sum(1 for s in plan.scheduled if s.start >= len(s.seq.prompt_token_ids))
-        prefill = sum(s.num_tokens for s in plan.scheduled if s.start < len(s.seq.prompt_token_ids))
-        self.orchestrator.observe(mode, seconds, decode_only=all(s.num_tokens == 1 for s in plan.scheduled))
-        self.estimator.observe(prefill, decodes, seconds)
-        self.last_mode = mode
-        return tokens
-
     def _forward_failed(self, plan: StepPlan, exc: Exception) -> dict[str, RequestFailed]:
         self._forward_failures += 1
         if isinstance(exc, EngineFatal):            # already says why (e.g. a tensor-parallel worker exited)
@@ -571,8 +531,8 @@ class Engine:
                               f"{describe(exc)}") from exc
         log.error("iteration failed; failing its %d request(s)", len(plan.scheduled), exc_info=exc)
         self.memory.release_pins()
-        if self.runner.modes.merged is not None:    # back to the base weights (exact); the policy decides anew
-            self.runner.modes.unmerge()
+        if self.executor.modes.merged is not None:    # back to the base weights (exact); the policy decides anew
+            self.executor.modes.unmerge()
         failed = RequestFailed(f"the batched forward failed: {describe(exc)}")
         return {s.seq.request_id: failed for s in plan.scheduled}
 
@@ -660,37 +620,6 @@ def _logprobs(seq: Sequence) -> tuple:
             None if lp is None else seq.cumulative_logprob)
 
 
-def _tensor_parallel(model, config: EngineConfig, dtype: torch.dtype, device: torch.device, kernel_lora: bool):
-    """Start the tensor-parallel workers; returns rank 0's model. Refuses what the split does not cover yet.
-    An LMM's vision tower stays on rank 0 (``vlora/parallel/__init__.py`` says why). ``kernel_lora``: adapters
-    live in the pool (the workers keep their slices in host memory to place them)."""
-    from vlora.parallel.group import WorkerSpec
-    from vlora.parallel.model import tensor_parallel
-
-    mc, tp = config.model, config.model.tensor_parallel_size
-    if getattr(model.cfg, "num_experts", 0):
-        raise ConfigError(f"tensor_parallel_size {tp} does not support a mixture of experts (the experts are "
-                          f"not split yet)")
-    if config.cache.memory_policy == "fastlibra":
-        raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
-                          f"copies rank 0's pages only)")
-    if config.cache.merged_copy:
-        raise ConfigError(f"tensor_parallel_size {tp} does not support merged_copy (merges fold each rank's "
-                          f"slices into its shard in place)")
-    spec = WorkerSpec(mc.model, dtype, device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
-                      all_reduce=mc.all_reduce, host_adapters=kernel_lora)
-    return tensor_parallel(model, tp, spec, device)
-
-
-def _rank0_cut(tp: int):
-    """Tensor parallelism: rank 0's cut of the model, applied while it is built where the loader can."""
-    if tp == 1:
-        return None
-    from vlora.parallel.partition import Shard, shard_decoder
-
-    return lambda model: shard_decoder(model, Shard.of(model.cfg, 0, tp))
-
-
 def _size(config: EngineConfig, cfg, device: torch.device, dtype: torch.dtype, max_model_len: int,
           adapters_in_pool: int) -> Sizing:
     """The pool's pages and the batch limits for this device (:mod:`vlora.memory.sizing`)."""
@@ -724,10 +653,13 @@ def _load_tokenizer(model_dir):
 
 
 @dataclass
-class _Flight:
-    """A decode iteration queued on the device whose tokens the engine has not read yet."""
+class _Queued:
+    """An iteration handed to the executor: queued on the device (``launched``, its tokens not read yet) or
+    computed (``tokens``)."""
 
     plan: StepPlan
-    launched: Launched
     mode: object              # the inference mode it runs in
-    t0: float                 # when it was queued
+    t0: float                 # when it was handed over
+    launched: Launched | None = None
+    tokens: dict | None = None
+

@@ -205,6 +205,33 @@ class Scheduler:
             self.running.sort(key=lambda s: s.arrival)
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(truncated))
 
+    def lookahead(self, ending: set[str], max_batch: int) -> list[str] | None:
+        """The request ids of the decode to queue behind the one in flight, whose tokens are still on the device
+        (each running sequence holds its pending token, counted computed): every running sequence but
+        ``ending`` (those their pending token ends), one token each. None where :meth:`schedule` would do
+        anything else with them: admit a waiting sequence (the batch has room; with none, it is admitted once a
+        sequence ends, one iteration later than without the lookahead), compute more than one token of a
+        sequence, need a page that would have to be reclaimed or a sequence preempted for, or outgrow
+        ``max_batch`` or the token budget."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        if any(seq.num_tokens - seq.num_computed != 1 for seq in self.running):
+            return None
+        ids = [seq.request_id for seq in self.running if seq.request_id not in ending]
+        if not ids or len(ids) > min(max_batch, self.config.max_num_batched_tokens):
+            return None
+        limit, pages = None, 0
+        for seq in self.running:
+            if seq.request_id in ending:
+                continue
+            need = self._blocks_needed(seq, 1)       # its next token starts a page
+            if need:
+                pages += need
+                limit = self.allocator.num_blocks if limit is None else limit
+                if len(seq.blocks) + need > limit:
+                    return None
+        return ids if pages <= self.allocator.num_free else None
+
     def _grow_preempting(self, seq: Sequence, n: int, queue: deque, preempted: list) -> bool:
         """Pages for ``seq``'s next ``n`` tokens, preempting the newest sequences of ``queue`` (then ``seq``
         itself) until they fit; False when ``seq`` was preempted."""

@@ -89,9 +89,15 @@ def _limits(device: str | None) -> DeviceLimits:
 _patched = False
 
 
+def apply_limits(device: torch.device | str | None = None) -> DeviceLimits:
+    """Read ``device``'s limits and, with ``VLORA_MAX_SHARED_MEM`` set, make Triton's launch check compare
+    against the cap: the engine calls it at start, before any kernel is built (the kernel launchers also read
+    the limits before their first launch)."""
+    return device_limits(device)
+
+
 def _enforce_cap_in_triton() -> None:
-    """With ``VLORA_MAX_SHARED_MEM`` set, make Triton's launch check compare against the cap, not the device
-    (from the import of the kernels on, so every kernel's first launch is checked)."""
+    """With ``VLORA_MAX_SHARED_MEM`` set, make Triton's launch check compare against the cap, not the device."""
     global _patched
     if _patched or _cap("VLORA_MAX_SHARED_MEM") is None:
         return
@@ -100,6 +106,3 @@ def _enforce_cap_in_triton() -> None:
     real = compiler.max_shared_mem
     compiler.max_shared_mem = lambda device: min(real(device), _cap("VLORA_MAX_SHARED_MEM"))
     _patched = True
-
-
-_enforce_cap_in_triton()

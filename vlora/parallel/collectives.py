@@ -23,10 +23,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast stays off (the GPU hosts here run without it)
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")   # likewise for torch's symmetric memory
-os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")   # a failed or timed-out NCCL collective ends its
-#                                                                 process instead of leaving it hung
+# What every rank's process sets before its communicator starts (values already set win):
+COMMUNICATION_ENV = {
+    "NCCL_NVLS_ENABLE": "0",                     # NVLink multicast stays off (the GPU hosts here run without it)
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",     # likewise for torch's symmetric memory
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",      # a failed or timed-out NCCL collective ends its process instead
+}                                                # of leaving it hung
+
+
+def apply_communication_env() -> None:
+    """Set :data:`COMMUNICATION_ENV` in this process (rank 0 before it starts its workers, which inherit it, and
+    each rank before it joins the group)."""
+    for key, value in COMMUNICATION_ENV.items():
+        os.environ.setdefault(key, value)
 
 ALL_REDUCES = ("nccl", "symm_mem")
 SYMM_MEM_BYTES = 2 << 20          # the one-shot buffer: decode messages up to 2 MiB (batch 128 at hidden 8192, bf16)
@@ -39,6 +48,7 @@ def tcp_store(port: int, world: int, master: bool, timeout_s: float):
 
 def init_group(rank: int, world: int, store, device: torch.device, timeout_s: float) -> None:
     """Join the process group (NCCL on GPUs, gloo on the CPU) and create its communicator now."""
+    apply_communication_env()
     cuda = device.type == "cuda"
     kw = {"device_id": device} if cuda else {}
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,

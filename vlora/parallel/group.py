@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from vlora.engine.faults import EngineFatal, describe
-from vlora.parallel.collectives import init_group, tcp_store
+from vlora.parallel.collectives import apply_communication_env, init_group, tcp_store
 from vlora.parallel.messages import StepMessage
 from vlora.parallel.worker import run_worker
 
@@ -58,6 +58,7 @@ class TensorParallelGroup:
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process")
+        apply_communication_env()
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")

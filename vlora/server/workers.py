@@ -15,7 +15,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from vlora.engine.llm import apply_chat_template
+from vlora.llm import apply_chat_template
 
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 

@@ -8,7 +8,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from vlora.engine.engine import Engine, RequestError
+from vlora.builder import build_engine
+from vlora.engine.engine import RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.models.hub import resolve_adapter_dir
 from vlora.sampling_params import SamplingParams
@@ -63,7 +64,7 @@ class LLM:
                                                       {name: str(resolve_adapter_dir(p)) for name, p in items}))
             self._ids = itertools.count()
             return
-        self.engine = Engine(config)
+        self.engine = build_engine(config)
         for name, path in items:
             self.register_adapter(name, path)
 

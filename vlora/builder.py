@@ -1,0 +1,28 @@
+"""Builds an engine with the executor its configuration asks for.
+
+The engine runs iterations through an executor (``vlora/engine/executor.py``) and imports no implementation
+but the one-device one; this module, above both, picks the tensor-parallel executor
+(``vlora/parallel/executor.py``) when ``tensor_parallel_size`` > 1.
+"""
+
+from __future__ import annotations
+
+from vlora.config import EngineConfig
+from vlora.engine.engine import Engine
+from vlora.engine.executor import Executor
+
+
+def executor_for(config: EngineConfig) -> type[Executor]:
+    """The executor class that serves ``config``."""
+    if config.model.tensor_parallel_size > 1:
+        from vlora.parallel.executor import TensorParallelExecutor
+
+        return TensorParallelExecutor
+    return Executor
+
+
+def build_engine(config: EngineConfig | None = None, **kwargs) -> Engine:
+    """``Engine(config, **kwargs)`` with the executor ``config`` asks for (``kwargs``: :class:`Engine`'s
+    keyword arguments)."""
+    config = config or EngineConfig()
+    return Engine(config, executor=executor_for(config), **kwargs)
