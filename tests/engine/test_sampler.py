@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from vlora.engine.faults import RequestFailed
+from vlora.engine.faults import RowFailed
 from vlora.engine.sampler import TOPK_CANDIDATES_MAX, Sampler
 from vlora.engine.sequence import Sequence, TokenLogprobs
 from vlora.kernels import philox
@@ -343,7 +343,7 @@ def test_reference_repetition_penalty_matches_transformers():
 
 # ---------------------------------------------------------------- seeds
 
-def _one(sampler, logits_row, seq) -> int | RequestFailed:
+def _one(sampler, logits_row, seq) -> int | RowFailed:
     return sampler.sample(logits_row[None].contiguous(), [seq]).result()[0]
 
 
@@ -520,7 +520,7 @@ def test_unsamplable_row_fails_alone(bad, bad_params):
     x_bad = x.clone()
     x_bad[4] = _bad_rows(V, g)[bad]
     got = Sampler(V, EOS, CPU).sample(x_bad, seqs_bad).result()
-    assert isinstance(got[4], RequestFailed), f"{bad} row with {bad_params}: got {got[4]!r}, want RequestFailed"
+    assert isinstance(got[4], RowFailed), f"{bad} row with {bad_params}: got {got[4]!r}, want RowFailed"
     assert got[:4] + got[5:] == want[:4] + want[5:]
 
 
@@ -537,7 +537,7 @@ def test_stop_ids_outside_vocabulary_under_min_tokens_fail_only_that_row():
                        0, sample_seed=3)
     s = Sampler(V, EOS, CPU)
     got = s.sample(x.clone(), seqs).result()
-    assert isinstance(got[2], RequestFailed) and "stop_token_ids" in str(got[2])
+    assert isinstance(got[2], RowFailed) and "stop_token_ids" in str(got[2])
     assert isinstance(got[3], int) and got[3] not in (V - 1, *EOS)
     assert [got[i] for i in (0, 1, 4, 5)] == [want[i] for i in (0, 1, 4, 5)]
     # the same without min_tokens: the ids are just never met, nothing fails
@@ -554,7 +554,7 @@ def test_logit_bias_outside_vocabulary_fails_only_that_row():
     seqs[1] = Sequence("bad", [2, 3], SamplingParams(temperature=1.0, logit_bias={3: 1.0, V: 2.0}), None, 0,
                        sample_seed=1)
     got = Sampler(V, EOS, CPU).sample(x.clone(), seqs).result()
-    assert isinstance(got[1], RequestFailed)
+    assert isinstance(got[1], RowFailed)
     assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
 
 

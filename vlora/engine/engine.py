@@ -35,7 +35,7 @@ import torch
 from vlora.config import ConfigError, EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
-from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RequestFailed, describe, is_fatal
+from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RowFailed, describe, is_fatal
 from vlora.engine.executor import Executor
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.observer import StepObserver, StepRecord
@@ -520,7 +520,7 @@ class Engine:
                 self.hand_back(seq.request_id)
         return StepPlan(out.scheduled, preempted, truncated, decision)
 
-    def _forward_failed(self, plan: StepPlan, exc: Exception) -> dict[str, RequestFailed]:
+    def _forward_failed(self, plan: StepPlan, exc: Exception) -> dict[str, RowFailed]:
         self._forward_failures += 1
         if isinstance(exc, EngineFatal):            # already says why (e.g. a tensor-parallel worker exited)
             raise exc
@@ -533,11 +533,11 @@ class Engine:
         self.memory.release_pins()
         if self.executor.modes.merged is not None:    # back to the base weights (exact); the policy decides anew
             self.executor.modes.unmerge()
-        failed = RequestFailed(f"the batched forward failed: {describe(exc)}")
+        failed = RowFailed(f"the batched forward failed: {describe(exc)}")
         return {s.seq.request_id: failed for s in plan.scheduled}
 
     def _finish(self, plan: StepPlan, tokens: dict, committed: bool = False) -> list[RequestOutput]:
-        """Each request of the plan on its own: an error in one (its token a :class:`RequestFailed`, or its stop
+        """Each request of the plan on its own: an error in one (its token a :class:`RowFailed`, or its stop
         checks or detokenizing raising) finishes it with ``finish_reason="error"`` and frees its memory.
         ``committed``: the plan was queued (:meth:`_launch`): its tokens are counted computed and each sampled
         token takes the place of its sequence's pending one; a sequence finished meanwhile is skipped."""
@@ -551,7 +551,7 @@ class Engine:
                 if seq.is_finished:                 # by the iteration before (its row here was wasted)
                     continue
                 seq.output_token_ids.pop()          # the pending token: the sampled one, or none on failure
-            if isinstance(token, RequestFailed):    # its KV of this iteration is not counted computed
+            if isinstance(token, RowFailed):    # its KV of this iteration is not counted computed
                 results.append(self._fail(seq, str(token)))
                 continue
             if not committed:

@@ -1,6 +1,6 @@
 """What an error means for the engine: one request's, one iteration's, or the end of the engine.
 
-* :class:`RequestFailed` — an error pinned on one request (its sampling, logits
+* :class:`RowFailed` — an error pinned on one request (its sampling, logits
   processing, stop checks, detokenizing, task head). It travels as a value in
   place of that request's token; the engine finishes the request with
   ``finish_reason="error"`` and the reason, frees its memory, and the others go on.
@@ -23,8 +23,9 @@ MAX_FORWARD_FAILURES = 3      # consecutive failed iterations before the engine 
 _CUDA_MARKS = ("CUDA error", "device-side assert", "illegal memory access", "CUBLAS_STATUS", "cuDNN error")
 
 
-class RequestFailed(Exception):
-    """One request's failure, with a reason for its client."""
+class RowFailed(Exception):
+    """One request's failure inside an iteration (its row of the batch), with a reason for its client. The
+    client-facing exception of a failed request is the async engine's ``RequestFailed``."""
 
 
 class EngineFatal(RuntimeError):

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from vlora.engine.faults import RequestFailed, describe, is_fatal
+from vlora.engine.faults import RowFailed, describe, is_fatal
 from vlora.engine.modes import ModeSwitcher
 from vlora.engine.sampler import Sampled, Sampler
 from vlora.engine.scheduler import ScheduledSeq
@@ -204,9 +204,9 @@ class ModelRunner:
                 del s.seq.image_embeds[k]
 
     @torch.inference_mode()
-    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int | TaskResult | RequestFailed]:
+    def run(self, scheduled: tuple[ScheduledSeq, ...]) -> dict[str, int | TaskResult | RowFailed]:
         """One forward over the scheduled chunks; returns request_id -> sampled token (a task head's answer
-        for ``task_head`` requests; a :class:`RequestFailed` for a request whose own part failed)."""
+        for ``task_head`` requests; a :class:`RowFailed` for a request whose own part failed)."""
         launched = self.launch(scheduled)
         if launched is not None:
             return launched.result()
@@ -340,7 +340,7 @@ class Launched:
         self.seqs, self.sampled = seqs, sampled
         self.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
 
-    def result(self) -> dict[str, int | TokenLogprobs | RequestFailed]:
+    def result(self) -> dict[str, int | TokenLogprobs | RowFailed]:
         return {seq.request_id: t for seq, t in zip(self.seqs, self.sampled.result())}
 
 
@@ -353,13 +353,13 @@ def lora_groups(cfg) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
              "down": ins.get("down_proj", cfg.intermediate_size)})
 
 
-def _one_head(hidden: torch.Tensor, head) -> TaskResult | RequestFailed:
+def _one_head(hidden: torch.Tensor, head) -> TaskResult | RowFailed:
     try:
         return apply_heads(hidden, [head])[0]
     except Exception as e:
         if is_fatal(e):
             raise
-        return RequestFailed(f"task head failed: {describe(e)}")
+        return RowFailed(f"task head failed: {describe(e)}")
 
 
 def _image_overlaps(seq, start: int, n: int):

@@ -20,7 +20,7 @@ step sends only the rows' positions (and the rows still below ``min_tokens`` whe
 per row: the host's per-step work is reading the rows' lengths and, after the copy, their results.
 
 A row that cannot be sampled (its kept logits are all -inf or not finite, e.g. NaN logits, or stop ids
-outside the vocabulary under ``min_tokens``) gets a :class:`~vlora.engine.faults.RequestFailed` in place of its
+outside the vocabulary under ``min_tokens``) gets a :class:`~vlora.engine.faults.RowFailed` in place of its
 token; the other rows are untouched. The flags come back with the tokens in one copy.
 
 :meth:`Sampler.sample` queues the whole pass and the copy of its results to page-locked memory and returns at
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from vlora.engine.faults import RequestFailed
+from vlora.engine.faults import RowFailed
 from vlora.engine.sequence import Sequence, TokenLogprobs
 from vlora.engine.token_counts import TokenCounts
 from vlora.kernels import philox
@@ -49,7 +49,7 @@ class SamplingBatch:
         self.seqs = seqs
         ps = [s.params for s in seqs]
         n = len(seqs)
-        self.errors: dict[int, RequestFailed] = {}
+        self.errors: dict[int, RowFailed] = {}
         dev = device
         sampled = [i for i, p in enumerate(ps) if not p.greedy]
         self.sampled_rows = sampled
@@ -76,7 +76,7 @@ class SamplingBatch:
             if any(t >= vocab for _, t, _ in bias):
                 for i, p in enumerate(ps):
                     if any(t >= vocab for t, _ in p.logit_bias):
-                        self.errors[i] = RequestFailed(f"sampling failed: logit_bias names token ids outside the "
+                        self.errors[i] = RowFailed(f"sampling failed: logit_bias names token ids outside the "
                                                        f"vocabulary [0, {vocab})")
                 bias = [x for x in bias if x[0] not in self.errors]
             rows_ids = torch.tensor([(i, t) for i, t, _ in bias], dtype=torch.long).to(dev, non_blocking=True)
@@ -88,7 +88,7 @@ class SamplingBatch:
             if p.min_tokens:
                 banned = sorted(set(eos_token_ids) | set(p.stop_token_ids))
                 if any(not 0 <= t < vocab for t in banned):
-                    self.errors[i] = RequestFailed(f"sampling failed: stop_token_ids hold ids outside the "
+                    self.errors[i] = RowFailed(f"sampling failed: stop_token_ids hold ids outside the "
                                                    f"vocabulary [0, {vocab})")
                 elif banned:
                     self.min_tokens[i] = (p.min_tokens, banned)
@@ -285,7 +285,7 @@ class Sampled:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def result(self) -> list[int | TokenLogprobs | RequestFailed]:
+    def result(self) -> list[int | TokenLogprobs | RowFailed]:
         """One token id per sequence (a :class:`TokenLogprobs` for rows that asked for logprobs; why it could not
         be had for rows that failed)."""
         if self._event is not None:
@@ -296,7 +296,7 @@ class Sampled:
         for i, ok in enumerate(values[n:2 * n]):
             if not ok and i not in b.errors:
                 p = seqs[i].params
-                out[i] = RequestFailed("sampling failed: no token can be sampled (the kept logits are not finite"
+                out[i] = RowFailed("sampling failed: no token can be sampled (the kept logits are not finite"
                                        + ("" if p.greedy else f" at temperature {p.temperature!r}") + ")")
         for i, e in b.errors.items():
             out[i] = e
@@ -306,7 +306,7 @@ class Sampled:
             top_v = values[2 * n + m:2 * n + m + m * k]
             top_i = values[2 * n + m + m * k:]
             for j, i in enumerate(b.lp_rows):
-                if isinstance(out[i], RequestFailed):
+                if isinstance(out[i], RowFailed):
                     continue
                 own = seqs[i].params.logprobs
                 top = tuple((int(top_i[j * k + a]), top_v[j * k + a]) for a in range(own))
