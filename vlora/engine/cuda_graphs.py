@@ -60,7 +60,8 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
                  lora_setup=None, columns: int = 512, launch: LoRALaunch = LoRALaunch()):
-        """``lora_setup``: (adapter buffer, group widths, group in-features, tiling table, max rank) or None;
+        """``lora_setup``: (a function returning the adapter buffer, which the store may reallocate; group widths,
+        group in-features, tiling table, max rank) or None;
         ``launch``: how the captured LoRA kernels are launched;
         ``columns``: adapter columns of the offset tables to start with (about 5 KB each on a 32-layer model;
         outgrowing them recaptures every LoRA graph, so the default is sized past the adapters a pool holds at
@@ -97,7 +98,7 @@ class DecodeGraphs:
         self._other_sets: dict = {}     # weights key -> the graphs of the other weights (at most one set)
         self.pool = None
         self.num_replays = 0
-        self._buf_ptr = None if lora_setup is None else lora_setup[0].buf.data_ptr()
+        self._buf_ptr = None if lora_setup is None else lora_setup[0]().data_ptr()
 
     def _alloc_columns(self, n: int) -> None:
         """Offset tables with ``n`` adapter columns (the columns written so far are kept)."""
@@ -194,7 +195,7 @@ class DecodeGraphs:
                              if paired else {})
                 return LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], scales, max_len=cap, num_rows=b,
                                                  **pair_meta),
-                                 kernel, buffer.buf, extra=extra, launch=self.launch)
+                                 kernel, buffer(), extra=extra, launch=self.launch)
 
             minus = lora_pass(self.meta2[:3, :b], self.meta2[3, :b], self.scales2[:b]) if kind == MIXED else None
             lora = lora_pass(meta[_SEG_START:_SEG_COL], meta[_SEG_COL], self.scales[:b], minus)
@@ -265,9 +266,9 @@ class DecodeGraphs:
         if b is None or (kind and self.lora_setup is None):
             return None
         if kind:
-            if self.lora_setup[0].buf.data_ptr() != self._buf_ptr:        # the adapter buffer grew
+            if self.lora_setup[0]().data_ptr() != self._buf_ptr:        # the adapter buffer grew
                 self._drop_lora_graphs()
-                self._buf_ptr = self.lora_setup[0].buf.data_ptr()
+                self._buf_ptr = self.lora_setup[0]().data_ptr()
             cols = [self._column(seg.adapter) for seg in segments]      # before the lookup: may drop graphs
             cols2 = [self._column(seg.adapter) for seg in minus]       # resident adapters' columns never recycle
             pair_cols = [0 if seg.pair is None else self._column(seg.pair) for seg in segments] if paired else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import NamedTuple
 
 from vlora.lora.batch import LoRABatch, LoRASegment, PackedAdapter
 from vlora.lora.merge import MergeRecord, group_widths, merge_, stage_factors, stage_from_pool, unmerge_
@@ -34,9 +35,19 @@ class Mode(enum.Enum):
     MIXED = "mixed"
 
 
+class ShardWeights(NamedTuple):
+    """What merges fold into when it is a shard of the model rather than the whole decoder: the shard's
+    configuration (its heads and MLP columns) and its stacked packed projections (a tensor-parallel rank's)."""
+
+    cfg: object
+    stacked: dict
+
+
 class ModeSwitcher:
-    def __init__(self, model: DecoderLM, pool=None):
-        """``pool``: the unified pool (kernel path): merges stage an adapter's factors from where it sits."""
+    def __init__(self, model: DecoderLM | ShardWeights, pool=None):
+        """``model``: the decoder whose weights merges fold into, or a rank's :class:`ShardWeights` (merged
+        copies need the decoder's layers); ``pool``: the unified pool (kernel path): merges stage an adapter's
+        factors from where it sits."""
         cfg = model.cfg
         self.model = model
         self.pool = pool

@@ -69,7 +69,8 @@ class ModelRunner:
 
         make = getattr(self.model, "decode_graphs", DecodeGraphs)     # tensor parallelism: every rank's graphs
         scratch = (self.kv_cache.shape[0] - 1) * self.block_size
-        lora = None if self.tiling is None else (self.adapters.store, self.group_widths, self.group_in, self.tiling,
+        store = self.adapters.store
+        lora = None if self.tiling is None else (lambda: store.buf, self.group_widths, self.group_in, self.tiling,
                                                  self.adapters.max_rank)
         self.graphs = make(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
                             scratch, lora, columns, self.lora_launch)

@@ -26,7 +26,8 @@ from vlora.memory.pinned import pinned_empty
 ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` elements rounded up to the pool's alignment of an adapter matrix."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -38,7 +39,7 @@ class HostAdapter:
     sizes: list[int]              # elements per matrix
 
 
-def _matrices(adapter: PackedAdapter) -> list[torch.Tensor]:
+def matrices(adapter: PackedAdapter) -> list[torch.Tensor]:
     """The adapter's matrices in pool order: per layer and group, A^T ([R, in]) then each present slice's B."""
     out = []
     for groups in adapter.layers:
@@ -76,16 +77,16 @@ class AdapterStore:
         """Keep the adapter's matrices ready for copies: one flat host buffer (pinned on CUDA, at its exact
         size) laid out exactly as the pool lays them out (back to back, each ALIGN-aligned), so a load is one
         copy and one pinned allocation per adapter rather than one per matrix."""
-        mats = _matrices(adapter if self.view is None else self.view(adapter))
+        mats = matrices(adapter if self.view is None else self.view(adapter))
         sizes = [m.numel() for m in mats]
-        total = sum(_aligned(n) for n in sizes)
+        total = sum(aligned(n) for n in sizes)
         flat = pinned_empty(total, mats[0].dtype) if self.device.type == "cuda" else torch.empty(total,
                                                                                                  dtype=mats[0].dtype)
         pos = 0
         for m, n in zip(mats, sizes):
             flat[pos:pos + n].copy_(m)
-            flat[pos + n:pos + _aligned(n)].zero_()            # alignment padding: copied too, so defined
-            pos += _aligned(n)
+            flat[pos + n:pos + aligned(n)].zero_()            # alignment padding: copied too, so defined
+            pos += aligned(n)
         self._host[adapter.name] = HostAdapter(flat, sizes)
 
     def remove(self, name: str) -> None:

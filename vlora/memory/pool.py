@@ -28,7 +28,7 @@ import torch
 from vlora.memory.kv_cache import OutOfBlocks
 
 
-def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed flat buffer. In host memory it is an anonymous mapping: the kernel hands out zero pages as they
     are first touched, so the pool takes resident memory only for the pages KV and adapters have used."""
     if torch.device(device).type != "cpu":
@@ -43,7 +43,7 @@ class UnifiedPool:
         self.page_shape = (num_layers, 2, block_size, num_kv_heads, head_dim)
         self.page_elems = num_layers * 2 * block_size * num_kv_heads * head_dim
         self.num_pages = num_pages                       # usable pages; one scratch page follows them
-        self.buf = _zeros((num_pages + 1) * self.page_elems, dtype, device)
+        self.buf = zeros((num_pages + 1) * self.page_elems, dtype, device)
         self.kv = self.buf.view(num_pages + 1, *self.page_shape)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.kv_pages = 0

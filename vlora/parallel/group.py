@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from vlora.engine.faults import EngineFatal, describe
 from vlora.parallel.collectives import apply_communication_env, init_group, tcp_store
-from vlora.parallel.messages import StepMessage
+from vlora.parallel.messages import Probe, StepMessage
 from vlora.parallel.worker import run_worker
 
 
@@ -128,7 +128,7 @@ class TensorParallelGroup:
                 self.noticed = True
                 raise EngineFatal(f"tensor-parallel worker {rank} exited (code {proc.exitcode}){self.reasons()}")
 
-    def send(self, msg: StepMessage) -> None:
+    def send(self, msg: StepMessage | Probe) -> None:
         self.check()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:

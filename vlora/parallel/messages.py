@@ -49,7 +49,8 @@ class GraphSetup:
 
 @dataclass(frozen=True)
 class Probe:
-    """Time an all-reduce (``collectives.time_all_reduce``'s arguments) on every rank at once (benchmarks)."""
+    """Time an all-reduce (``collectives.time_all_reduce``'s arguments) on every rank at once (benchmarks): a
+    message of its own, never part of a step's."""
 
     kind: str
     numel: int
@@ -65,7 +66,6 @@ class StepMessage:
     kernel_lora: LoRABatch | None = None      # Triton path: the kernels' metadata (no segments, no buffer)
     replay: Replay | None = None              # a decode iteration from the graphs
     graphs: GraphSetup | None = None          # build or capture decode graphs
-    probe: Probe | None = None                # time an all-reduce
     adapters: dict[str, PackedAdapter] = dataclasses.field(default_factory=dict)   # new to the workers (whole)
     placed: dict[str, tuple[int, int] | None] = dataclasses.field(default_factory=dict)   # name -> (epoch, first
     #                                           element in the pool) of each adapter loaded since; None: evicted

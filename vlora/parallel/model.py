@@ -10,14 +10,13 @@ slices at the same offsets.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from vlora.engine.cuda_graphs import BASE, LORA, MIXED, DecodeGraphs
 from vlora.engine.faults import EngineFatal, describe
-from vlora.engine.modes import ModeSwitcher
+from vlora.engine.modes import ModeSwitcher, ShardWeights
 from vlora.lora.batch import PackedAdapter
 from vlora.models.forward_batch import ForwardBatch
 from vlora.parallel.collectives import make_reduce, time_all_reduce
@@ -151,7 +150,7 @@ class TensorParallelModel(nn.Module):
         symm_mem), run on every rank at once, eagerly or from a CUDA graph (benchmarks; nothing else runs)."""
         def probe():
             dtype = self.group.spec.dtype
-            self._send({}, None, probe=Probe(kind, numel, reps, graphed))
+            self.group.send(Probe(kind, numel, reps, graphed))
             if kind not in self.reduces:
                 self.reduces[kind] = make_reduce(kind, dtype, self.device)
             return time_all_reduce(self.reduces[kind], numel, dtype, self.device, reps, graphed)
@@ -167,7 +166,7 @@ class ShardModes(ModeSwitcher):
     to the engine (``merged``, ``merge``), as the one-process switcher does."""
 
     def __init__(self, model: TensorParallelModel):
-        super().__init__(SimpleNamespace(cfg=model.local_cfg, stacked=model.stacked))
+        super().__init__(ShardWeights(model.local_cfg, model.stacked))
         self.model = model
         model.modes = self
 

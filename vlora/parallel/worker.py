@@ -11,19 +11,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from types import SimpleNamespace
 
 import torch
 
 from vlora.engine.cuda_graphs import DecodeGraphs
 from vlora.engine.faults import describe
-from vlora.engine.modes import ModeSwitcher
+from vlora.engine.modes import ModeSwitcher, ShardWeights
 from vlora.engine.runner import lora_groups
 from vlora.lora.batch import PackedAdapter
-from vlora.lora.device_store import _aligned, _matrices, group_offsets
-from vlora.memory.pool import _zeros
+from vlora.lora.device_store import aligned, matrices, group_offsets
+from vlora.memory.pool import zeros
 from vlora.parallel.collectives import make_reduce, time_all_reduce
-from vlora.parallel.messages import (GraphSetup, Replay, StepMessage, lora_of, segments_of, tensors_to,
+from vlora.parallel.messages import (GraphSetup, Probe, Replay, StepMessage, lora_of, segments_of, tensors_to,
                                      with_buffer)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 
@@ -46,7 +45,7 @@ class Worker:
         self.local = shard.local_config(model.cfg)
         self.parts: dict[str, PackedAdapter] = {}       # this rank's slices of every adapter rank 0 has sent
         self.buf = self.kv = None                       # the pool: adapters (Triton path) and KV
-        self.modes = ModeSwitcher(SimpleNamespace(cfg=self.local, stacked=model.stacked))
+        self.modes = ModeSwitcher(ShardWeights(self.local, model.stacked))
         self.graphs: WorkerGraphs | None = None
         # all-reduce kind -> its function; the model's own is reused by probes, as rank 0 does: a second
         # symmetric-memory rendezvous on this rank alone would wait forever for rank 0's
@@ -59,7 +58,7 @@ class Worker:
             numel = 1
             for d in msg.kv_shape:
                 numel *= d
-            self.buf = _zeros(numel, self.dtype, self.device)
+            self.buf = zeros(numel, self.dtype, self.device)
             self.kv = self.buf.view(msg.kv_shape)
         for name, where in msg.placed.items():
             if where is None:
@@ -73,11 +72,6 @@ class Worker:
         for name in msg.dropped:
             self.parts.pop(name, None)
             self.modes.forget(name)
-        if msg.probe is not None:
-            p = msg.probe
-            if p.kind not in self.reduces:
-                self.reduces[p.kind] = make_reduce(p.kind, self.dtype, self.device)
-            time_all_reduce(self.reduces[p.kind], p.numel, self.dtype, self.device, p.reps, p.graphed)
         if msg.graphs is not None:
             self._graphs(msg.graphs)
         if msg.replay is not None:
@@ -90,16 +84,22 @@ class Worker:
                 lora = lora_of(msg.lora, self.parts.__getitem__)
             self.model(dataclasses.replace(fb, lora=lora), self.kv)
 
+    def probe(self, p: Probe) -> None:
+        """Time an all-reduce together with rank 0 (benchmarks; nothing else runs meanwhile)."""
+        if p.kind not in self.reduces:
+            self.reduces[p.kind] = make_reduce(p.kind, self.dtype, self.device)
+        time_all_reduce(self.reduces[p.kind], p.numel, self.dtype, self.device, p.reps, p.graphed)
+
     def _place(self, part: PackedAdapter, epoch: int, first: int) -> None:
         """Copy this rank's slices of an adapter into the pool from element ``first`` on, laid out as rank 0's
         store lays out its own (back to back, each matrix aligned)."""
         offs, pos = [], first
-        for m in _matrices(part):
+        for m in matrices(part):
             n = m.numel()
             self.buf[pos:pos + n].copy_(m.reshape(-1))
-            self.buf[pos + n:pos + _aligned(n)].zero_()
+            self.buf[pos + n:pos + aligned(n)].zero_()
             offs.append(pos)
-            pos += _aligned(n)
+            pos += aligned(n)
         part.placement.offsets = group_offsets(part, iter(offs), self.device)
         part.placement.epoch = epoch
 
@@ -112,7 +112,7 @@ class Worker:
             from vlora.kernels.tuning import TilingTable
 
             widths, group_in = lora_groups(self.local)
-            lora = (SimpleNamespace(buf=self.buf), widths, group_in, TilingTable.load(), setup.max_rank)
+            lora = (lambda: self.buf, widths, group_in, TilingTable.load(), setup.max_rank)
         self.graphs = WorkerGraphs(self.model, self.kv, setup.max_batch, setup.max_blocks, setup.scratch_slot, lora,
                                    setup.columns, setup.launch)
 
@@ -173,10 +173,13 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         worker = Worker(model, shard, device, spec.dtype, spec.host_adapters, {spec.all_reduce: reduce})
         with torch.inference_mode():
             while True:
-                msg: StepMessage | None = pickle.loads(conn.recv_bytes())
+                msg: StepMessage | Probe | None = pickle.loads(conn.recv_bytes())
                 if msg is None:
                     os._exit(0)          # nothing to flush; leaving the group would wait on the others
-                worker.handle(msg)
+                if isinstance(msg, Probe):
+                    worker.probe(msg)
+                else:
+                    worker.handle(msg)
     except EOFError:                     # rank 0 went away
         return
     except BaseException as e:
