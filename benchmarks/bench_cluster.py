@@ -206,7 +206,7 @@ async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None,
     """Send ``specs`` open loop, each at its arrival; per-request records. ``at = (t, fn)``: ``await fn()``
     ``t`` seconds in. ``slo``: stop (aborting what is left) as soon as the mean TTFT is sure to exceed it.
     ``t0``: a list the run's start (wall clock) is appended to."""
-    from vlora.engine.async_engine import Job
+    from vlora.engine.client import Job
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(s.input_len)] for s in specs]

@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import make_peft_adapter, make_tiny_model
 from vlora import LLM, SamplingParams
 from vlora.cluster.policy import Migration
-from vlora.engine.async_engine import Job
+from vlora.engine.client import Job
 from vlora.engine.engine import RequestError
 
 ray = pytest.importorskip("ray")

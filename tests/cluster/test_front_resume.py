@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from vlora.cluster.front import ClusterFront, _Flight
-from vlora.engine.async_engine import EngineInfo, Job, RequestGroup
+from vlora.engine.client import EngineInfo, Job, RequestGroup
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.sequence import RequestOutput
 from vlora.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def front_with(tokenizer) -> ClusterFront:
 def moved_flight(front, tokenizer, params: SamplingParams, before: list[int], loop) -> _Flight:
     """A flight that streamed ``before`` on one replica and is resumed on another."""
     job = Job("x", None, params, "r")
-    group = RequestGroup(front, (job,), loop)
+    group = RequestGroup((job,), loop, front._abort)
     f = _Flight(job, group, tokenizer.encode("x"), None)
     f.tokens = list(before)
     f.emitted = 0
@@ -113,7 +113,7 @@ def test_abort_between_placements_ends_with_the_text_streamed(tokenizer, loop):
     front = front_with(tokenizer)
     front._flights = {}
     job = Job("x", None, params, "r")
-    f = _Flight(job, RequestGroup(front, (job,), loop), tokenizer.encode("x"), loop.create_future())
+    f = _Flight(job, RequestGroup((job,), loop, front._abort), tokenizer.encode("x"), loop.create_future())
     f.tokens, f.emitted, f.aborted = list(tokens), len("hello wor"), True
     loop.run_until_complete(front._drive(f))
     out = f.group._queue.get_nowait()
@@ -141,7 +141,7 @@ def test_a_broken_output_stream_aborts_the_request_on_its_replica(tokenizer, loo
     front = front_with(tokenizer)
     front._by_engine, front._changed, front.failovers = {}, None, 0
     job = Job("x", None, SamplingParams(max_tokens=4), "r")
-    f = _Flight(job, RequestGroup(front, (job,), loop), tokenizer.encode("x"), loop.create_future())
+    f = _Flight(job, RequestGroup((job,), loop, front._abort), tokenizer.encode("x"), loop.create_future())
     r = Replica()
     loop.run_until_complete(front._attempt(f, r))
     assert r.actor.aborted == ["r#0"] and front.failovers == 1 and f.moves == 1 and not r.ready

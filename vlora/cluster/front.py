@@ -35,8 +35,8 @@ from vlora.cluster.config import ClusterConfig
 from vlora.cluster.policy import ReplicaReport, RequestInfo, make_policy
 from vlora.cluster.replica import REFUSALS, Refusal, Replica, ReplicaStatus, raise_refusal
 from vlora.config import ConfigError, EngineConfig
-from vlora.engine.async_engine import (AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job, QueueFull,
-                                       RequestFailed, RequestGroup, ShuttingDown, Timing)
+from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job, QueueFull, RequestFailed,
+                                 RequestGroup, ShuttingDown, Timing)
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.engine import RequestError
 from vlora.engine.sequence import RequestOutput, Sequence as Seq, Status
@@ -94,6 +94,13 @@ class _Flight:
 
 
 class ClusterFront:
+    """An :class:`~vlora.engine.client.EngineClient` serving from replicas on Ray."""
+
+    info: EngineInfo
+    max_queued_requests: int
+    failure: BaseException | None
+    on_fatal: Callable[[BaseException], None] | None
+
     def __init__(self, config: EngineConfig, cluster: ClusterConfig | None = None,
                  adapters: dict[str, str] | None = None, max_queued_requests: int = 256,
                  on_fatal: Callable[[BaseException], None] | None = None):
@@ -260,7 +267,7 @@ class ClusterFront:
         if queued + len(jobs) > self.max_queued_requests:
             raise QueueFull(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
         loop = asyncio.get_running_loop()
-        group = RequestGroup(self, tuple(jobs), loop, on_finish)
+        group = RequestGroup(tuple(jobs), loop, self._abort, on_finish)
         flights = [_Flight(job, group, self._prompt_ids(job.prompt), loop.create_future()) for job in jobs]
         for f in flights:
             if f.job.request_id in self._flights:
@@ -518,8 +525,8 @@ class ClusterFront:
                              reason, [], delta, None, None, *_logprobs(f))
 
     def _deliver(self, f: _Flight, out: RequestOutput) -> None:
-        if f.job.request_id in f.group._unfinished:     # not after the group failed
-            f.group._deliver(out)
+        if f.group.expects(f.job.request_id):           # not after the group failed
+            f.group.deliver(out)
 
     def _fail_group(self, f: _Flight, exc: BaseException) -> None:
         """The API call fails as a whole (as with one engine): its other requests stop."""
@@ -528,8 +535,8 @@ class ClusterFront:
             if other is not None and other is not f:
                 self._abort_flight(other, deliver=False)
         f.done = True
-        if f.group._unfinished:
-            f.group._deliver(exc)
+        if not f.group.finished:
+            f.group.deliver(exc)
 
     # -- replicas -------------------------------------------------------------------------------------------
     def _lost(self, r: _ReplicaHandle) -> None:
