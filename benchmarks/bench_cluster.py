@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from vlora.bench.workloads import skewed_shares, synthetic  # noqa: E402
+from vlora.cluster.observer import FrontObserver  # noqa: E402
 from vlora.cluster.policy import POLICIES, make_policy  # noqa: E402
 from vlora.sampling_params import SamplingParams  # noqa: E402
 
@@ -201,12 +202,46 @@ class Only:
 
 
 # -- one run ----------------------------------------------------------------------------------------------
+class Trace(FrontObserver):
+    """What the front tells of each request (where it ran, its moves, where its TTFT went) and of the replicas'
+    output streams; attached to the front for the whole benchmark."""
+
+    def __init__(self):
+        # per request id: wall-clock times of its first placement ("placed"), of its first acceptance by a
+        # replica ("submitted"), and of its first token leaving the replica ("first_replica") and reaching the
+        # front ("first_front")
+        self.stamps: dict[str, dict[str, float]] = {}
+        self.served_by: dict[str, list[int]] = {}     # replica ids that accepted it, in order
+        self.moves: dict[str, int] = {}               # migrations and failovers
+        self.output_lists = 0                         # lists (Ray objects) read from the replicas' output streams
+
+    def placed(self, request_id: str, replica_id: int) -> None:
+        self.stamps.setdefault(request_id, {}).setdefault("placed", time.time())
+
+    def accepted(self, request_id: str, replica_id: int) -> None:
+        self.stamps.setdefault(request_id, {}).setdefault("submitted", time.time())
+        served = self.served_by.setdefault(request_id, [])
+        if not served or served[-1] != replica_id:
+            served.append(replica_id)
+
+    def moved(self, request_id: str, why: str) -> None:
+        self.moves[request_id] = self.moves.get(request_id, 0) + 1
+
+    def outputs_arrived(self, replica_id: int, sent: float, received: float, request_ids: list[str]) -> None:
+        self.output_lists += 1
+        for rid in request_ids:
+            stamps = self.stamps.setdefault(rid, {})
+            if "first_replica" not in stamps:
+                stamps["first_replica"], stamps["first_front"] = sent, received
+
+
 async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None, slo: float | None = None,
-                   t0: list | None = None) -> list[dict]:
+                   t0: list | None = None, trace: Trace | None = None) -> list[dict]:
     """Send ``specs`` open loop, each at its arrival; per-request records. ``at = (t, fn)``: ``await fn()``
     ``t`` seconds in. ``slo``: stop (aborting what is left) as soon as the mean TTFT is sure to exceed it.
-    ``t0``: a list the run's start (wall clock) is appended to."""
-    from vlora.engine.async_engine import Job
+    ``t0``: a list the run's start (wall clock) is appended to. ``trace``: the front's observer the records'
+    replicas, moves and TTFT split come from."""
+    from vlora.engine.client import Job
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(s.input_len)] for s in specs]
@@ -227,25 +262,22 @@ async def run_load(front, specs, vocab: int, seed: int, drain_s: float, at=None,
         except Exception as e:
             rec["finish_reason"] = f"refused: {type(e).__name__}"
             return
-        # The flight is held from here: the front drops it from _flights (and its replica) when it finishes,
-        # which can happen before this loop reads the first output on a busy host.
-        f = front._flights.get(rid)
         try:
             async for out in group:
                 now = time.monotonic() - start
-                if f is not None:
-                    rec["replicas"] = list(f.served_by)
+                if trace is not None:
+                    rec["replicas"] = list(trace.served_by.get(rid, ()))
                 if out.delta_token_ids and rec["ttft_s"] is None:
                     rec["ttft_s"] = now - spec.arrival_s
                     rec["first_token_front_s"] = now
-                    if f is not None:
-                        for key, name in (("placed", "placed_s"), ("submitted", "submitted_s"),
-                                          ("first_replica", "first_token_replica_s")):
-                            if key in f.stamps:
-                                rec[name] = f.stamps[key] - wall
+                    stamps = trace.stamps.get(rid, {}) if trace is not None else {}
+                    for key, name in (("placed", "placed_s"), ("submitted", "submitted_s"),
+                                      ("first_replica", "first_token_replica_s")):
+                        if key in stamps:
+                            rec[name] = stamps[key] - wall
                 rec["tokens"] = len(out.token_ids)
-                if f is not None:
-                    rec["moves"] = f.moves
+                if trace is not None:
+                    rec["moves"] = trace.moves.get(rid, 0)
                 if out.finished:
                     rec["finish_reason"] = out.finish_reason
                     rec["latency_s"] = now - spec.arrival_s
@@ -322,6 +354,7 @@ class Bench:
                             runs=[], peaks=[], kill=None, skipped=[])
         self.t0 = time.monotonic()
         self.run_cost = args.duration + 5.0          # a run at a sustainable rate: arrivals + the last requests
+        self.trace = Trace()                         # bench() attaches it to the front
 
     def save(self) -> None:
         """results.json and summary.md as they stand (after every run: a run cut short keeps what finished)."""
@@ -343,8 +376,8 @@ class Bench:
         front.policy = make_policy("round_robin")
         specs = workload(a, a.popularities[0], n, 1.0, a.seed + 999)        # about n requests within a second
         t = time.monotonic()
-        records = await run_load(front, specs, front.info.vocab_size, a.seed + 999, a.drain_s)
-        await front.step_logs()                      # not part of any run
+        records = await run_load(front, specs, front.info.vocab_size, a.seed + 999, a.drain_s, trace=self.trace)
+        await front.replicas.step_logs()             # not part of any run
         done = sum(r["finish_reason"] == "length" for r in records)
         self.results["warmup"] = dict(requests=len(specs), complete=done, wall_s=time.monotonic() - t)
         log(f"warm-up: {done}/{len(specs)} requests in {time.monotonic() - t:.1f} s")
@@ -353,15 +386,15 @@ class Bench:
         base = make_policy(policy)
         self.front.policy = base if replicas == len(self.front.replicas) else Only(base, range(replicas))
         specs = workload(self.args, popularity, rate, self.args.duration, seed)
-        t, lists, t0 = time.monotonic(), self.front.output_lists, []
-        await self.front.step_logs()                 # drop what came before the run
+        t, lists, t0 = time.monotonic(), self.trace.output_lists, []
+        await self.front.replicas.step_logs()        # drop what came before the run
         records = await run_load(self.front, specs, self.front.info.vocab_size, seed, self.args.drain_s,
-                                 slo=self.args.ttft_slo, t0=t0)
+                                 slo=self.args.ttft_slo, t0=t0, trace=self.trace)
         steps = {rid: [[round(b - t0[0], 4), round(d, 5), n, k] for b, d, n, k in log_]
-                 for rid, log_ in (await self.front.step_logs()).items()}
+                 for rid, log_ in (await self.front.replicas.step_logs()).items()}
         summary = summarize(records, self.args.duration, self.args.ttft_slo)
         row = dict(popularity=popularity, replicas=replicas, policy=policy, rate=rate, wall_s=time.monotonic() - t,
-                   **summary, output_lists=self.front.output_lists - lists, records=records, steps=steps)
+                   **summary, output_lists=self.trace.output_lists - lists, records=records, steps=steps)
         self.results["runs"].append(row)
         self.save()
         log(f"{popularity:6s} {replicas} replica(s) {policy:14s} {rate:6.2f} req/s: mean TTFT "
@@ -428,14 +461,14 @@ class Bench:
         state = {}
 
         async def kill_victim():
-            state["in_flight"] = {f.job.request_id for f in front._flights.values() if f.replica is victim}
+            state["in_flight"] = set(front.requests.on_replica(victim.replica_id))
             state["killed_s"] = kill_at
             log(f"killing replica {victim.replica_id} ({len(state['in_flight'])} requests on it)")
             ray.kill(victim.actor, no_restart=False)
         t = time.monotonic()
         # the survivors carry the victim's load until it rejoins: a longer drain, so that slow is not counted lost
         records = await run_load(front, specs, front.info.vocab_size, a.seed + 100, max(a.drain_s, 60.0),
-                                 (kill_at, kill_victim))
+                                 (kill_at, kill_victim), trace=self.trace)
         deadline = time.monotonic() + a.rejoin_wait
         while not (victim.ready and victim.incarnation != incarnation) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
@@ -536,6 +569,8 @@ async def bench(front, args, out: Path) -> dict:
     for name, path in missing.items():
         await front.load_adapter(name, path)
     b = Bench(front, args, adapters, out, meta(front))
+    front.observe(b.trace)
+    await front.replicas.log_steps()
     policy = front.policy
     try:
         await b.warmup()

@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import make_peft_adapter, make_tiny_model
 from vlora import LLM, SamplingParams
 from vlora.cluster.policy import Migration
-from vlora.engine.async_engine import Job
+from vlora.engine.client import Job
 from vlora.engine.engine import RequestError
 
 ray = pytest.importorskip("ray")
@@ -90,21 +90,21 @@ def on_replica(client, replica_id, prompt, adapter, n):
 
 
 def stream_tokens(client, jobs, during=None):
-    """Submit ``jobs`` as one group; the delta tokens each request streamed. ``during(front, flights)`` runs once
+    """Submit ``jobs`` as one group; the delta tokens each request streamed. ``during(front, tracked)`` runs once
     every request has streamed 3 tokens."""
     front = client.front
 
     async def go():
         group = await front.submit(jobs)
-        # a short request can finish before submit returns: only the `during` callers need the flights
-        flights = [front._flights[j.request_id] for j in jobs] if during is not None else None
+        # a short request can finish before submit returns: only the `during` callers need the tracked requests
+        tracked = [front.requests.tracked[j.request_id] for j in jobs] if during is not None else None
         got = {j.request_id: [] for j in jobs}
         done = during is None
         async for out in group:
             got[out.request_id] += out.delta_token_ids
             if not done and all(len(v) >= 3 for v in got.values()):
                 done = True
-                await during(front, flights)
+                await during(front, tracked)
         return [got[j.request_id] for j in jobs]
     return client.run(go())
 
@@ -124,7 +124,7 @@ def test_two_replicas_answer_like_one_engine(setup):
     with pytest.raises(RequestError, match="outside the vocabulary"):
         client.generate([Job(PROMPTS[0], None, greedy(2), "ok-1"), Job([100000], None, greedy(2), "bad-1")])
     deadline = time.monotonic() + 10
-    while client.front._flights:           # the other job's abort comes back from its replica
+    while client.front.requests.tracked:   # the other job's abort comes back from its replica
         assert time.monotonic() < deadline, "the group's other job was not aborted"
         time.sleep(0.02)
 
@@ -144,8 +144,8 @@ def test_migration_mid_stream_keeps_the_stream(setup):
             self.moved = None
 
         def rebalance(self, reports, running):
-            if self.moved is None and front._flights.get("mig-0") is not None:
-                f = front._flights["mig-0"]
+            if self.moved is None and front.requests.tracked.get("mig-0") is not None:
+                f = front.requests.tracked["mig-0"]
                 if f.replica is not None and len(f.tokens) >= 3:
                     self.moved = (f.replica.replica_id, len(f.tokens))
                     return [Migration("mig-0", f.replica.replica_id)]
@@ -185,8 +185,8 @@ def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
     incarnation, failovers = victim.incarnation, front.failovers
     jobs = [Job(PROMPTS[i], ("a", "b", None, "a")[i], greedy(40), f"kill-{i}") for i in range(4)]
 
-    async def kill(front, flights):
-        assert any(f.replica is victim for f in flights)
+    async def kill(front, tracked):
+        assert any(t.replica is victim for t in tracked)
         ray.kill(victim.actor, no_restart=False)
     got = stream_tokens(client, jobs, kill)
     assert got == [expected(one, j.prompt, j.adapter, 40) for j in jobs]
@@ -236,7 +236,7 @@ def test_server_streams_through_the_front(setup):
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 80}, timeout=60) as r:
             next(r.iter_lines())
         front, deadline = client.front, time.monotonic() + 20
-        while front._flights or any(rep.status.stats.num_running for rep in front.replicas):
+        while front.requests.tracked or any(rep.status.stats.num_running for rep in front.replicas):
             assert time.monotonic() < deadline, "the request was not aborted"
             time.sleep(0.05)
     finally:

@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from vlora.cluster.front import ClusterFront
-from vlora.engine.async_engine import Job
+from vlora.engine.client import Job
 from vlora.engine.sequence import RequestOutput
 
 

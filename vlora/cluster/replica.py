@@ -7,6 +7,7 @@ The cluster front (:mod:`vlora.cluster.front`) talks to a replica through these 
     submit(job)                 None (taken) or a Refusal
     outputs()                   a streaming method: (wall time sent, [(request id, RequestOutput delta or Refusal),
                                 ...]) of every request, about one list per engine step
+    log_steps()                 log each engine step from now on (benchmarks ask for it; off by default)
     step_log()                  the engine steps since the last call: (wall time begun, seconds, outputs, running)
     abort(ids) / migrate(ids)   stop requests; migrate finishes them "migrate" so the front resumes them elsewhere
     sync_adapters(version, {name: path})   make the registered adapters exactly these (idempotent)
@@ -29,9 +30,10 @@ import torch
 
 from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
-from vlora.engine.async_engine import (AdapterNotFound, AsyncEngine, EngineFailed, EngineInfo, EngineStats, Job,
-                                       QueueFull, RequestFailed, ShuttingDown)
 from vlora.builder import build_engine
+from vlora.engine.async_engine import AsyncEngine
+from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job, QueueFull, RequestFailed,
+                                 ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.observer import StepObserver, StepRecord
 from vlora.lora.adapter import AdapterError
@@ -83,7 +85,8 @@ class Replica:
         self.replica_id = replica_id
         self.batch_cap = batch_cap
         self._steps: deque = deque(maxlen=1 << 18)      # the step log, read (and emptied) by step_log()
-        engine = build_engine(config, hand_back_preempted=True, observers=[_StepLog(self._steps)])
+        self._step_log: _StepLog | None = None           # attached by log_steps()
+        engine = build_engine(config, hand_back_preempted=True)
         self.engine = AsyncEngine(engine, max_queued_requests, on_fatal=self._fatal)
         self.engine.start()
         self.incarnation = uuid.uuid4().hex
@@ -94,8 +97,15 @@ class Replica:
         self._stream = 0                     # the newest outputs() call; older ones end
         self._pumps: set[asyncio.Task] = set()
 
+    async def log_steps(self) -> None:
+        """Log each engine step from now on (:meth:`step_log` reads them); a second call does nothing. The
+        observer is attached on the engine thread, between two steps."""
+        if self._step_log is None:
+            self._step_log = _StepLog(self._steps)
+            await self.engine.call(lambda e: e.observe(self._step_log))
+
     def step_log(self) -> list[tuple[float, float, int, int]]:
-        """The steps logged since the last call, oldest first."""
+        """The steps logged since the last call, oldest first (none unless :meth:`log_steps` was called)."""
         out = []
         while self._steps:
             out.append(self._steps.popleft())
@@ -177,7 +187,7 @@ class Replica:
                 yield time.time(), items
 
     def abort(self, request_ids: list[str]) -> None:
-        self.engine._abort(list(request_ids))
+        self.engine.abort(list(request_ids))
 
     async def migrate(self, request_ids: list[str]) -> int:
         """Hand requests back to the front (finish "migrate"); returns how many were (a request of an adapter being
@@ -231,7 +241,7 @@ def _load(engine: Engine) -> tuple[int, int, int, frozenset[str]]:
 class _StepLog(StepObserver):
     """Logs each engine step: when it began (wall clock, comparable across the host's processes), how long it
     took, the outputs it gave and the sequences then running; what the served path's costs are measured from
-    (benchmarks/bench_cluster.py records it)."""
+    (benchmarks/bench_cluster.py asks for it through the front's replica set)."""
 
     def __init__(self, steps: deque):
         self.steps = steps

@@ -15,198 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from vlora.engine.engine import Engine, RequestError
+from vlora.engine.client import (AdapterExists, AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job,
+                                 QueueFull, RequestFailed, RequestGroup, ShuttingDown, Timing)
+from vlora.engine.engine import Engine
 from vlora.engine.observer import StepObserver
 from vlora.engine.sequence import RequestOutput
-from vlora.lora.adapter import AdapterError
-from vlora.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """Too many requests are waiting; try again later."""
-
-
-class ShuttingDown(RuntimeError):
-    """The engine no longer accepts requests (shutting down, or failed)."""
-
-
-class AdapterNotFound(RequestError):
-    """The request names an adapter that is not registered (or is being unloaded)."""
-
-
-class AdapterExists(AdapterError):
-    """An adapter of that name is registered (or still being unloaded)."""
-
-
-class EngineFailed(RuntimeError):
-    """The engine cannot go on (``on_fatal`` was called); the requests in flight were aborted."""
-
-
-class RequestFailed(EngineFailed):
-    """One request of the group failed while served (its reason); the group's others were aborted and the
-    engine serves on. ``output``: the failed request's final output (finish_reason "error")."""
-
-    def __init__(self, message: str, output: RequestOutput | None = None):
-        super().__init__(message)
-        self.output = output
-
-
-@dataclass(frozen=True)
-class Job:
-    """One engine request: a prompt (text or token ids), an adapter (None = base model), sampling."""
-
-    prompt: str | list[int]
-    adapter: str | None
-    params: SamplingParams
-    request_id: str
-    images: tuple | None = None         # LMMs: one decoded image (or a list of frames) per placeholder
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every command batch and step."""
-
-    num_running: int
-    num_waiting: int
-    num_blocks_used: int
-    num_blocks: int
-    mode: str = "unmerged"       # inference mode the orchestrator last chose
-    mode_switches: int = 0       # merges + unmerges so far
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the server needs to know of the model served, alike for one engine and a cluster of replicas."""
-
-    model_name: str
-    tokenizer: object | None
-    context_len: int             # longest prompt + output: the model's limit and what one sequence's KV can hold
-    vocab_size: int
-    vision: object | None = None  # LMMs: the vision tower (image placeholders, tokens per image)
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineInfo:
-        context = min(engine.max_model_len, engine.pool.num_pages * engine.block_size)
-        return cls(engine.model_name, engine.tokenizer, context, engine.model.cfg.vocab_size, engine.vision)
-
-
-@dataclass
-class Timing:
-    """Monotonic times of one request: submitted, first token delivered, finished."""
-
-    arrival: float
-    first_token: float | None = None
-    finished: float | None = None
-
-
-@dataclass(eq=False)
-class RequestGroup:
-    """The requests of one API call (``n`` of them); iterate it for their outputs, in arrival order.
-
-    ``on_finish(output, timing)`` runs on the event loop when a request's final output
-    arrives, whether or not anyone still iterates the group.
-    """
-
-    owner: AsyncEngine
-    jobs: tuple[Job, ...]
-    loop: asyncio.AbstractEventLoop
-    on_finish: Callable[[RequestOutput, Timing], None] | None = None
-    arrival: float = field(default_factory=time.monotonic)
-
-    def __post_init__(self) -> None:
-        self.request_ids = [j.request_id for j in self.jobs]
-        self.timings = {rid: Timing(self.arrival) for rid in self.request_ids}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._unfinished = set(self.request_ids)      # final output not yet delivered
-        self._open = len(self.request_ids)            # final output not yet yielded
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def abort(self) -> None:
-        """Abort the requests that have not finished (no-op when all have); safe to call twice."""
-        if self._unfinished:
-            self.owner._abort(list(self._unfinished))
-
-    def _deliver(self, item: RequestOutput | BaseException) -> None:      # on the event loop
-        if isinstance(item, RequestOutput):
-            t = self.timings[item.request_id]
-            now = time.monotonic()
-            if t.first_token is None and item.token_ids:
-                t.first_token = now
-            if item.finished:
-                self._unfinished.discard(item.request_id)
-                self._finished(item, t, now)
-        else:
-            self._unfinished.clear()
-            failed = getattr(item, "output", None)
-            if failed is not None:                      # counted as every finished request is
-                self._finished(failed, self.timings[failed.request_id], time.monotonic())
-        self._queue.put_nowait(item)
-
-    def _finished(self, item: RequestOutput, t: Timing, now: float) -> None:
-        t.finished = now
-        if self.on_finish is not None:
-            try:
-                self.on_finish(item, t)
-            except Exception:                   # metrics must never break a response
-                log.exception("on_finish callback failed")
-
-    def __aiter__(self) -> RequestGroup:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._open == 0:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._open = 0
-            raise item
-        if item.finished:
-            self._open -= 1
-        return item
-
-    async def batches(self):
-        """The outputs in lists: each list is everything delivered by the time the consumer asks, with the
-        outputs of one request folded into one (text and tokens joined, the latest state). A stream that falls
-        behind the engine thus catches up in one write instead of one per token."""
-        while self._open:
-            items = [await self._queue.get()]
-            while not self._queue.empty():
-                items.append(self._queue.get_nowait())
-            folded: dict[str, RequestOutput] = {}
-            failure = None
-            for item in items:
-                if isinstance(item, BaseException):
-                    failure = item
-                    break
-                if item.finished:
-                    self._open -= 1
-                prev = folded.get(item.request_id)
-                folded[item.request_id] = item if prev is None else item._replace(
-                    delta_text=prev.delta_text + item.delta_text,
-                    delta_token_ids=prev.delta_token_ids + item.delta_token_ids)
-            if folded:
-                yield list(folded.values())
-            if failure is not None:
-                self._open = 0
-                raise failure
-
-    async def results(self) -> list[RequestOutput]:
-        """The final output of every request, in job order."""
-        final = {}
-        async for out in self:
-            if out.finished:
-                final[out.request_id] = out
-        return [final[rid] for rid in self.request_ids]
 
 
 def _settle(fut: asyncio.Future, result, exc: BaseException | None, on_cancelled: Callable[[], None] | None) -> None:
@@ -225,10 +43,24 @@ def _raise(exc: BaseException):
 
 def _deliver_all(items: list[tuple[RequestGroup, RequestOutput | BaseException]]) -> None:
     for group, item in items:
-        group._deliver(item)
+        group.deliver(item)
+
+
+def _info_of(engine: Engine) -> EngineInfo:
+    context = min(engine.max_model_len, engine.pool.num_pages * engine.block_size)
+    return EngineInfo(engine.model_name, engine.tokenizer, context, engine.model.cfg.vocab_size, engine.vision)
 
 
 class AsyncEngine:
+    """An :class:`~vlora.engine.client.EngineClient` serving one :class:`Engine` from a thread of its own."""
+
+    info: EngineInfo
+    adapter_names: frozenset[str]           # servable adapters, published by the engine thread
+    stats: EngineStats                      # published by the engine thread
+    max_queued_requests: int
+    failure: BaseException | None
+    on_fatal: Callable[[BaseException], None] | None
+
     def __init__(self, engine: Engine, max_queued_requests: int = 256,
                  on_fatal: Callable[[BaseException], None] | None = None):
         """``on_fatal(exc)``: called once on the engine thread when a step raises (the engine cannot go on),
@@ -258,7 +90,7 @@ class AsyncEngine:
         engine.observe(_HandOver(self._deliver_held))
         self.stats = self._snapshot()
         self.adapter_names = frozenset(engine.adapters.names())   # servable adapters, published
-        self.info = EngineInfo.of(engine)
+        self.info = _info_of(engine)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -305,7 +137,7 @@ class AsyncEngine:
             raise ShuttingDown("the server is shutting down" if self.failure is None
                                else f"the engine failed: {self.failure!r}")
         loop = asyncio.get_running_loop()
-        group = RequestGroup(self, tuple(jobs), loop, on_finish)
+        group = RequestGroup(tuple(jobs), loop, self.abort, on_finish)
         fut = loop.create_future()
         with self._cv:
             queued = self.stats.num_waiting + self._pending_adds
@@ -346,7 +178,8 @@ class AsyncEngine:
         self._push(lambda: self._start_unload(name, policy, loop, fut))
         return await fut
 
-    def _abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort these requests (each ends with finish_reason "abort"); ids no longer served are skipped."""
         self._push(lambda: [self.engine.abort(rid) for rid in request_ids])
 
     def _push(self, command: Callable[[], None]) -> None:
@@ -494,7 +327,7 @@ class AsyncEngine:
         self._live.clear()
         for group in groups.values():
             try:
-                group.loop.call_soon_threadsafe(group._deliver, failed)
+                group.loop.call_soon_threadsafe(group.deliver, failed)
             except RuntimeError:
                 pass
 

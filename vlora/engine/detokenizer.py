@@ -15,8 +15,9 @@ spaces, a class with its own decode) decode the whole output each step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from vlora.engine.sequence import Sequence
+from vlora.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 # tokens left open when a long undecodable tail is split (an incomplete character is in the last few)
@@ -33,6 +34,20 @@ class DetokState:
     read: int = 0
     text: str = ""
     last: int | None = None
+
+
+class Detokenized(Protocol):
+    """What the detokenizer reads and advances: a :class:`vlora.engine.sequence.Sequence`, or the text the
+    cluster front keeps of a request it moved between replicas (:mod:`vlora.cluster.resumed_text`)."""
+
+    params: SamplingParams
+    output_token_ids: list[int]
+    text: str                           # the decode so far, stop string excluded
+    detok_state: DetokState | None
+    num_emitted_chars: int              # streamed so far
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 def incremental_backend(tokenizer):
@@ -61,7 +76,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.backend = None if tokenizer is None else incremental_backend(tokenizer)
 
-    def update(self, seq: Sequence) -> bool:
+    def update(self, seq: Detokenized) -> bool:
         """Refresh ``seq.text``; True when a stop string was found (text cut before it)."""
         if self.tokenizer is None:
             return False
@@ -83,7 +98,7 @@ class Detokenizer:
         seq.text = text
         return False
 
-    def decode(self, seq: Sequence, n: int) -> str:
+    def decode(self, seq: Detokenized, n: int) -> str:
         """The decode of ``seq.output_token_ids[:n]`` from the sequence's state, which it advances: the tokens
         after the read offset are decoded, and taken in when they end on a complete character."""
         st, ids = seq.detok_state, seq.output_token_ids
@@ -109,7 +124,7 @@ class Detokenizer:
                 tail = rest
         return st.text + tail
 
-    def stream_delta(self, seq: Sequence) -> str:
+    def stream_delta(self, seq: Detokenized) -> str:
         """Text not yet emitted that is safe to emit now; advances the emitted mark."""
         if self.tokenizer is None:                 # token ids in and out: there is no text
             return ""

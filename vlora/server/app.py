@@ -50,8 +50,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vlora.config import ConfigError, ServerConfig
-from vlora.engine.async_engine import (AdapterExists, AdapterNotFound, AsyncEngine, EngineFailed, Job, QueueFull,
-                                       RequestFailed, RequestGroup, ShuttingDown)
+from vlora.engine.async_engine import AsyncEngine
+from vlora.engine.client import (AdapterExists, AdapterNotFound, EngineClient, EngineFailed, Job, QueueFull,
+                                 RequestFailed, RequestGroup, ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
@@ -107,11 +108,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 class OpenAIServer:
     """What the routes share: the engine thread, the config, the tokenizer copy, the metrics."""
 
-    def __init__(self, engine: Engine | AsyncEngine, config: ServerConfig):
-        """``engine``: an Engine (served on an AsyncEngine of its own), an AsyncEngine, or anything with the
-        AsyncEngine's serving interface (a :class:`vlora.cluster.front.ClusterFront`)."""
+    def __init__(self, engine: Engine | EngineClient, config: ServerConfig):
+        """``engine``: an Engine (served on an AsyncEngine of its own) or an :class:`EngineClient` (an
+        AsyncEngine, a :class:`vlora.cluster.front.ClusterFront`): all the server uses of it."""
         self.owns_engine = isinstance(engine, Engine)
-        self.engine = AsyncEngine(engine, config.max_queued_requests) if self.owns_engine else engine
+        self.engine: EngineClient = AsyncEngine(engine, config.max_queued_requests) if self.owns_engine else engine
         self.config = config
         e = self.engine.info          # one engine's or, for a cluster, its replicas'
         self.base_name = config.served_model_name or e.model_name
@@ -742,10 +743,10 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-def build_app(engine: Engine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``. It starts the engine thread on startup; given an Engine, it
-    makes that thread itself (with config.max_queued_requests) and drains and stops it on shutdown;
-    given an AsyncEngine, the caller keeps it (and its queue bound) and stops it."""
+def build_app(engine: Engine | EngineClient, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``. It starts the engine on startup; given an Engine, it makes an
+    AsyncEngine of it (with config.max_queued_requests) and drains and stops it on shutdown; given an
+    :class:`EngineClient`, the caller keeps it (and its queue bound) and stops it."""
     config = config or ServerConfig()
     server = OpenAIServer(engine, config)
 
@@ -831,24 +832,24 @@ def _add_docs_routes(app: FastAPI, auth: list) -> None:
                           response_model=None)
 
 
-def serve(engine: Engine, config: ServerConfig, log_level: str = "info") -> None:
+def serve(engine: Engine | EngineClient, config: ServerConfig, log_level: str = "info") -> None:
     """Run the server until SIGINT/SIGTERM: then refuse new requests (503), let running ones finish
     (up to config.drain_timeout), and stop."""
     import uvicorn
 
     app = build_app(engine, config)
-    async_engine: AsyncEngine = app.state.server.engine
+    client: EngineClient = app.state.server.engine
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            async_engine.begin_shutdown()
+            client.begin_shutdown()
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn_config(app, host=config.host, port=config.port, log_level=log_level,
                                    timeout_graceful_shutdown=config.drain_timeout))
     # an engine that cannot go on has answered its requests; the process stops (exit status 1) so that a
     # supervisor restarts it, rather than answering 503 for good
-    async_engine.on_fatal = lambda exc: setattr(server, "should_exit", True)
+    client.on_fatal = lambda exc: setattr(server, "should_exit", True)
     server.run()
-    if async_engine.failure is not None:
-        raise SystemExit(f"vlora: the engine failed ({async_engine.failure!r}); exiting for a restart")
+    if client.failure is not None:
+        raise SystemExit(f"vlora: the engine failed ({client.failure!r}); exiting for a restart")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vlora.engine.async_engine import AsyncEngine, Timing
+from vlora.engine.client import EngineClient, Timing
 from vlora.engine.sequence import RequestOutput
 
 MODES = ("merged", "unmerged", "mixed")
@@ -14,7 +14,7 @@ _E2E = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, base_name: str):
+    def __init__(self, engine: EngineClient, base_name: str):
         self.registry = r = CollectorRegistry()
         self.base_name = base_name
         stats = lambda: engine.stats     # noqa: E731 (a snapshot the engine thread publishes)
