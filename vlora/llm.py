@@ -174,7 +174,7 @@ class LLM:
 
 
     def _job(self, prompt: Prompt, adapter: str | None, sampling: SamplingParams | None):
-        from vlora.engine.async_engine import Job
+        from vlora.engine.client import Job
 
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(sampling).__name__}")

@@ -25,7 +25,7 @@ _CUDA_MARKS = ("CUDA error", "device-side assert", "illegal memory access", "CUB
 
 class RowFailed(Exception):
     """One request's failure inside an iteration (its row of the batch), with a reason for its client. The
-    client-facing exception of a failed request is the async engine's ``RequestFailed``."""
+    client-facing exception of a failed request is ``vlora.engine.client.RequestFailed``."""
 
 
 class EngineFatal(RuntimeError):
