@@ -27,7 +27,7 @@ minimizing the squared relative errors of their mean latency and mean TTFT by co
 ../shared/BENCHMARKS.md (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
 set) over ``--adapters`` adapters, at ``--load`` of the cluster's estimated capacity (one replica's decode
 throughput at its batch cap, from the table, times the GPUs), ``--requests-per-gpu`` requests per GPU. The
-batch cap of the reports is Punica's profiled cap from the table (vlora.cluster.sim.profiled_batch_cap: the
+batch cap of the reports is Punica's profiled cap from the table (vlora.cluster.costs.profiled_batch_cap: the
 decode batch beyond which a doubled batch slows each token more than it raises throughput). Plots the output tokens per second the cluster sustains while requests
 arrive (second half of the arrival window: finished requests over the whole run would count the drain after
 the last arrival), mean TTFT, busy GPUs (busy GPU-seconds per second; results.json also has the GPUs that ran

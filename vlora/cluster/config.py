@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlora.cluster.costs import CostTable, profiled_batch_cap
 from vlora.cluster.policy import POLICIES
 from vlora.config import ConfigError
 
@@ -62,7 +63,4 @@ class ClusterConfig:
         engine's max_num_seqs)."""
         if self.batch_cap is not None or self.cost_table is None:
             return self.batch_cap
-        from vlora.cluster.costs import CostTable
-        from vlora.cluster.sim import profiled_batch_cap
-
         return profiled_batch_cap(CostTable.load(self.cost_table))

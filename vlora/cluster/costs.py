@@ -13,6 +13,9 @@ those with a prefill; 1 on the GPU the table was measured on, see ``CostTable.sc
 into the pool adds ``adapter_load_s`` for its rank to the iteration that needs it; a migration adds ``migration_s`` (cancel and re-add through the front)
 before the request reaches its new replica, whose recompute is an ordinary prefill.
 
+Serving reads one thing from a table: Punica's profiled batch cap (:func:`profiled_batch_cap`), the batch a
+replica reports as full to the placement policy.
+
 The grid times ``Engine.step`` alone. A served replica does more per iteration: the async engine's thread
 hands each output to the actor's event loop, the actor streams them through Ray, and the front forwards them,
 all in the same processes and under the same interpreter locks as the next step's host work. Those terms
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -146,6 +151,31 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def profiled_batch_cap(costs: CostTable, latency_s: float | None = None) -> int:
+    """Punica's profiled batch cap: the decode batch beyond which a larger batch slows each token more than it
+    raises throughput. With the decode step a line ``s(d) = a + b d`` (least squares over the table's decode
+    points, served costs included, one adapter per request up to the table's largest count), doubling the batch
+    multiplies throughput by ``2 s(d) / s(2d)`` and each token's latency by ``s(2d) / s(d)``; the second is the
+    larger from ``d = a / (sqrt(2) b)`` on, which is the cap. ``latency_s``: also keep the decode step at most
+    this long. Between 1 and the engine's max_num_seqs (that, when the step does not grow with the batch)."""
+    top = costs.limits.max_num_seqs
+    pts = [(d, costs.step(0, d, min(d, costs.adapters[-1]), d * costs.grid_context))
+           for d in costs.decode if 0 < d <= top]
+    cap = top
+    if len(pts) >= 2:
+        mx = statistics.fmean(d for d, _ in pts)
+        my = statistics.fmean(t for _, t in pts)
+        var = sum((d - mx) ** 2 for d, _ in pts)
+        b = sum((d - mx) * (t - my) for d, t in pts) / var
+        a = my - b * mx
+        if b > 0 and a > 0:
+            cap = math.ceil(a / (math.sqrt(2) * b))
+    if latency_s is not None:
+        step = lambda d: costs.step(0, d, min(d, costs.adapters[-1]), d * costs.grid_context)  # noqa: E731
+        cap = min(cap, max((d for d in range(1, top + 1) if step(d) <= latency_s), default=1))
+    return max(1, min(top, cap))
 
 
 def _bracket(axis: list[int], x: float) -> tuple[int, int, float]:
