@@ -24,7 +24,7 @@ iteration, per sequence in an iteration, and the delay from an iteration to the 
 minimizing the squared relative errors of their mean latency and mean TTFT by coordinate descent.
 
 (b) runs every policy on the same seeded trace per setting (common random numbers): the workloads of
-../shared/BENCHMARKS.md (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
+vlora/bench/workloads.py (S-LoRA's power-law synthetic, Punica's skewed Zipf-1.5, FastLibra's shifting hot
 set) over ``--adapters`` adapters, at ``--load`` of the cluster's estimated capacity (one replica's decode
 throughput at its batch cap, from the table, times the GPUs), ``--requests-per-gpu`` requests per GPU. The
 batch cap of the reports is Punica's profiled cap from the table (vlora.cluster.costs.profiled_batch_cap: the

@@ -358,3 +358,13 @@ def test_steps_compares_step_logs_with_the_table_and_writes_the_scaled_table(tmp
     assert scaled.step(40, 1, 1) == pytest.approx(2 * table.step(40, 1, 1))
     assert scaled.step(0, 3, 1) == pytest.approx(table.step(0, 3, 1))
     assert scaled.served.stream_s == pytest.approx(0.02) and scaled.meta["step_scale"]["prefill"] == pytest.approx(2.0)
+
+
+def test_serving_code_loads_neither_the_simulator_nor_benchmark_code():
+    import subprocess
+    import sys
+
+    code = ("import sys, vlora.cli, vlora.server.app, vlora.cluster.front, vlora.cluster.config; "
+            "print(sorted(m for m in sys.modules if m.startswith(('vlora.bench', 'vlora.cluster.sim'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

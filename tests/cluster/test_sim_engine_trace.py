@@ -111,11 +111,10 @@ def sim_log(rep: SimReplica, arrivals) -> list:
 def compare(make_engine, seed: int, hand_back: bool) -> list:
     """The engine's log of ``trace(seed)``, after checking that the simulator's log equals it."""
     eng = make_engine(hand_back)
-    store = eng.adapters.store
+    pages = {RANK[c]: eng.adapters.store.pages_needed(eng.adapters.get(a)) for a, c in ADAPTERS.items()}
     limits = ReplicaLimits(num_pages=eng.pool.num_pages, page_tokens=eng.block_size,
                            max_num_seqs=eng.config.scheduler.max_num_seqs,
-                           max_num_batched_tokens=eng.config.scheduler.max_num_batched_tokens,
-                           adapter_pages={RANK[c]: store.pages_needed(eng.adapters.get(a)) for a, c in ADAPTERS.items()})
+                           max_num_batched_tokens=eng.config.scheduler.max_num_batched_tokens, adapter_pages=pages)
     table = linear_table(limits, 0.010, 0.001, 0.002, 0.005, adapter_load_s={8: 0.003, 16: 0.004})
     arrivals = [(step, f"r{i}", spec) for i, (step, spec) in enumerate(trace(seed))]
     want = engine_log(eng, arrivals)

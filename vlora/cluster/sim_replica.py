@@ -377,13 +377,18 @@ class SimReplica:
             d = len(it.scheduled)
             for t in it.ends:
                 self.tokens_at[int(t)] += d
+            # the pages of iterations 2.. in the order the scheduler takes them (iteration, then batch order),
+            # so the pool hands out the same pages as stepping would
+            pt = self.page_tokens
+            by_residue: list[list[Sequence]] = [[] for _ in range(pt)]
             for s in it.scheduled:
-                seq = s.seq
-                need = -(-(s.start + steps) // self.page_tokens) - len(seq.blocks)
-                if need > 0:
-                    seq.blocks.extend(self.pool.allocate(need))
-                seq.num_computed = s.start + steps
-                self._sample(seq, steps, now)
+                by_residue[s.start % pt].append(s.seq)
+            for j in range(1, steps):
+                for seq in by_residue[-j % pt]:
+                    seq.blocks.extend(self.pool.allocate(1))
+            for s in it.scheduled:
+                s.seq.num_computed = s.start + steps
+                self._sample(s.seq, steps, now)
         else:
             for s in it.scheduled:
                 seq = s.seq
