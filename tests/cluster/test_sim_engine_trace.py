@@ -42,7 +42,7 @@ def engine_factory(tmp_path_factory):
         eng = llm.engine
         eng.hand_back_preempted = hand_back
         # the tokens do not change a schedule (ignore_eos): the forward is left out, which keeps the test fast
-        eng.runner.run = lambda scheduled: {s.seq.request_id: 7 for s in scheduled if s.samples}
+        eng.executor.run = lambda scheduled: {s.seq.request_id: 7 for s in scheduled if s.samples}
         return eng
     return make
 
