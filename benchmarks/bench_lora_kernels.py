@@ -61,8 +61,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vlora.kernels import atmm  # noqa: E402
-from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink  # noqa: E402
+from vlora.kernels.atmm import TileConfig, lora_expand, lora_shrink  # noqa: E402
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref  # noqa: E402
+from vlora.kernels.segments import SegmentMeta  # noqa: E402
 from vlora.kernels.tuning import CONFIG_DIR, TilingTable, cold_l2_us, gpu_name, shape_key  # noqa: E402
 
 TOL = 1e-2                                        # bf16 relative error bound (BENCHMARKS.md)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from vlora.kernels import atmm
-from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink
+from vlora.kernels.atmm import TileConfig, lora_expand, lora_shrink
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref
+from vlora.kernels.segments import SegmentMeta
 
 WIDTHS = (48, 16, 16)          # a packed q, k, v group (GQA: k and v narrower)
 K = 40                          # not a multiple of any BLOCK_K: exercises masking (EVEN_K off)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.kernels.test_atmm import WIDTHS, make_case
-from vlora.kernels.atmm import SegmentMeta, TileConfig, lora_expand, lora_shrink
+from vlora.kernels.atmm import TileConfig, lora_expand, lora_shrink
 from vlora.kernels.reference import lora_expand_ref, lora_shrink_ref
+from vlora.kernels.segments import SegmentMeta
 
 
 def _seg_tensors(segs, device):

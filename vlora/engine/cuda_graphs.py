@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter,
-                              SegmentMeta)
+from vlora.kernels.segments import SegmentMeta
+from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
 from vlora.models.forward_batch import ForwardBatch
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL, _SRC = range(9)

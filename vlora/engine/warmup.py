@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from vlora.kernels.segments import SegmentMeta
 from vlora.kernels.tuning import SEGMENT_BUCKETS, TOKEN_BUCKETS
-from vlora.lora.batch import GROUPS, SegmentMeta
+from vlora.lora.batch import GROUPS
 
 
 def _buckets_upto(buckets: tuple[int, ...], limit: int) -> list[int]:

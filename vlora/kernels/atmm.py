@@ -46,7 +46,7 @@ from triton.runtime.errors import OutOfResources
 
 from vlora.kernels import compiles
 from vlora.kernels.limits import device_limits
-from vlora.lora.batch import SegmentMeta  # noqa: F401  (re-exported: kernels take it)
+from vlora.kernels.segments import SegmentMeta
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,15 @@
 """Torch references for every kernel. They are the test oracle and the CPU path.
 
 Each function states its semantics in one line and the shape of each argument.
+The batched LoRA op on a whole ``LoRABatch`` (the CPU path of ``lora_linear``)
+has its reference in the LoRA package, ``vlora/lora/layers.py``
+(``lora_add_``): the kernels import nothing from ``vlora.lora``.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from vlora.lora.batch import LoRABatch
-
-
-def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, group: str) -> None:
-    """Batched LoRA delta, in place, for one layer and one packed projection group.
-
-    Semantics: for each segment (rows [s, e), adapter i) and each slice j of the group:
-        y[s:e, cols_j] += scale_s * (x[s:e] @ A_ij) @ B_ij   (scale_s: the segment's, usually s_i)
-    Shape: x [T, in], y [T, out_packed]; A_ij [in, r_i]; B_ij [r_i, out_j].
-    Tokens are grouped by adapter; each adapter runs at its own rank (no padding). A segment's second adapter
-    (``seg.pair``, mixed mode) adds its own delta the same way, at ``seg.pair_scale``.
-    """
-    for seg in lora.segments:
-        for adapter, scale in ((seg.adapter, seg.scale), (seg.pair, seg.pair_scale)):
-            gw = None if adapter is None else adapter.layers[layer].get(group)
-            if gw is None:
-                continue
-            r = adapter.rank
-            v = x[seg.start:seg.end] @ gw.a                       # shrink: [n, r * slices]
-            rows = y[seg.start:seg.end]
-            for sl in gw.slices:                                  # expand, scaling fused via alpha
-                out = rows[:, sl.col_start:sl.col_start + sl.b.shape[1]]
-                out.addmm_(v[:, sl.rank_start:sl.rank_start + r], sl.b, alpha=scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -25,6 +25,7 @@ import torch
 
 from vlora.kernels.atmm import TileConfig
 from vlora.kernels.limits import DeviceLimits, device_limits
+from vlora.kernels.segments import SegmentMeta
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ def _case(op, tokens, segments, dim, r, widths, dtype, dev, planes: int = 1):
     ns = len(widths)
     lens = [tokens // segments + (1 if i < tokens % segments else 0) for i in range(segments)]
     starts = [sum(lens[:i]) for i in range(segments)]
-    meta = atmm.SegmentMeta(torch.tensor(starts, dtype=torch.int32, device=dev),
+    meta = SegmentMeta(torch.tensor(starts, dtype=torch.int32, device=dev),
                             torch.tensor(lens, dtype=torch.int32, device=dev),
                             torch.full((segments,), r, dtype=torch.int32, device=dev),
                             torch.ones(segments, dtype=torch.float32, device=dev), max(lens), tokens)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vlora.kernels.segments import SegmentMeta
+
 # packed group -> the PEFT module names it holds, in output-column order
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -89,20 +91,6 @@ class LoRASegment:
     scale: float                      # usually adapter.scaling; negative to subtract (deLoRA)
     pair: PackedAdapter | None = None     # a second adapter on the same rows, in the same launch (mixed mode:
     pair_scale: float = 0.0               # the merged adapter, with its negative scaling)
-
-
-@dataclass(frozen=True)
-class SegmentMeta:
-    """Per-iteration segment metadata for the kernels, on the device. Built once, shared by all layers."""
-
-    starts: torch.Tensor              # [S] int32, first row
-    lens: torch.Tensor                # [S] int32, rows
-    ranks: torch.Tensor               # [S] int32, r_s (rank of each slice)
-    scales: torch.Tensor              # [S] float32
-    max_len: int                      # host int: longest segment (sizes the grid)
-    num_rows: int                     # host int: rows covered by segments (picks the tile config)
-    pair_ranks: torch.Tensor | None = None    # [S] int32: rank of each segment's second adapter (0: none)
-    pair_scales: torch.Tensor | None = None   # [S] float32: its scale
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from contextlib import nullcontext
 
 import torch
 
-from vlora.lora.batch import (GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment,
-                              PackedAdapter, SegmentMeta)
+from vlora.kernels.segments import SegmentMeta
+from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
 from vlora.memory.kv_cache import OutOfBlocks
 from vlora.memory.pinned import pinned_empty
 

@@ -2,7 +2,8 @@
 
 ``lora_linear`` runs a packed projection and adds the iteration's batched LoRA
 delta to its output: the Triton ATMM kernels when the batch carries device
-metadata (CUDA), the torch reference otherwise (CPU).
+metadata (CUDA), the torch reference :func:`lora_add_` otherwise (CPU; also the
+oracle the kernel path is tested against).
 
 On CUDA the LoRA kernels read only ``x`` and the adapter pool, so they need not
 wait for the base projection: they run on a side stream while it runs, and
@@ -39,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlora.kernels.reference import lora_add_
 from vlora.lora.batch import LoRABatch
 
 OVERLAP_MODES = ("off", "shrink", "full")
@@ -136,3 +136,25 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch | None, layer: in
             _expand(y, _shrink(x, lora, layer, group), lora, layer, group)
         lora = lora.extra
     return y
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, lora: LoRABatch, layer: int, group: str) -> None:
+    """Batched LoRA delta, in place, for one layer and one packed projection group.
+
+    Semantics: for each segment (rows [s, e), adapter i) and each slice j of the group:
+        y[s:e, cols_j] += scale_s * (x[s:e] @ A_ij) @ B_ij   (scale_s: the segment's, usually s_i)
+    Shape: x [T, in], y [T, out_packed]; A_ij [in, r_i]; B_ij [r_i, out_j].
+    Tokens are grouped by adapter; each adapter runs at its own rank (no padding). A segment's second adapter
+    (``seg.pair``, mixed mode) adds its own delta the same way, at ``seg.pair_scale``.
+    """
+    for seg in lora.segments:
+        for adapter, scale in ((seg.adapter, seg.scale), (seg.pair, seg.pair_scale)):
+            gw = None if adapter is None else adapter.layers[layer].get(group)
+            if gw is None:
+                continue
+            r = adapter.rank
+            v = x[seg.start:seg.end] @ gw.a                       # shrink: [n, r * slices]
+            rows = y[seg.start:seg.end]
+            for sl in gw.slices:                                  # expand, scaling fused via alpha
+                out = rows[:, sl.col_start:sl.col_start + sl.b.shape[1]]
+                out.addmm_(v[:, sl.rank_start:sl.rank_start + r], sl.b, alpha=scale)
