@@ -31,7 +31,7 @@ the labels of its head tasks; the prompt tells the tasks apart, the head is
 trained over the whole union and answers with the argmax over it, exactly as
 the engine's ``LLM.classify`` does (an answer outside the asked task's labels
 counts as wrong). It is saved as ``vlora_head.safetensors`` + ``vlora_head.json``
-(``models/task_head.py``). Fusing a task with new labels adds zero rows for them.
+(``lora/task_head.py``). Fusing a task with new labels adds zero rows for them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 
 from vlora.adapters.sources import Example, KnowledgeSource, meets
 from vlora.lora.adapter import LORA_TARGETS
-from vlora.models.task_head import HEAD_CONFIG, HEAD_WEIGHTS
+from vlora.lora.task_head import HEAD_CONFIG, HEAD_WEIGHTS
 
 WEIGHTS = "adapter_model.safetensors"
 MIN_TRAIN_FOR_VALIDATION = 10       # fewer training examples than this: no validation split, the whole budget
@@ -372,7 +372,7 @@ class LoraTrainer:
     def load(self, path: Path) -> AdapterState:
         from safetensors.torch import load_file
 
-        from vlora.models.task_head import load_task_head
+        from vlora.lora.task_head import load_task_head
 
         lora = load_file(str(Path(path) / WEIGHTS))
         want = self._get()

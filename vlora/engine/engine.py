@@ -47,12 +47,12 @@ from vlora.engine.sequence import RequestOutput, Sequence, TokenLogprobs
 from vlora.lora.adapter import ModelShape
 from vlora.lora.batch import PackedAdapter
 from vlora.lora.registry import AdapterRegistry
+from vlora.lora.task_head import TaskResult
 from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.sizing import Sizing, plan
 from vlora.models.build import load_model
 from vlora.models.lmm import ImageInputError
-from vlora.models.task_head import TaskResult
 from vlora.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from vlora.engine.sequence import Sequence, TokenLogprobs
 from vlora.lora.batch import LoRABatch, LoRALaunch
 from vlora.lora.merge import group_widths
 from vlora.lora.registry import AdapterRegistry
+from vlora.lora.task_head import TaskResult, apply_heads
 from vlora.models.decoder import DecoderLM
 from vlora.models.forward_batch import ForwardBatch, PrefillChunk, PrefillMeta
-from vlora.models.task_head import TaskResult, apply_heads
 
 
 class ModelRunner:

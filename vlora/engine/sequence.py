@@ -23,8 +23,8 @@ import torch
 if TYPE_CHECKING:
     from vlora.engine.admission import SLO
     from vlora.engine.detokenizer import DetokState
+    from vlora.lora.task_head import TaskResult
     from vlora.models.lmm import ImageSpan
-    from vlora.models.task_head import TaskResult
 
 from vlora.lora.batch import PackedAdapter
 from vlora.sampling_params import SamplingParams

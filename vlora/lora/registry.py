@@ -15,7 +15,7 @@ import torch
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
 from vlora.lora.device_store import AdapterStore
-from vlora.models.task_head import TaskHead, load_task_head
+from vlora.lora.task_head import TaskHead, load_task_head
 
 _NAME_MAX = 128
 
