@@ -15,6 +15,7 @@ import torch
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
 from vlora.lora.device_store import AdapterStore
+from vlora.lora.merge_copy import MergedCopies
 from vlora.lora.task_head import TaskHead, load_task_head
 
 _NAME_MAX = 128
@@ -55,7 +56,15 @@ class AdapterRegistry:
         use_kernels = kernel == "triton" or (kernel == "auto" and device.type == "cuda")
         if use_kernels and pool is None:
             raise ValueError("the kernel path needs the unified pool to hold adapters")
+        self.pool = pool
         self.store = AdapterStore(pool, device) if use_kernels else None
+
+    def merged_copies(self) -> MergedCopies:
+        """An empty holder for merged copies of these adapters in the pool's pages (the memory manager asks for
+        one when ``cache.merged_copy`` is on, and registers it as a source of pages)."""
+        if self.pool is None:
+            raise ValueError("merged copies live in the unified pool, and this registry has none")
+        return MergedCopies(self.pool)
 
     def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():

@@ -13,7 +13,6 @@ Who gives pages to KV when the pool runs short is declared in ``RECLAIM_ORDER``
 from __future__ import annotations
 
 from vlora.config import CacheConfig
-from vlora.lora.merge_copy import MergedCopies
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.swapper import CacheSwapper
 from vlora.memory.tree import PrefixTree
@@ -33,11 +32,12 @@ RECLAIM_ORDER: dict[str, tuple[str, ...]] = {
 
 class MemoryManager:
     def __init__(self, pool: UnifiedPool, adapters, cache: CacheConfig):
-        """``adapters``: the engine's :class:`~vlora.lora.registry.AdapterRegistry` (its store, when the LoRA
-        kernels run, keeps adapters in ``pool`` pages)."""
+        """``adapters``: the engine's :class:`~vlora.lora.registry.AdapterRegistry`. The adapters' users of
+        ``pool`` pages come from it: its store (adapters kept in the pool, when the LoRA kernels run) and the merged
+        copies it makes, so memory imports nothing from ``vlora.lora`` (the layering: docs/architecture.md)."""
         self.pool, self.adapters, self.store = pool, adapters, adapters.store
         # merged copies of the merged adapter's weights in pool pages (the mode switcher makes and points at them)
-        self.copies = MergedCopies(pool) if cache.merged_copy and pool.adapter_limit is None else None
+        self.copies = adapters.merged_copies() if cache.merged_copy and pool.adapter_limit is None else None
         self.tree = self.swapper = None
         if cache.prefix_caching:
             self.tree = PrefixTree(pool, cache.block_size)
