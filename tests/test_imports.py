@@ -61,7 +61,7 @@ def package_imports() -> dict[tuple[str, str], list[str]]:
     edges = defaultdict(list)
     for path in sorted(ROOT.rglob("*.py")):
         module = module_name(path)
-        src = package_of(module) if module.count(".") >= 1 and path.parent != ROOT else None
+        src = package_of(module) if path.parent != ROOT else None      # the top-level modules: no package
         if src is None:
             continue
         found = imported_names(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
