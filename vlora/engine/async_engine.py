@@ -79,7 +79,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
         # engine thread only
-        self._live: dict[str, tuple[RequestGroup, str | None]] = {}   # request id -> (group, adapter)
+        # request id -> its group, until its final output is routed (the engine knows the request itself)
+        self._live: dict[str, RequestGroup] = {}
         self._draining: set[str] = engine.unloading       # adapters being unloaded (the engine keeps their requests)
         self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._busy = False
@@ -280,27 +281,26 @@ class AsyncEngine:
                 self.engine.abort(rid)
             raise
         for job in group.jobs:
-            self._live[job.request_id] = (group, job.adapter)
+            self._live[job.request_id] = group
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Route ``outputs`` to their groups now (bookkeeping, aborts of a failed group's requests); hold the
         deliveries for :meth:`_deliver_held`."""
         by_loop = self._held
         for out in outputs:
-            entry = self._live.get(out.request_id)
-            if entry is None:
+            group = self._live.get(out.request_id)
+            if group is None:
                 continue
             if out.finished:
                 del self._live[out.request_id]
             if out.finish_reason == "error":       # the API call fails as a whole: its other requests stop
-                group = entry[0]
                 for rid in group.request_ids:
                     if rid in self._live:          # stays live until its abort output is dispatched (counted)
                         self.engine.abort(rid)
                 by_loop[group.loop].append((group, RequestFailed(f"request {out.request_id} failed: {out.error}",
                                                                  out)))
                 continue
-            by_loop[entry[0].loop].append((entry[0], out))
+            by_loop[group.loop].append((group, out))
 
     def _deliver_held(self) -> None:
         if not self._held:                      # every forward calls this: nothing to do on most of them
@@ -318,7 +318,7 @@ class AsyncEngine:
         self._accepting = False
         failed = EngineFailed(f"the engine failed: {exc!r}")
         groups = {}
-        for rid, (group, _) in self._live.items():
+        for rid, group in self._live.items():
             groups[id(group)] = group
             try:
                 self.engine.abort(rid)
@@ -336,7 +336,7 @@ class AsyncEngine:
             self.engine.abort(rid)
 
     def _in_use(self, adapter: str) -> list[str]:
-        return [rid for rid, (_, a) in self._live.items() if a == adapter]
+        return self.engine.requests_of(adapter)
 
     def _start_unload(self, name: str, policy: str, loop, fut) -> None:
         if name not in self.engine.adapters or name in self._draining:

@@ -258,6 +258,10 @@ class Engine:
             raise RequestError(f"prompt of {len(ids)} tokens does not fit the KV cache "
                                f"({room} blocks of {self.block_size}{beside})")
 
+    def requests_of(self, adapter: str) -> list[str]:
+        """The ids of the unfinished requests of ``adapter``."""
+        return [rid for rid, seq in self._seqs.items() if seq.adapter_name == adapter]
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its memory; False if it is unknown or already finished."""
         return self._stop(request_id, "abort")
