@@ -161,4 +161,16 @@ class TensorParallelGroup:
                 proc.kill()
                 proc.join(5)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _leave_group()
+
+
+def _leave_group() -> None:
+    """Rank 0 leaves the process group once the workers have exited, which they do without leaving it (leaving
+    waits on the others). NCCL's communicators are aborted rather than destroyed: ``destroy_process_group``
+    waits in ``ncclCommDestroy`` once collectives were captured in CUDA graphs (pytorch/pytorch#115388; the
+    2-GPU graph test hung there at close). An abort waits on no peer, and clears the group so that the process
+    can start another one. Gloo's group is destroyed."""
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
