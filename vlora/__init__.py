@@ -3,6 +3,6 @@
 from vlora.builder import build_engine
 from vlora.engine.admission import SLO
 from vlora.llm import LLM, AdapterRequest
-from vlora.sampling_params import SamplingParams
+from vlora.sampling_params import GuidedSpec, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "AdapterRequest", "SLO", "build_engine"]
+__all__ = ["LLM", "SamplingParams", "GuidedSpec", "AdapterRequest", "SLO", "build_engine"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 GREEDY_BELOW = 1e-5
@@ -25,6 +26,66 @@ likely token alone is kept (its probability is at least 1 / vocabulary size), as
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range."""
+
+
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""The forms of structured output (:class:`GuidedSpec`)."""
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What the output must match (structured output); exactly one field set. The engine compiles it into a
+    grammar once per distinct spec (llguidance) and masks every token the grammar forbids."""
+
+    json_schema: str | dict | None = None
+    """A JSON Schema (a dict, or its JSON text; stored as compact JSON text, property order kept)."""
+    json_object: bool = False
+    """Any JSON object."""
+    regex: str | None = None
+    """A regular expression the whole output matches (Rust ``regex`` syntax)."""
+    choice: tuple[str, ...] | None = None
+    """One of these strings, exactly."""
+    grammar: str | None = None
+    """A Lark (or GBNF) grammar, llguidance's syntax."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_schema, (dict, bool)):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, separators=(",", ":")))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise SamplingError(f"guided json_object must be a bool, got {self.json_object!r}")
+        set_ = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise SamplingError(f"guided output needs exactly one of {', '.join(GUIDED_KINDS)}; got "
+                                f"{', '.join(set_) or 'none'}")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str):
+                raise SamplingError(f"guided json_schema must be a dict or JSON text, got {self.json_schema!r}")
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise SamplingError(f"guided json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingError("guided json_schema must be a JSON object")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingError(f"guided {name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise SamplingError(f"guided choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in GUIDED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by."""
+        k = self.kind
+        v = getattr(self, k)
+        return k, (json.dumps(v) if k == "choice" else "" if k == "json_object" else v)
 
 
 @dataclass(frozen=True)
@@ -68,6 +129,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """None: none; k >= 0: each prompt token's log-probability given the tokens before it, and the k most likely
     alternatives' (the first prompt token has none). The request's prompt is computed in full (no prefix cache)."""
+    guided: GuidedSpec | None = None
+    """Structured output: the output matches this JSON schema, regex, choice or grammar (tokens it forbids are
+    masked before sampling; logprobs stay the model's own). The request stops when the grammar is complete."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -126,6 +190,17 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_LOGPROBS):
                 raise SamplingError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+
+        if self.guided is not None:
+            if isinstance(self.guided, dict):
+                try:
+                    object.__setattr__(self, "guided", GuidedSpec(**self.guided))
+                except TypeError as e:
+                    raise SamplingError(f"guided: {e}") from None
+            if not isinstance(self.guided, GuidedSpec):
+                raise SamplingError(f"guided must be a GuidedSpec, got {type(self.guided).__name__}")
+            if self.task_head:
+                raise SamplingError("guided output and task_head exclude each other (a task head emits no tokens)")
 
     @property
     def greedy(self) -> bool:

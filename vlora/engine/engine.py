@@ -36,6 +36,7 @@ from vlora.config import ConfigError, EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RowFailed, describe, is_fatal
+from vlora.engine.guided import GrammarError, Grammars, Guide
 from vlora.engine.executor import Executor
 from vlora.engine.mode_costs import ModeCosts
 from vlora.engine.observer import StepObserver, StepRecord
@@ -111,6 +112,9 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # structured output: requests' grammars, compiled once per distinct spec (needs the tokenizer)
+        self.grammars = None if self.tokenizer is None else \
+            Grammars(self.tokenizer, cfg.vocab_size, tuple(sorted(self.eos_token_ids)))
 
         cc, lc = config.cache, config.lora
         self.block_size = cc.block_size
@@ -199,9 +203,11 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
+        guide = None if params.guided is None else self._guide(params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(request_id, ids, params, packed, next(self._arrivals),
                        prompt=prompt if isinstance(prompt, str) else None, sample_seed=seed, slo=slo, images=spans)
+        seq.guide = guide
         if params.logprobs is not None:
             seq.logprobs = []
         if params.prompt_logprobs is not None:
@@ -209,6 +215,16 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _guide(self, params: SamplingParams) -> Guide:
+        """The compiled grammar of a structured-output request, its state at the start of the output."""
+        if self.grammars is None:
+            raise RequestError(f"model {self.model_name!r} has no tokenizer: structured output needs one",
+                               param="guided")
+        try:
+            return self.grammars.compile(params.guided)
+        except GrammarError as e:
+            raise RequestError(str(e), param="guided") from None
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -486,10 +502,11 @@ class Engine:
     def _lookahead(self, behind: _Queued) -> StepPlan | None:
         """The next decode, scheduled while the tokens of ``behind`` are still on the device: every running
         sequence continues but those its pending token ends (``max_tokens``, ``max_model_len``). None where
-        that would not be exact (the scheduler's :meth:`~Scheduler.lookahead` says when) or a sequence wants its
-        task head."""
+        that would not be exact (the scheduler's :meth:`~Scheduler.lookahead` says when), a sequence wants its
+        task head, or one has structured output: its next mask depends on the token still on the device. None
+        falls back to the synchronous loop exactly (the tokens are read, then the next iteration is scheduled)."""
         sched = self.scheduler
-        if behind.launched is None or any(s.params.task_head for s in sched.running):
+        if behind.launched is None or any(s.params.task_head or s.guide is not None for s in sched.running):
             return None
         mml = self.max_model_len
         ending = {s.request_id for s in sched.running
@@ -584,7 +601,8 @@ class Engine:
             token = token.token_id
         seq.output_token_ids.append(token)
         seq.last_progress = time.monotonic()
-        reason = self._stop_reason(seq, token)
+        complete = seq.guide is not None and seq.guide.advance(token)     # its grammar allows nothing more
+        reason = self._stop_reason(seq, token) or ("stop" if complete else None)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]

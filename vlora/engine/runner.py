@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from vlora.engine.faults import RowFailed, describe, is_fatal
+from vlora.engine.guided import Masks
 from vlora.engine.modes import ModeSwitcher
 from vlora.engine.sampler import Sampled, Sampler
 from vlora.engine.scheduler import ScheduledSeq
@@ -56,6 +57,7 @@ class ModelRunner:
         self.graphs = None
         self._seg_cache = None        # (row adapters, merged adapter, mixed launch, segments) of the last replay
         self.sampler = Sampler(model.cfg.vocab_size, eos_token_ids, device)
+        self.masks = Masks(model.cfg.vocab_size, device)   # structured output: the batch's grammar bitmask
         # called once per forward, after it is queued and before anything waits for it (the async engine
         # hands the previous iteration's outputs to the event loop then)
         self.before_sync: Callable[[], None] | None = None
@@ -216,6 +218,7 @@ class ModelRunner:
         self.encode_images(ordered)
         fb = self.prepare(ordered)
         hidden = self.model(fb, self.kv_cache)
+        allowed = self.masks.fill([seq for seq in samplers if not seq.params.task_head])   # overlaps the forward
         self._launched()
         self._drop_images(ordered)
         self._prompt_logprobs(ordered, hidden)
@@ -225,7 +228,7 @@ class ModelRunner:
         if not samplers:
             return answers
         logits = self.model.compute_logits(hidden, fast=fb.use_kernels)
-        tokens = self.sampler.sample(logits, samplers).result()
+        tokens = self.sampler.sample(logits, samplers, allowed=allowed).result()
         return answers | {seq.request_id: t for seq, t in zip(samplers, tokens)}
 
     def _prompt_logprobs(self, ordered: list[ScheduledSeq], hidden: torch.Tensor) -> None:
@@ -280,7 +283,9 @@ class ModelRunner:
         if logits is None:
             return None
         samplers = [s.seq for s in ordered]
-        launched = Launched(samplers, self.sampler.sample(logits, samplers, pinned=self.device.type == "cuda"))
+        allowed = self.masks.fill(samplers)              # host work while the replay runs
+        launched = Launched(samplers, self.sampler.sample(logits, samplers, pinned=self.device.type == "cuda",
+                                                          allowed=allowed))
         self._launched()
         return launched
 

@@ -2,8 +2,9 @@
 
 One pass over the batch's logits ``[S, V]`` (float32, one row per sequence):
 
-1. ``logit_bias`` added, and the end-of-sequence and stop ids of rows below ``min_tokens`` set to -inf
-   (one indexed write each for the batch);
+1. ``logit_bias`` added, the end-of-sequence and stop ids of rows below ``min_tokens`` set to -inf (one
+   indexed write each for the batch), and, for rows with structured output, every token their grammar forbids
+   set to -inf (one masked write from the batch's packed bitmask, :mod:`vlora.engine.guided`);
 2. penalties from the per-sequence token counts on the device (``token_counts.py``): repetition (logits of
    prompt and generated tokens divided by it when positive, multiplied when negative), then frequency
    (times the count) and presence (once) over generated tokens;
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from vlora.engine import guided
 from vlora.engine.faults import RowFailed
 from vlora.engine.sequence import Sequence, TokenLogprobs
 from vlora.engine.token_counts import TokenCounts
@@ -147,9 +149,12 @@ class Sampler:
             b = self._batch = SamplingBatch(seqs, self.vocab, self.eos_token_ids, self.device, counts)
         return b
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pinned: bool = False) -> "Sampled":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], pinned: bool = False,
+               allowed: torch.Tensor | None = None) -> "Sampled":
         """Queue the sampling of ``logits`` [S, V] (one row per sequence of ``seqs``); ``pinned``: copy the results
-        into page-locked memory without a wait (CUDA; else :meth:`Sampled.result` copies)."""
+        into page-locked memory without a wait (CUDA; else :meth:`Sampled.result` copies); ``allowed``: the
+        batch's grammar bitmask on the host (int32 [S, ceil(V / 32)], :class:`~vlora.engine.guided.Masks`), or
+        None."""
         b = self.batch(seqs)
         dev = logits.device
         positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long).to(dev, non_blocking=True)
@@ -159,6 +164,8 @@ class Sampler:
         banned = b.banned(dev)
         if banned is not None:
             x = x.index_put(banned, x.new_full((), float("-inf")))
+        if allowed is not None:
+            x = guided.apply(x, allowed.to(dev, non_blocking=True))
         if b.penalties is not None:
             x = _penalize(x, b.penalties, self._counts)
         tokens, ok = _draw(x, b, positions)

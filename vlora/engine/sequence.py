@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:
     from vlora.engine.admission import SLO
+    from vlora.engine.guided import Guide
     from vlora.engine.detokenizer import DetokState
     from vlora.lora.task_head import TaskResult
     from vlora.models.lmm import ImageSpan
@@ -73,6 +74,7 @@ class Sequence:
     prompt_logprobs: list["TokenLogprobs | None"] | None = None   # params.prompt_logprobs set: one per prompt
     #                                          token computed so far (the first is None)
     cumulative_logprob: float = 0.0          # sum of the output tokens' logprobs (when logprobs is set)
+    guide: "Guide | None" = None             # params.guided set: the grammar's state after the output tokens
 
     def __post_init__(self):
         if any(span.grid is not None for span in self.images):

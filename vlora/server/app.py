@@ -234,6 +234,11 @@ class OpenAIServer:
                 raise APIError(400, f"logit_bias names token id {quote(t)}, outside the vocabulary "
                                     f"[0, {self.vocab_size})", param="logit_bias", code="invalid_token_id")
         self.check_choices(req)
+        try:
+            guided, _ = req.guided()
+        except SamplingError as e:
+            field = str(e).partition(":")[0]
+            raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
         count = req.num_candidates()
         logprobs = req.logprobs_k()
         if logprobs is None and count > req.n:
@@ -250,15 +255,16 @@ class OpenAIServer:
                     presence_penalty=float(req.presence_penalty or 0.0),
                     frequency_penalty=float(req.frequency_penalty or 0.0),
                     repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
-                    logit_bias=bias, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs_k())
+                    logit_bias=bias, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs_k(), guided=guided)
             except SamplingError as e:
                 field = str(e).partition(" ")[0]
                 raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
             jobs.append(Job(prompt, adapter, params, f"{request_id}-{i}", tuple(images) if images else None))
         return jobs
 
-    async def submit(self, jobs: list[Job], prompt_param: str) -> RequestGroup:
-        """The jobs handed to the engine; ``prompt_param``: the field an error about the prompt names."""
+    async def submit(self, jobs: list[Job], prompt_param: str, req: P.SamplingRequest | None = None) -> RequestGroup:
+        """The jobs handed to the engine; ``prompt_param``: the field an error about the prompt names; ``req``:
+        the request, whose structured-output field an error about the grammar names."""
         try:
             return await self.engine.submit(jobs, self.metrics.observe)
         except QueueFull as e:
@@ -268,7 +274,10 @@ class OpenAIServer:
         except AdapterNotFound as e:
             raise APIError(404, str(e), param="model", code="model_not_found") from None
         except (RequestError, SamplingError) as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None) or prompt_param) from None
+            param = getattr(e, "param", None)
+            if param == "guided" and req is not None:      # the grammar could not be compiled: name its field
+                param = _guided_field(req)
+            raise APIError(400, str(e), param=param or prompt_param) from None
 
     def check_accepting(self) -> None:
         if not self.engine.accepting:
@@ -287,7 +296,7 @@ class OpenAIServer:
         prompt_len = len(prompt) + self.image_tokens(images)
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images), "messages")
+        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images), "messages", req)
         with_logprobs = req.logprobs_k() is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -341,7 +350,7 @@ class OpenAIServer:
         jobs = []
         for i, (ids, max_tokens) in enumerate(zip(prompts, limits)):      # prompt i's choices: a run of jobs
             jobs += self.jobs(req, list(ids), adapter, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
-        group = await self.submit(jobs, "prompt")
+        group = await self.submit(jobs, "prompt", req)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self.completion_chunks(group, rid, req.model, forms, include_usage, given_ids), group)
@@ -853,3 +862,11 @@ def serve(engine: Engine | EngineClient, config: ServerConfig, log_level: str = 
     server.run()
     if client.failure is not None:
         raise SystemExit(f"vlora: the engine failed ({client.failure!r}); exiting for a restart")
+
+
+def _guided_field(req: P.SamplingRequest) -> str | None:
+    """The field that asked for structured output: chat's response_format, else a guided_* extra."""
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.get("type") != "text":
+        return "response_format"
+    return next((f for f in req.GUIDED if getattr(req, f) is not None), None)

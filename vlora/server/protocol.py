@@ -17,11 +17,11 @@ so a client that checks OpenAI's schema strictly sees nothing unknown.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
-from vlora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from vlora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, GuidedSpec, SamplingError
 
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
@@ -84,6 +84,28 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = Field(None, gt=0)   # extension; 1 = off
     min_p: float | None = Field(None, ge=0, le=1)           # extension; 0 = off
     logit_bias: dict[str, float] | None = None          # token id (as a string: a JSON key) -> bias
+    # structured output (vLLM's extensions); at most one of them (and of chat's response_format)
+    guided_json: dict[str, Any] | str | None = None     # a JSON schema (an object, or its JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None                   # a Lark or GBNF grammar (llguidance's syntax)
+
+    GUIDED: ClassVar[dict[str, str]] = {"guided_json": "json_schema", "guided_regex": "regex",
+                                        "guided_choice": "choice", "guided_grammar": "grammar"}
+
+    def guided(self) -> tuple[GuidedSpec | None, str | None]:
+        """(the structured-output spec, the field that gave it), or (None, None); raises SamplingError naming the
+        field when it is malformed or more than one is set."""
+        given = [(f, getattr(self, f)) for f in self.GUIDED if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise SamplingError(f"{given[1][0]}: only one of {', '.join(f for f, _ in given)} may be set")
+        if not given:
+            return None, None
+        field, value = given[0]
+        try:
+            return GuidedSpec(**{self.GUIDED[field]: value}), field
+        except SamplingError as e:
+            raise SamplingError(f"{field}: {e}") from None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -178,11 +200,35 @@ class ChatCompletionRequest(SamplingRequest):
                         f"be the assistant's (it is {self.messages[-1].role!r})")
         return super().invalid()
 
+    def guided(self) -> tuple[GuidedSpec | None, str | None]:
+        """``response_format`` json_object / json_schema, else the guided_* extras (not both)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return super().guided()
+        if any(getattr(self, f) is not None for f in self.GUIDED):
+            raise SamplingError("response_format: response_format and guided_* cannot both be set")
+        kind = rf.get("type")
+        if kind == "json_object" and set(rf) == {"type"}:
+            return GuidedSpec(json_object=True), "response_format"
+        if kind == "json_schema" and set(rf) <= {"type", "json_schema"}:
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not set(js) <= {"name", "schema", "strict", "description"} \
+                    or not isinstance(js.get("name"), str):
+                raise SamplingError("response_format: json_schema must be an object with a name and a schema "
+                                    "(and optionally strict, description)")
+            schema = js.get("schema", {})        # OpenAI: no schema means any JSON
+            if not isinstance(schema, dict):
+                raise SamplingError("response_format: json_schema.schema must be a JSON Schema object")
+            try:
+                return GuidedSpec(json_schema=schema or {"type": "object"}), "response_format"
+            except SamplingError as e:
+                raise SamplingError(f"response_format: {e}") from None
+        raise SamplingError("response_format: the type must be text, json_object or json_schema "
+                            "({\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}})")
+
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:
             return "tools", "tools (function calling) are not supported"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "only response_format {\"type\": \"text\"} is supported"
         if self.store:
             return "store", "store is not supported"
         return super().unsupported()
