@@ -185,6 +185,24 @@ def test_adapters_and_preemption_with_recompute_keep_the_constrained_tokens(tiny
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
 
 
+def test_a_constrained_request_is_never_handed_back_to_the_cluster(tiny):
+    """Its grammar's state lives on this replica: preempted on a replica that hands requests back, or asked to
+    migrate, it stays and finishes here, valid; an unconstrained one beside it goes back."""
+    js = jobs(adapter=False)
+    want = generate(engine(tiny, adapter=False), js)
+    small = engine(tiny, adapter=False, num_blocks=10)              # the batch outgrows the pool
+    small.engine.hand_back_preempted = True
+    outs = generate(small, js)
+    assert small.engine.scheduler.num_preemptions > 0
+    guided = [i for i, (_, _, sp) in enumerate(js) if sp.guided is not None]
+    assert [outs[i].token_ids for i in guided] == [want[i].token_ids for i in guided]
+    check([outs[i] for i in guided], [js[i] for i in guided])
+    rid = small.engine.add_request("Record:", None, js[0][2])
+    small.engine.step()
+    assert not small.engine.hand_back(rid)
+    assert small.engine.abort(rid)
+
+
 def test_a_schema_that_cannot_compile_names_the_field(tiny):
     llm = engine(tiny)
     with pytest.raises(RequestError) as e:

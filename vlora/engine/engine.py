@@ -96,9 +96,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, executor: type[Executor] | None = None,
                  hand_back_preempted: bool = False, observers: Iterable[StepObserver] = ()):
         """``executor``: what runs the iterations (:mod:`vlora.engine.executor`; ``vlora.build_engine`` picks
-        the tensor-parallel one from the configuration). ``hand_back_preempted`` (cluster replicas): a request preempted for KV goes back to the cluster front
-        (finish "migrate") to resume elsewhere by recompute, rather than wait here for pages this replica is
-        short of. ``observers``: told of each forward and step (:mod:`vlora.engine.observer`)."""
+        the tensor-parallel one from the configuration). ``hand_back_preempted`` (cluster replicas): a request
+        preempted for KV goes back to the cluster front (finish "migrate") to resume elsewhere by recompute,
+        rather than wait here for pages this replica is short of. ``observers``: told of each forward and step (:mod:`vlora.engine.observer`)."""
         self.config = config = config or EngineConfig()
         self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)
@@ -284,10 +284,11 @@ class Engine:
 
     def hand_back(self, request_id: str) -> bool:
         """Stop a request and free its memory, finishing it with ``finish_reason="migrate"``: its output holds the
-        tokens generated so far, from which the cluster front resumes it on another replica. False if unknown, or
-        if its adapter is being unloaded (``unloading``): then it stays, and finishes here."""
+        tokens generated so far, from which the cluster front resumes it on another replica. False if unknown, if
+        its adapter is being unloaded (``unloading``), or if it follows a grammar (its grammar's state lives here;
+        resumed elsewhere from its tokens, the grammar would start over): then it stays, and finishes here."""
         seq = self._seqs.get(request_id)
-        if seq is not None and seq.adapter_name in self.unloading:
+        if seq is not None and (seq.adapter_name in self.unloading or seq.guide is not None):
             return False
         return self._stop(request_id, "migrate")
 
