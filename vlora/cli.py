@@ -218,12 +218,15 @@ def _demo_adapters_for(shape, is_lmm: bool, root) -> tuple[dict[str, str], bool]
             return trained, True
     print("note: no --adapter given; serving two random-weight demo adapters (they nudge the base model's answers "
           "at random; they are not trained skills); `vlora adapters demo` builds trained ones", file=sys.stderr)
+    from vlora.models.loader import cache_lock
+
     out = {}
-    for name, rank, seed in (("demo-r8", 8, 1), ("demo-r16", 16, 2)):
-        path = root / shape.name / name
-        if not (path / "adapter_model.safetensors").is_file():
-            write_random_adapter(path, shape, rank, seed, std=0.03)
-        out[name] = str(path)
+    with cache_lock(root / shape.name):
+        for name, rank, seed in (("demo-r8", 8, 1), ("demo-r16", 16, 2)):
+            path = root / shape.name / name
+            if not (path / "adapter_model.safetensors").is_file():
+                write_random_adapter(path, shape, rank, seed, std=0.03)
+            out[name] = str(path)
     return out, False
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from vlora.models.loader import cache_root, iter_safetensors, resolve_model_dir
+from vlora.models.loader import cache_lock, cache_root, iter_safetensors, resolve_model_dir
 
 DEMO_LMM = "demo:smollm2-llava"
 PLACEHOLDER_ID, PLACEHOLDER_OLD, PLACEHOLDER = 12, "<jupyter_text>", "<image>"
@@ -36,12 +36,15 @@ def demo_lmm_dir() -> Path:
     out = cache_root() / "demo-lmm" / key / "SmolLM2-135M-Instruct-llava-demo"
     if (out / "model.safetensors").is_file():
         return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _build(base, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with cache_lock(out.parent):
+        if (out / "model.safetensors").is_file():
+            return out
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _build(base, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
     return out
 
 

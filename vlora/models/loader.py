@@ -8,7 +8,9 @@ directory's safetensors in about a second.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -52,6 +54,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("VLORA_CACHE", Path.home() / ".cache" / "vlora"))
 
 
+@contextlib.contextmanager
+def cache_lock(directory: Path):
+    """Holds ``directory``'s lock file: processes sharing the cache (server workers, test workers) build what
+    it keeps once, one at a time; each checks again under the lock whether it is there."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def gguf_model_name(path: Path) -> str:
     """'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'SmolLM2-135M-Instruct' (quantisation tag dropped)."""
     return re.sub(r"[.-](?:[QqFf]\d\w*|BF16|IQ\w+)$", "", path.stem)
@@ -86,6 +98,14 @@ def _convert_gguf(path: Path) -> Path:
     out = cache_root() / "gguf" / key / gguf_model_name(path)
     if (out / "model.safetensors").is_file():
         return out
+    with cache_lock(out.parent):
+        if (out / "model.safetensors").is_file():
+            return out
+        _convert_in_child(path, out)
+    return out
+
+
+def _convert_in_child(path: Path, out: Path) -> None:
     # in a child process: the dequantised tensors and the conversion's imports (transformers' model classes,
     # torch._dynamo) would otherwise stay in the memory of the process that goes on to serve the model
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -93,7 +113,6 @@ def _convert_gguf(path: Path) -> Path:
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0 or not (out / "model.safetensors").is_file():
         raise ModelLoadError(f"converting {path} failed: {done.stderr.strip()[-2000:]}")
-    return out
 
 
 def _write_converted(path: Path, out: Path) -> None:
