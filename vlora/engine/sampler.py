@@ -11,8 +11,8 @@ One pass over the batch's logits ``[S, V]`` (float32, one row per sequence):
 3. greedy rows: the argmax; sampled rows: the logits divided by the temperature, then top-k, top-p inside
    the (renormalised) top-k set, and min-p (relative to the most likely token) as -inf writes on the sorted
    candidates, and one Gumbel-max draw (``kernels/sampling.py``: Philox noise in registers; on the CPU,
-   :func:`cpu_noise`) with noise keyed by (the request's seed, the token's position, the token id). When every sampled row has a top-k,
-   the candidates are ``torch.topk``'s; otherwise the sorted vocabulary;
+   :func:`cpu_noise`) with noise keyed by (the request's seed, the token's position, the token id). When every
+   sampled row has a top-k, the candidates are ``torch.topk``'s; otherwise the sorted vocabulary;
 4. for the rows that asked for logprobs, the model's own log-probabilities (of the logits before step 1) at the
    chosen token and the top ones: logit - logsumexp, without the full log-softmax.
 
