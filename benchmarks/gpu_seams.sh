@@ -37,7 +37,7 @@ case $part in
         tail -25 "$out/gpu-tests.log"
         ;;
     tp)
-        timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/parallel \
+        timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -o faulthandler_timeout=150 --durations=10 tests/parallel \
             > "$out/tp-tests.log" 2>&1
         rc=$?; echo "TP GPU tests exit $rc"; ((rc)) && failed+=("tp tests ($rc)")
         tail -25 "$out/tp-tests.log"

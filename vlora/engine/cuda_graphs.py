@@ -146,6 +146,12 @@ class DecodeGraphs:
         self._columns[adapter.name] = (adapter, col, adapter.placement.epoch)
         return col
 
+    def release(self) -> None:
+        """Drop every captured graph and the memory pool they share. Under tensor parallelism a graph that
+        captured an NCCL collective holds a reference on the communicator, and tearing the communicator down
+        waits until that graph is gone."""
+        self.graphs, self._other_sets, self.pool, self._seg_key = {}, {}, None, None
+
     def _drop_lora_graphs(self) -> None:
         self._seg_key = None
         self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}

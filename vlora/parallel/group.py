@@ -164,13 +164,27 @@ class TensorParallelGroup:
             _leave_group()
 
 
-def _leave_group() -> None:
+def _leave_group(timeout_s: float = 30.0) -> None:
     """Rank 0 leaves the process group once the workers have exited, which they do without leaving it (leaving
     waits on the others). NCCL's communicators are aborted rather than destroyed: ``destroy_process_group``
-    waits in ``ncclCommDestroy`` once collectives were captured in CUDA graphs (pytorch/pytorch#115388; the
-    2-GPU graph test hung there at close). An abort waits on no peer, and clears the group so that the process
-    can start another one. Gloo's group is destroyed."""
-    if dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-    else:
+    waits on the peers in ``ncclCommDestroy`` (pytorch/pytorch#115388). Either waits until every CUDA graph that
+    captured one of their collectives is gone, so the graphs are released first (``TensorParallelModel.close``)
+    and garbage is collected here; the abort runs in a daemon thread, so a graph still held elsewhere leaves
+    the group behind with a warning rather than hanging the process. Gloo's group is destroyed."""
+    if dist.get_backend() != "nccl":
         dist.destroy_process_group()
+        return
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    done = threading.Event()
+
+    def abort():
+        dist.distributed_c10d._abort_process_group()
+        done.set()
+
+    threading.Thread(target=abort, name="vlora-tp-leave", daemon=True).start()
+    if not done.wait(timeout_s):
+        sys.stderr.write(f"vlora: the tensor-parallel process group did not close within {timeout_s:g} s (a CUDA "
+                         f"graph holding its collectives is still alive); leaving it behind\n")

@@ -52,6 +52,7 @@ class TensorParallelModel(nn.Module):
         self._sent: dict[str, PackedAdapter] = {}                          # name -> the whole adapter workers have
         self._placed: dict[str, tuple[PackedAdapter, int]] = {}   # name -> (adapter, epoch) the workers placed
         self._failed: str | None = None
+        self.graphs: ShardGraphs | None = None   # rank 0's decode graphs, released before the group goes
 
     @property
     def layers(self):
@@ -143,7 +144,8 @@ class TensorParallelModel(nn.Module):
                       launch=None):
         """The runner's decode graphs: rank 0's, and, through a message, the workers' (same sizes)."""
         kw = {} if launch is None else {"launch": launch}
-        return ShardGraphs(self, kv_cache, max_batch, max_blocks, scratch_slot, lora_setup, columns, **kw)
+        self.graphs = ShardGraphs(self, kv_cache, max_batch, max_blocks, scratch_slot, lora_setup, columns, **kw)
+        return self.graphs
 
     def time_all_reduce(self, kind: str, numel: int, reps: int = 100, graphed: bool = True) -> float:
         """Milliseconds per all-reduce of ``numel`` elements of the model's dtype, by ``kind`` (nccl or
@@ -157,6 +159,11 @@ class TensorParallelModel(nn.Module):
         return self._guard(probe)
 
     def close(self) -> None:
+        """Release rank 0's graphs before the group goes: its NCCL communicators are torn down only once no
+        graph that captured their collectives is left (``group._leave_group``)."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         self.group.close()
 
 
