@@ -10,6 +10,7 @@ from __future__ import annotations
 from vlora.config import EngineConfig
 from vlora.engine.engine import Engine
 from vlora.engine.executor import Executor
+from vlora.engine.guided import GrammarError
 
 
 def executor_for(config: EngineConfig) -> type[Executor]:
@@ -26,3 +27,14 @@ def build_engine(config: EngineConfig | None = None, **kwargs) -> Engine:
     keyword arguments)."""
     config = config or EngineConfig()
     return Engine(config, executor=executor_for(config), **kwargs)
+
+
+def warm_grammars(engine: Engine) -> None:
+    """Build structured output's tokenizer now, before serving: it takes about a second per 50k tokens of
+    vocabulary and holds the interpreter lock throughout, so built on the first structured request it would
+    pause every other request's stream."""
+    if engine.grammars is not None:
+        try:
+            engine.grammars.tokenizer()
+        except GrammarError:
+            pass                     # structured requests are refused with the reason; the rest is served

@@ -165,11 +165,12 @@ def _serve_args(args):
 def serving_engine(args):
     """What ``vlora serve`` serves for ``args``: (engine with its adapters registered, server config, adapter
     name -> path). The arguments are checked before the model loads."""
-    from vlora.builder import build_engine
+    from vlora.builder import build_engine, warm_grammars
     from vlora.models.loader import cache_root
 
     adapters, server_config = _serve_args(args)
     engine = build_engine(_engine_config(args))
+    warm_grammars(engine)
     if not adapters:
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
     for name, path in adapters.items():

@@ -30,7 +30,7 @@ import torch
 
 from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
-from vlora.builder import build_engine
+from vlora.builder import build_engine, warm_grammars
 from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job, QueueFull, RequestFailed,
                                  ShuttingDown)
@@ -87,6 +87,7 @@ class Replica:
         self._steps: deque = deque(maxlen=1 << 18)      # the step log, read (and emptied) by step_log()
         self._step_log: _StepLog | None = None           # attached by log_steps()
         engine = build_engine(config, hand_back_preempted=True)
+        warm_grammars(engine)
         self.engine = AsyncEngine(engine, max_queued_requests, on_fatal=self._fatal)
         self.engine.start()
         self.incarnation = uuid.uuid4().hex

@@ -62,6 +62,7 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     def tokenizer(self):
+        """llguidance's tokenizer, built once; a tokenizer it cannot take is refused once and remembered."""
         if self._tok is None:
             import llguidance.hf
 
@@ -69,7 +70,9 @@ class Grammars:
                 self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab,
                                                          eos_token=list(self.eos_token_ids) or None)
             except Exception as e:
-                raise GrammarError(f"structured output is not available for this tokenizer: {e}") from None
+                self._tok = GrammarError(f"structured output is not available for this tokenizer: {e}")
+        if isinstance(self._tok, GrammarError):
+            raise self._tok
         return self._tok
 
     def compile(self, spec: GuidedSpec) -> Guide:
