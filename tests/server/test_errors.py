@@ -48,7 +48,7 @@ def check_error(r: httpx.Response, status: int, param=None, contains: str = ""):
     (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", ""),
     (chat(messages=[{"role": "user"}]), "messages[0].content", "missing"),
     (chat(messages=[{"role": "user", "content": [{"type": "video", "video": {}}]}]), "messages[0].content[0]", "video"),
-    (chat(temprature=0.5), "temprature", "unknown field"),
+    (chat(use_beam_search=True), "use_beam_search", "not supported"),   # vLLM's, not implemented (test_fields_api)
     ({"messages": HI}, "model", "missing"),
     (chat(max_tokens=100000), "max_tokens", "too large"),
     (chat(min_tokens=5), "min_tokens", "larger than max_tokens"),

@@ -67,7 +67,7 @@ OPTIONAL = sorted(set(VALID) - {"model", "messages", "prompt", "max_tokens", "ma
 @st.composite
 def request(draw):
     """(route, body as JSON text, content type): a valid body, or one with a few fields made anything
-    (wrong type, numeric extreme, lone surrogate, nesting), an unknown field, or deep nesting."""
+    (wrong type, numeric extreme, lone surrogate, nesting), an unknown field (ignored), or deep nesting."""
     route = draw(st.sampled_from(["chat"] * 5 + ["completions"] * 4 + ["load", "unload", "junk"]))
     if route == "junk":
         return "/v1/chat/completions", draw(st.one_of(JSON.map(json.dumps), NESTED, st.text(max_size=50))), \

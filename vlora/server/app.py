@@ -13,7 +13,9 @@ Policies (docs/server.md has the full list):
 - the event loop does no heavy work: parsing, tokenizing, chat templates, image
   decoding and logprobs (token text, whole answers' JSON) run in a small thread pool,
   so /health answers while a large request is read;
-- unknown request fields are a 400 naming the field (typos never pass silently);
+- fields nobody defines are ignored and named in a warning in the log, as vLLM does; fields OpenAI or vLLM
+  define that vlora does not implement are accepted at their neutral value only, else a 400 naming the field
+  (:data:`vlora.server.protocol.VLLM_FIELDS`); the adapter routes refuse unknown fields;
 - ``max_tokens`` larger than the context allows (prompt + max_tokens > context) is a
   400, as OpenAI and vLLM do; without max_tokens a chat answer may fill the context
   and a completion stops at 16 tokens (OpenAI's defaults);
@@ -77,6 +79,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 MAX_JSON_DEPTH = 32         # deepest nesting a body may have (the request schemas need 5)
 MAX_MESSAGE_CHARS = 2000    # an error message longer than this is cut (user values in it are quoted shorter still)
+MAX_IGNORED_SHOWN = 20      # most ignored field names one log line shows
 
 
 class APIError(Exception):
@@ -722,12 +725,19 @@ def _parse(body: bytes, model: type[BaseModel]):
     except ValidationError as e:
         message, param = _validation_message(e)
         raise APIError(400, message, param=param) from None
+    ignored, problem = P.extra_fields(req)
+    if problem is not None:
+        raise APIError(400, problem[1], param=problem[0], code=problem[2])
     problem = getattr(req, "invalid", lambda: None)()
     if problem is not None:
         raise APIError(400, problem[1], param=problem[0])
     problem = getattr(req, "unsupported", lambda: None)()
     if problem is not None:
         raise APIError(400, problem[1], param=problem[0], code="unsupported")
+    if ignored:         # as vLLM: accepted, and named once in the log
+        shown = ", ".join(quote(name) for name in ignored[:MAX_IGNORED_SHOWN])
+        more = f" and {len(ignored) - MAX_IGNORED_SHOWN} more" if len(ignored) > MAX_IGNORED_SHOWN else ""
+        log.warning("ignored request fields this server does not know: %s%s", shown, more)
     return req
 
 

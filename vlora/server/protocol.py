@@ -1,14 +1,21 @@
 """The OpenAI wire format: request and response models, and the error body.
 
-Requests are validated strictly: a field of the wrong JSON type is an error
-(``"10"`` is not an integer), and so is an unknown field, so a typo such as
-``temprature`` is a 400 that names it instead of a silently ignored knob.
-Checks that span fields or look inside one (``logit_bias`` keys, ``top_logprobs``
-without ``logprobs``, ``best_of`` below ``n``) are in :meth:`SamplingRequest.invalid`.
-OpenAI fields whose feature vlora does not implement (tools, suffix, ...) are
-accepted only at their neutral value; anything else is a 400 that says the
-feature is unsupported (see :meth:`SamplingRequest.unsupported`).
+Fields are validated strictly: a field of the wrong JSON type is an error (``"10"`` is not an
+integer) that names it. Checks that span fields or look inside one (``logit_bias`` keys,
+``top_logprobs`` without ``logprobs``, ``best_of`` below ``n``) are in :meth:`SamplingRequest.invalid`.
 Numbers must be finite (``NaN``, ``Infinity`` and ``1e999`` are refused naming the field).
+
+Fields nobody defines are handled as vLLM handles them: ignored, and named in one warning in the
+server log per request (:func:`extra_fields` finds them, nested objects included). Fields OpenAI or
+vLLM define that vlora does not implement (:data:`VLLM_FIELDS`: beam search, ``prompt_logprobs``,
+``cache_salt``, ...) are accepted at their neutral value (the one that changes nothing, such as
+``use_beam_search: false``); any other value is a 400 naming the field, so a client is never told
+its request was honoured when it was not. OpenAI fields of the same kind that vlora declares
+(``store``, ``suffix``) are checked in :meth:`SamplingRequest.unsupported`.
+
+``response_format`` (an object) stays strict: an unknown key in it or in its ``json_schema`` is a
+400, since a misspelt ``schema`` would silently drop the constraint the request is for. So do the
+adapter routes' bodies (:class:`LoadAdapterRequest`): a mistaken field there changes what is loaded.
 
 Responses carry vlora's extra fields (``task``, ``parent``) only when they hold something,
 so a client that checks OpenAI's schema strictly sees nothing unknown.
@@ -16,12 +23,15 @@ so a client that checks OpenAI's schema strictly sees nothing unknown.
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
 from vlora.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, GuidedSpec, SamplingError
+from vlora.server.body import QUOTE_CHARS
 
 MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
@@ -29,12 +39,113 @@ MAX_STOP_TOKEN_IDS = 256    # most stop_token_ids per request (each is checked a
 MAX_CHAT_TEMPLATE_CHARS = 256 * 1024    # longest per-request chat_template (real templates are a few KiB)
 
 
+ANY = "any"      # a Known field whose every value changes nothing (a hint, a label)
+
+
+@dataclass(frozen=True)
+class Known:
+    """A field OpenAI or vLLM defines that vlora does not implement: its JSON type, and the values that change
+    nothing (accepted and ignored; null is always accepted); any other value is a 400 naming the field."""
+
+    type: Literal["boolean", "integer", "number", "string", "array", "object"]
+    neutral: tuple | Literal["any"] = ()
+
+
+# vLLM's request extras (vllm/entrypoints/openai/protocol.py) and OpenAI's fields that vlora does not implement.
+# One table for both routes: a field a route's model declares (completions' echo, chat's response_format) is
+# implemented there, and this entry applies only where it is not declared.
+VLLM_FIELDS: dict[str, Known] = {
+    # vLLM sampling extras
+    "use_beam_search": Known("boolean", (False,)),
+    "length_penalty": Known("number", ANY),             # vLLM applies it to beam search only
+    "include_stop_str_in_output": Known("boolean", (False,)),
+    "skip_special_tokens": Known("boolean", (True,)),
+    "spaces_between_special_tokens": Known("boolean", (True,)),
+    "truncate_prompt_tokens": Known("integer"),
+    "prompt_logprobs": Known("integer"),
+    "allowed_token_ids": Known("array"),
+    "bad_words": Known("array", ([],)),
+    "logits_processors": Known("array", ([],)),
+    "best_of": Known("integer", (1,)),                  # chat (completions implement it)
+    "echo": Known("boolean", (False,)),                 # chat (completions implement it)
+    "add_special_tokens": Known("boolean", (False,)),   # vlora adds none (vLLM's completions default: true)
+    "return_tokens_as_token_ids": Known("boolean", (False,)),
+    "return_token_ids": Known("boolean", (False,)),
+    "prompt_embeds": Known("string"),
+    # vLLM structured-output and template extras
+    "response_format": Known("object", ({"type": "text"},)),    # completions (chat implements it)
+    "guided_decoding_backend": Known("string", ("auto", "guidance")),    # vlora's is llguidance
+    "guided_whitespace_pattern": Known("string"),
+    "structural_tag": Known("string"),
+    "documents": Known("array", ([],)),
+    "mm_processor_kwargs": Known("object", ({},)),
+    "include_reasoning": Known("boolean", (True,)),     # vlora has no reasoning parser: reasoning stays in content
+    # vLLM serving extras
+    "priority": Known("integer", (0,)),
+    "request_id": Known("string", ANY),                 # vlora names the answer with its own id
+    "cache_salt": Known("string"),                      # ignoring it would share the prefix cache it asks to split
+    "kv_transfer_params": Known("object", ({},)),
+    "vllm_xargs": Known("object", ({},)),
+    # OpenAI's
+    "reasoning_effort": Known("string"),
+    "verbosity": Known("string"),
+    "audio": Known("object"),
+    "modalities": Known("array", (["text"],)),
+    "web_search_options": Known("object"),
+    "service_tier": Known("string", ("auto", "default")),
+    "functions": Known("array", ([],)),                 # deprecated for tools
+    "function_call": Known("string", ("none", "auto")),     # deprecated for tool_choice
+    "prediction": Known("object", ANY),                 # a latency hint: the answer is the same without it
+    "prompt_cache_key": Known("string", ANY),           # a cache-routing hint
+    "safety_identifier": Known("string", ANY),          # a label, as user
+}
+
+_JSON_TYPES = {"boolean": (bool,), "integer": (int,), "number": (int, float), "string": (str,), "array": (list,),
+               "object": (dict,)}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    """An OpenAI request object: declared fields strictly typed; other keys kept in ``model_extra`` for
+    :func:`extra_fields` (``KNOWN``: the ones OpenAI or vLLM define, with their neutral values)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    KNOWN: ClassVar[dict[str, Known]] = {}
+
+
+def extra_fields(obj: _Request, path: str = "") -> tuple[list[str], tuple[str, str, str | None] | None]:
+    """(paths of the undeclared fields nobody defines, to ignore; the first :class:`Known` field set to a value
+    vlora cannot honour, as (path, message, code), else None), over ``obj`` and the request objects inside it."""
+    ignored, problem = [], None
+    for key, value in (obj.model_extra or {}).items():
+        name = f"{path}.{key}" if path else key
+        known = type(obj).KNOWN.get(key)
+        if known is None:
+            ignored.append(name)
+        elif problem is None and value is not None:
+            if type(value) not in _JSON_TYPES[known.type]:
+                problem = name, f"{name}: Input should be a valid {known.type}", None
+            elif known.neutral != ANY and not any(type(value) is type(n) and value == n for n in known.neutral):
+                shown = json.dumps(value)
+                shown = shown if len(shown) <= QUOTE_CHARS else shown[:QUOTE_CHARS] + "..."
+                accepted = "".join(f"{json.dumps(n)} or " for n in known.neutral)
+                problem = (name, f"{name}={shown} is not supported by vlora (it accepts only {accepted}null)",
+                           "unsupported")
+    for key in type(obj).model_fields:
+        value = getattr(obj, key)
+        inner = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, list) else [(key, value)]
+        for name, v in inner:
+            if isinstance(v, _Request):
+                more, found = extra_fields(v, f"{path}.{name}" if path else name)
+                ignored += more
+                problem = problem or found
+    return ignored, problem
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+    KNOWN: ClassVar[dict[str, Known]] = {"continuous_usage_stats": Known("boolean", (False,)),     # vLLM's
+                                         "include_obfuscation": Known("boolean", ANY)}             # OpenAI's
 
 
 class TextPart(_Request):
@@ -63,6 +174,8 @@ class ChatMessage(_Request):
 
 class SamplingRequest(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
+
+    KNOWN: ClassVar[dict[str, Known]] = VLLM_FIELDS
 
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
@@ -275,11 +388,15 @@ class CompletionRequest(SamplingRequest):
 
 
 class LoadAdapterRequest(_Request):
+    model_config = ConfigDict(extra="forbid")
+
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1)
 
 
 class UnloadAdapterRequest(_Request):
+    model_config = ConfigDict(extra="forbid")
+
     lora_name: str = Field(min_length=1)
 
 
