@@ -12,6 +12,10 @@ import openai
 import pytest
 
 from tests.server.test_errors import BASE, check_error
+from vlora.engine.guided import Grammars
+from vlora.server import protocol as P
+from vlora.server import tools as T
+from vlora.server.tool_calls import ToolCall, parse_answer, parser_for
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 12},
@@ -163,3 +167,28 @@ def test_refusals_reach_the_client_with_their_field(live):
     live.wait_idle()
     content, calls, _ = create(live, False, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     check_calls(calls)          # the server is unharmed
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>\n{"name":"get_time","arguments":{"zone":"UTC"}}\n</tool_call>'),
+    ("llama3_json", '{"name":"get_time","parameters":{"zone":"UTC"}}'),
+    ("mistral", '[TOOL_CALLS][{"name":"get_time","arguments":{"zone":"UTC"}}]'),
+])
+def test_each_format_grammar_takes_its_calls_and_the_parser_reads_them(setup, parser, text):
+    """The forced-call grammar of each format, on a real tokenizer (mistral's marker as a special token), takes
+    that format's call to its end, and the parser reads the answer's text (special tokens left out) back."""
+    from transformers import AutoTokenizer
+
+    from vlora.models.loader import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = T.special_token(tok, "[TOOL_CALLS]")
+    req = P.ChatCompletionRequest.model_validate({"model": BASE, "messages": ASK, "tools": TOOLS,
+                                                  "tool_choice": "required", "parallel_tool_calls": False})
+    guide = Grammars(tok, len(tok), (tok.eos_token_id,)).compile(T.grammar(req, parser, marker))
+    ids = tok.encode(text, add_special_tokens=False)
+    assert (marker in ids) is (parser == "mistral")
+    assert all(not guide.advance(t) for t in ids[:-1]) and guide.advance(ids[-1])      # complete at the last token
+    answer = tok.decode(ids, skip_special_tokens=True)
+    assert parse_answer(parser_for(parser), answer) == (None, [ToolCall("get_time", '{"zone": "UTC"}')])

@@ -82,12 +82,15 @@ class HermesParser(Parser):
 
 class JSONParser(Parser):
     """Calls written as JSON at the start of the answer, after an optional ``tag``: objects separated by ``;``
-    (llama3_json), or one array of them (``array``: mistral)."""
+    (llama3_json), or one array of them (``array``: mistral). They are known only once the answer is complete:
+    text after them makes them no calls."""
 
     tag = ""
     array = False
 
     def calls(self, region: str, final: bool) -> list[ToolCall] | None:
+        if not final:
+            return []
         text = region.lstrip()
         text = text[len(self.tag):].lstrip() if text.startswith(self.tag) else text
         values, pos, decoder = [], 0, json.JSONDecoder()
@@ -95,18 +98,14 @@ class JSONParser(Parser):
             try:
                 value, end = decoder.raw_decode(text, pos)
             except ValueError:
-                break
+                return None
             values.extend(value if self.array and isinstance(value, list) else [value])
             pos = _skip_space(text, end)
             if self.array or not text.startswith(";", pos):
                 break
             pos = _skip_space(text, pos + 1)
         calls = [_call(v) for v in values]
-        if None in calls:
-            if final:
-                return None
-            calls = calls[:calls.index(None)]
-        if final and (not calls or pos < len(text)):        # nothing, or text after the calls: not calls
+        if not calls or None in calls or pos < len(text):      # nothing, not calls, or text after them
             return None
         return calls
 
