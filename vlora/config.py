@@ -10,10 +10,10 @@ import ast
 import inspect
 import os
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
 
 
 TOOL_CALL_PARSERS = ("auto", "llama3_json", "hermes", "mistral")     # vlora.server.tool_calls has the formats
+CHOICES = {"tool_call_parser": TOOL_CALL_PARSERS}      # fields whose command-line option takes one of a list
 
 
 class ConfigError(ValueError):
@@ -166,8 +166,6 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"tool_call_parser": TOOL_CALL_PARSERS}   # the CLI's choices
-
     host: str = "127.0.0.1"
     """Address the HTTP server listens on (0.0.0.0: every interface)."""
     port: int = 8000
