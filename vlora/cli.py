@@ -8,7 +8,7 @@ import sys
 import time
 
 from vlora.cluster.config import ClusterConfig
-from vlora.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServerConfig, field_help
+from vlora.config import CHOICES, CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, ServerConfig, field_help
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, LoRAConfig, SchedulerConfig)
 
@@ -47,7 +47,8 @@ def _add_config_args(parser: argparse.ArgumentParser, classes=ENGINE_CONFIGS) ->
                 if default is None:          # an optional number: its annotation says which ("int | None")
                     annotation = str(cls.__dataclass_fields__[name].type)
                     conv = int if annotation.startswith("int") else float if annotation.startswith("float") else str
-                group.add_argument(f"--{name.replace('_', '-')}", type=conv, default=default, help=help_text)
+                group.add_argument(f"--{name.replace('_', '-')}", type=conv, default=default, help=help_text,
+                                   choices=CHOICES.get(name))
 
 
 def _pick(cls, args):

@@ -12,6 +12,10 @@ import os
 from dataclasses import dataclass, field, fields
 
 
+TOOL_CALL_PARSERS = ("auto", "llama3_json", "hermes", "mistral")     # vlora.server.tool_calls has the formats
+CHOICES = {"tool_call_parser": TOOL_CALL_PARSERS}      # fields whose command-line option takes one of a list
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent."""
 
@@ -197,6 +201,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     """Let requests send their own chat_template (a Jinja template run in a sandbox); off: such a request is a 400,
     as in vLLM, since a template can make the server loop or render a huge prompt."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read from answers: auto (by the model's family), llama3_json, hermes or mistral."""
 
     def __post_init__(self) -> None:
         if isinstance(self.adapter_dirs, (str, os.PathLike)):
@@ -218,6 +224,9 @@ class ServerConfig:
             raise ConfigError(f"unload_policy must be wait or abort, got {self.unload_policy!r}")
         if not self.drain_timeout >= 0:
             raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
 
 
 def field_help(cls: type) -> dict[str, str]:

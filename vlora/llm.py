@@ -183,15 +183,16 @@ class LLM:
 
 def apply_chat_template(tokenizer, messages: list[dict], *, chat_template: str | None = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        template_kwargs: dict | None = None) -> list[int]:
+                        template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` ([{"role", "content"}, ...]) in the model's chat format, ready for the answer.
 
     ``chat_template``: a Jinja template used in place of the model's; ``add_generation_prompt``: end with the
     header of an assistant turn; ``continue_final_message``: end inside the last message (no end-of-turn), for
-    the model to continue it; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``)."""
+    the model to continue it; ``template_kwargs``: extra template variables (e.g. ``enable_thinking``);
+    ``tools``: the functions the answer may call (OpenAI's shape), for a template that shows them."""
     if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("this model has no chat template")
-    ids = tokenizer.apply_chat_template(messages, chat_template=chat_template,
+    ids = tokenizer.apply_chat_template(messages, chat_template=chat_template, tools=tools,
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, tokenize=True,
                                         **(template_kwargs or {}))

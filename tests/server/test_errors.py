@@ -45,7 +45,7 @@ def check_error(r: httpx.Response, status: int, param=None, contains: str = ""):
     (chat(stream="yes"), "stream", "boolean"),
     (chat(messages="Hi"), "messages", "valid list"),
     (chat(messages=[]), "messages", "at least 1"),
-    (chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", ""),
+    (chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", ""),
     (chat(messages=[{"role": "user"}]), "messages[0].content", "missing"),
     (chat(messages=[{"role": "user", "content": [{"type": "video", "video": {}}]}]), "messages[0].content[0]", "video"),
     (chat(use_beam_search=True), "use_beam_search", "not supported"),   # vLLM's, not implemented (test_fields_api)
@@ -54,7 +54,7 @@ def check_error(r: httpx.Response, status: int, param=None, contains: str = ""):
     (chat(min_tokens=5), "min_tokens", "larger than max_tokens"),
     (chat(top_logprobs=2), "top_logprobs", "logprobs"),
     (chat(presence_penalty=2.5), "presence_penalty", "less than or equal"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "not supported"),
+    (chat(tool_choice="required"), "tool_choice", "needs tools"),
     (chat(stream_options={"include_usage": True}), "stream_options", "stream is true"),
     (chat(stop=[""]), "stop", "empty"),
     (chat(seed=-1), "seed", "greater than"),

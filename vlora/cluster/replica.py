@@ -122,7 +122,8 @@ class Replica:
         e = self.engine.engine
         info = self.engine.info
         cuda = e.device.type == "cuda"
-        return dict(info=EngineInfo(info.model_name, info.tokenizer, info.context_len, info.vocab_size, None),
+        return dict(info=EngineInfo(info.model_name, info.tokenizer, info.context_len, info.vocab_size, None,
+                                    info.model_type),
                     is_lmm=e.vision is not None, shape=e.adapters.shape, device=str(e.device),
                     device_name=torch.cuda.get_device_name(e.device) if cuda else e.device.type,
                     incarnation=self.incarnation)

@@ -48,7 +48,9 @@ def _deliver_all(items: list[tuple[RequestGroup, RequestOutput | BaseException]]
 
 def _info_of(engine: Engine) -> EngineInfo:
     context = min(engine.max_model_len, engine.pool.num_pages * engine.block_size)
-    return EngineInfo(engine.model_name, engine.tokenizer, context, engine.model.cfg.vocab_size, engine.vision)
+    cfg = engine.model.cfg
+    return EngineInfo(engine.model_name, engine.tokenizer, context, cfg.vocab_size, engine.vision,
+                      getattr(cfg, "model_type", None))
 
 
 class AsyncEngine:

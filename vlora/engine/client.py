@@ -89,6 +89,7 @@ class EngineInfo:
     context_len: int             # longest prompt + output: the model's limit and what one sequence's KV can hold
     vocab_size: int
     vision: object | None = None  # LMMs: the vision tower (image placeholders, tokens per image)
+    model_type: str | None = None  # the language model's config.json model_type (its family: llama, qwen2, ...)
 
 
 @dataclass

@@ -32,6 +32,7 @@ Policies (docs/server.md has the full list):
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import math
@@ -59,14 +60,16 @@ from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
 from vlora.models.hub import HubError, is_hub_id, snapshot_dir
-from vlora.sampling_params import SamplingError, SamplingParams
+from vlora.sampling_params import GuidedSpec, SamplingError, SamplingParams
 from vlora.server import protocol as P
+from vlora.server import tools as T
 from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
 from vlora.server.logprobs import TokenTexts, generated, prompt_items
 from vlora.server.metrics import ServerMetrics
 from vlora.server.templates import describe as describe_template_error
 from vlora.server.templates import compile_template, load_chat_template, reserved_kwarg
+from vlora.server.tool_calls import Parser, ToolStream, new_call_id, parse_answer, parser_for
 from vlora.server.transport import uvicorn_config
 from vlora.server.workers import HeavyWork
 
@@ -137,6 +140,9 @@ class OpenAIServer:
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         # the server's default chat template (--chat-template), in place of the model's; checked here
         self.chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
+        self.model_type = e.model_type
+        self.tool_marker = T.special_token(e.tokenizer, "[TOOL_CALLS]")     # mistral's, when a special token
+        self.shows_tools: dict[str | None, bool] = {}      # the model's or the server's template: renders tools?
         self.created = int(time.time())
 
     # -- plumbing --------------------------------------------------------------------------
@@ -228,8 +234,9 @@ class OpenAIServer:
                                 f"per call", param="prompt")
 
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
-             request_id: str, images: list | None = None) -> list[Job]:
-        """One job per candidate answer (``n``, or ``best_of``); candidate *i* samples with ``seed + i``."""
+             request_id: str, images: list | None = None, tool_grammar: GuidedSpec | None = None) -> list[Job]:
+        """One job per candidate answer (``n``, or ``best_of``); candidate *i* samples with ``seed + i``;
+        ``tool_grammar``: the structured output that forces tool calls, in place of the request's."""
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         bias = req.logit_bias_pairs()
         for t, _ in bias:
@@ -242,6 +249,7 @@ class OpenAIServer:
         except SamplingError as e:
             field = str(e).partition(":")[0]
             raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
+        guided = tool_grammar or guided
         count = req.num_candidates()
         logprobs = req.logprobs_k()
         if logprobs is None and count > req.n:
@@ -292,32 +300,34 @@ class OpenAIServer:
         self.check_accepting()
         req: P.ChatCompletionRequest = await self.read_request(request, P.ChatCompletionRequest)
         adapter = self.adapter_for(req.model)
-        self.check_text_size(sum(len(m.content) if isinstance(m.content, str) else
-                                 sum(len(p.text) for p in m.content if isinstance(p, P.TextPart))
-                                 for m in req.messages), "messages")
-        prompt, images = await self.chat_prompt(req.messages, req)
+        self.check_text_size(sum(_text_chars(m.content) for m in req.messages), "messages")
+        prompt, images, tools = await self.chat_prompt(req.messages, req)
         prompt_len = len(prompt) + self.image_tokens(images)
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images), "messages", req)
+        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images, tools.guided), "messages",
+                                  req)
         with_logprobs = req.logprobs_k() is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self.chat_chunks(group, rid, req.model, prompt_len, include_usage, with_logprobs), group)
+            return _sse(self.chat_chunks(group, rid, req.model, prompt_len, include_usage, with_logprobs,
+                                         tools.parser), group)
         outs = await _finals_or_abort(group, request)
         if outs is None:
             return Response(status_code=499)
         _raise_if_rejected(outs)
         if with_logprobs:
-            return await self.work.run(_json, self.chat_response, rid, req.model, outs, prompt_len, True)
-        return self.chat_response(rid, req.model, outs, prompt_len, False)
+            return await self.work.run(_json, self.chat_response, rid, req.model, outs, prompt_len, True, tools.parser)
+        return self.chat_response(rid, req.model, outs, prompt_len, False, tools.parser)
 
     def chat_response(self, rid: str, model: str, outs: list[RequestOutput], prompt_len: int,
-                      with_logprobs: bool) -> P.ChatCompletionResponse:
-        """The whole answer; ``with_logprobs`` decodes token text, so it then runs in a worker."""
-        choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=o.text), finish_reason=o.finish_reason,
+                      with_logprobs: bool, tool_parser: Parser | None = None) -> P.ChatCompletionResponse:
+        """The whole answer; ``with_logprobs`` decodes token text, so it then runs in a worker; ``tool_parser``:
+        reads tool calls out of the answers."""
+        choices = [P.ChatChoice(index=i, message=message, finish_reason=finish,
                                 logprobs=self.texts.chat(o.logprobs) if with_logprobs and o.logprobs is not None
-                                else None, task=_task(o)) for i, o in enumerate(outs)]
+                                else None, task=_task(o))
+                   for i, o in enumerate(outs) for message, finish in [_chat_message(o, tool_parser)]]
         return P.ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage(prompt_len, outs))
 
     async def completions(self, request: Request):
@@ -397,12 +407,18 @@ class OpenAIServer:
         return text, logprobs, offset
 
     async def chat_prompt(self, messages: list[P.ChatMessage],
-                          req: P.ChatCompletionRequest | None = None) -> tuple[list[int], list]:
-        """(templated prompt, decoded images). Every image is checked first (sizes, decoding); a text-only model
-        then refuses them; an LMM gets its image placeholder token where each image part was. ``req``: the
-        template controls (the request's own template, its variables, generation prompt or continuation)."""
-        template, kwargs, add_prompt, cont = None, None, True, False
+                          req: P.ChatCompletionRequest | None = None) -> tuple[list[int], list, T.ToolUse]:
+        """(templated prompt, decoded images, what the tools make of the answer). Every image is checked first
+        (sizes, decoding); a text-only model then refuses them; an LMM gets its image placeholder token where each
+        image part was. ``req``: the template controls (the request's own template, its variables, generation
+        prompt or continuation) and the tools (:mod:`vlora.server.tools`)."""
+        template, kwargs, add_prompt, cont, tools = None, None, True, False, None
         if req is not None:
+            try:
+                await self.work.run(T.check, req, _format_field(req) is not None)
+            except T.ToolError as e:
+                raise APIError(400, str(e), param=e.param) from None
+            tools = T.template_tools(req)
             if req.chat_template is not None and not self.config.trust_request_chat_template:
                 raise APIError(400, "this server does not run chat templates sent in requests (start it with "
                                     "--trust-request-chat-template, or set the default with --chat-template)",
@@ -431,13 +447,21 @@ class OpenAIServer:
             raise APIError(400, f"model {self.base_name!r} does not accept images (it is a text-only model)",
                            param="messages", code="images_not_supported")
         conv = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": m.content if isinstance(m.content, str) else
+                 "content": m.content if isinstance(m.content, str) or m.content is None else
                  "\n".join(p.text if isinstance(p, P.TextPart) else self.image_placeholder for p in m.content)}
                 for m in messages]
         own = template is not None
+        use = T.ToolUse()
+        if tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            native = await self.shows_tools_in(template if own else self.chat_template, own)
+            name = T.choose_parser(self.config.tool_call_parser, self.model_type, native)
+            conv = T.conversation(conv, messages, tools, native, name)
+            if tools:
+                use = T.ToolUse(parser_for(name), T.grammar(req, name, self.tool_marker))
+            tools = tools if native else None
         try:
             ids = await self.work.run(self.work.chat_template, conv, template if own else self.chat_template, kwargs,
-                                      add_prompt, cont)
+                                      add_prompt, cont, tools)
         except RequestError as e:
             raise APIError(400, str(e), param="messages") from None
         except Exception as e:       # a template may reject a conversation (e.g. roles out of order)
@@ -446,30 +470,70 @@ class OpenAIServer:
                 raise APIError(400, f"the request's chat_template failed to render these messages ({text})",
                                param="chat_template", code="invalid_chat_template") from None
             raise APIError(400, f"the chat template refused these messages ({text})", param="messages") from None
-        return ids, images
+        return ids, images, use
+
+    async def shows_tools_in(self, template: str | None, own: bool) -> bool:
+        """Whether ``template`` (None: the model's) renders tools; probed once for the server's template, every
+        time for a request's ``own``."""
+        known = None if own else self.shows_tools.get(template)
+        if known is None:
+            render = functools.partial(self.work.chat_template, template=template)
+            known = await self.work.run(T.renders_tools, lambda conv, tools: render(conv, tools=tools))
+            if not own:
+                self.shows_tools[template] = known
+        return known
 
     async def chat_chunks(self, group: RequestGroup, rid: str, model: str, prompt_len: int, include_usage: bool,
-                          with_logprobs: bool = False):
+                          with_logprobs: bool = False, tool_parser: Parser | None = None):
         """Chunks of new text; ``with_logprobs``: also a chunk whenever tokens arrive, with their logprobs (built
-        in a worker: it decodes token text)."""
+        in a worker: it decodes token text); ``tool_parser``: the answers' tool calls go out as ``tool_calls``
+        deltas (:class:`ToolStream`), the first with the call's id and name, the next with its arguments."""
         created = int(time.time())
         index = {r: i for i, r in enumerate(group.request_ids)}
         sent = dict.fromkeys(index, 0)        # logprobs entries streamed, per request
+        streams = {r: ToolStream(tool_parser) for r in index} if tool_parser is not None else {}
+        calls = dict.fromkeys(index, 0)       # tool calls streamed, per request
 
         def chunk(choices, usage=None) -> str:
             return _event(P.ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage))
 
+        def deltas(out: RequestOutput) -> tuple[list[P.DeltaMessage], str | None]:
+            """The deltas of ``out`` and the finish reason of the last."""
+            finish = out.finish_reason if out.finished else None
+            stream = streams.get(out.request_id)
+            if stream is None:
+                return [P.DeltaMessage(content=out.delta_text or None)], finish
+            content, done = stream.feed(out.delta_text)
+            if out.finished:
+                more, rest, called = stream.finish()
+                content, done = content + more, done + rest
+                finish = _called(finish) if called else finish
+            out_deltas = [P.DeltaMessage(content=content or None)]
+            for call in done:
+                k = calls[out.request_id]
+                calls[out.request_id] += 1
+                out_deltas += [P.DeltaMessage(tool_calls=[P.DeltaToolCall(
+                                   index=k, id=new_call_id(), type="function",
+                                   function=P.DeltaFunctionCall(name=call.name, arguments=""))]),
+                               P.DeltaMessage(tool_calls=[P.DeltaToolCall(
+                                   index=k, function=P.DeltaFunctionCall(arguments=call.arguments))])]
+            return out_deltas[1:] if done and not content else out_deltas, finish
+
         def events(outs: list[RequestOutput]) -> str:
             parts = []
             for out in outs:
-                if out.delta_text or out.finished or (with_logprobs and out.delta_token_ids):
-                    delta = P.DeltaMessage(content=out.delta_text) if out.delta_text else P.DeltaMessage()
-                    logprobs = None
-                    if with_logprobs and out.logprobs is not None:
-                        logprobs = self.texts.chat(out.logprobs[sent[out.request_id]:])
-                        sent[out.request_id] = len(out.logprobs)
-                    parts.append(chunk([P.ChatChunkChoice(index=index[out.request_id], delta=delta, logprobs=logprobs,
-                                                          finish_reason=out.finish_reason if out.finished else None)]))
+                out_deltas, finish = deltas(out)
+                logprobs = None
+                if with_logprobs and out.logprobs is not None:
+                    logprobs = self.texts.chat(out.logprobs[sent[out.request_id]:])
+                    sent[out.request_id] = len(out.logprobs)
+                if len(out_deltas) == 1 and not (out_deltas[0].content or out.finished or logprobs):
+                    continue
+                for i, delta in enumerate(out_deltas):
+                    last = i == len(out_deltas) - 1
+                    parts.append(chunk([P.ChatChunkChoice(index=index[out.request_id], delta=delta,
+                                                          logprobs=logprobs if i == 0 else None,
+                                                          finish_reason=finish if last else None)]))
             return "".join(parts)
 
         yield chunk([P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
@@ -874,7 +938,37 @@ def serve(engine: Engine | EngineClient, config: ServerConfig, log_level: str = 
         raise SystemExit(f"vlora: the engine failed ({client.failure!r}); exiting for a restart")
 
 
+def _chat_message(out: RequestOutput, tool_parser: Parser | None) -> tuple[P.ChatMessageOut, str | None]:
+    """A whole answer's message and finish reason: ``tool_calls`` when ``tool_parser`` finds calls in it."""
+    content, calls = (out.text, []) if tool_parser is None else parse_answer(tool_parser, out.text)
+    if not calls:
+        return P.ChatMessageOut(content=out.text), out.finish_reason
+    return P.ChatMessageOut(content=content, tool_calls=[
+        P.ToolCallOut(id=new_call_id(), function=P.FunctionCallOut(name=c.name, arguments=c.arguments))
+        for c in calls]), _called(out.finish_reason)
+
+
+def _called(finish_reason: str | None) -> str | None:
+    """The finish reason of an answer that made tool calls: "tool_calls" where it ended on its own."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _text_chars(content) -> int:
+    """Characters of text in a message's content (a string, parts, or None)."""
+    if content is None or isinstance(content, str):
+        return len(content or "")
+    return sum(len(p.text) for p in content if isinstance(p, P.TextPart))
+
+
 def _guided_field(req: P.SamplingRequest) -> str | None:
+    """The field whose structured output the answer follows: ``tools`` when tool_choice forces a call, else
+    :func:`_format_field`'s."""
+    if getattr(req, "tool_mode", lambda: "none")() in ("required", "named"):
+        return "tools"
+    return _format_field(req)
+
+
+def _format_field(req: P.SamplingRequest) -> str | None:
     """The field that asked for structured output: chat's response_format, else a guided_* extra."""
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.get("type") != "text":

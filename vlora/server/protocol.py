@@ -37,6 +37,8 @@ MAX_N = 16              # most choices per request
 MAX_STOP = 16           # most stop strings per request
 MAX_STOP_TOKEN_IDS = 256    # most stop_token_ids per request (each is checked at every generated token)
 MAX_CHAT_TEMPLATE_CHARS = 256 * 1024    # longest per-request chat_template (real templates are a few KiB)
+MAX_TOOLS = 128         # most tools per request (OpenAI's limit)
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"    # OpenAI's rule for function names
 
 
 ANY = "any"      # a Known field whose every value changes nothing (a hint, a label)
@@ -166,10 +168,63 @@ class ImagePart(_Request):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str                  # JSON text of the arguments object, as the model wrote it
+
+
+class ToolCall(_Request):
+    """A call an assistant message of the history made (what an answer's ``message.tool_calls`` held)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None      # None only for an assistant message with tool_calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None            # assistant messages: the calls it made
+    tool_call_id: str | None = None                     # tool messages: the call this is the result of
+
+    def invalid(self) -> tuple[str, str] | None:
+        """(field below this message, message) for a field its role does not allow or needs, else None."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            return "content", "missing required field 'content' (only an assistant message with tool_calls may omit it)"
+        if self.tool_calls is not None and self.role != "assistant":
+            return "tool_calls", f"only assistant messages carry tool_calls (this one is {self.role!r})"
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                return "tool_call_id", "missing required field 'tool_call_id' (a tool message answers a tool call)"
+            if isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+                return "content", "a tool message holds text only"
+        elif self.tool_call_id is not None:
+            return "tool_call_id", f"only tool messages carry tool_call_id (this one is {self.role!r})"
+        return None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None            # a JSON Schema of type object; None: no parameters
+    strict: bool | None = None                          # accepted; the schema is enforced whenever a call is forced
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming the function the answer must call."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class SamplingRequest(_Request):
@@ -275,9 +330,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # alternatives per token; needs logprobs
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None             # default true: a forced answer may make several calls
     response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -301,7 +356,20 @@ class ChatCompletionRequest(SamplingRequest):
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_mode(self) -> str:
+        """What tool_choice asks: "none" (no tools), "auto", "required" or "named" (tool_choice's function)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice == "required":
+            return "required"
+        return "auto" if self.tools and choice != "none" else "none"
+
     def invalid(self) -> tuple[str, str] | None:
+        for i, m in enumerate(self.messages):
+            problem = m.invalid()
+            if problem is not None:
+                return f"messages[{i}].{problem[0]}", problem[1]
         if self.top_logprobs is not None and not self.logprobs:      # as OpenAI answers it
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.continue_final_message:
@@ -340,8 +408,6 @@ class ChatCompletionRequest(SamplingRequest):
                             "({\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}})")
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
         if self.store:
             return "store", "store is not supported"
         return super().unsupported()
@@ -405,9 +471,14 @@ class _Response(BaseModel):
     pass
 
 
+def _optional():
+    """An optional field, left out of the JSON while it is None."""
+    return Field(None, exclude_if=lambda v: v is None)
+
+
 def _extension():
     """A field OpenAI's schema does not have: left out of the JSON while it is None."""
-    return Field(None, exclude_if=lambda v: v is None)
+    return _optional()
 
 
 class Usage(_Response):
@@ -416,9 +487,21 @@ class Usage(_Response):
     total_tokens: int
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str                  # JSON text of the arguments object
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None                                 # None: an answer that is only tool calls
+    tool_calls: list[ToolCallOut] | None = _optional()
 
 
 class TaskAnswer(_Response):
@@ -475,9 +558,24 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = _optional()
+    arguments: str | None = _optional()
+
+
+class DeltaToolCall(_Response):
+    """A streamed tool call: its first delta has the id, type and name, the next ones its arguments."""
+
+    index: int
+    id: str | None = _optional()
+    type: Literal["function"] | None = _optional()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = _optional()
 
 
 class ChatChunkChoice(_Response):

@@ -51,11 +51,14 @@ class HeavyWork:
         return "" if tok is None else tok.decode(ids, skip_special_tokens=True)
 
     def chat_template(self, conversation: list[dict], template: str | None = None, template_kwargs: dict | None = None,
-                      add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
-        """The conversation rendered and tokenized (``template``: in place of the model's)."""
+                      add_generation_prompt: bool = True, continue_final_message: bool = False,
+                      tools: list[dict] | None = None) -> list[int]:
+        """The conversation rendered and tokenized (``template``: in place of the model's; ``tools``: shown to
+        the model by the template)."""
         return apply_chat_template(self.tokenizer(), conversation, chat_template=template,
                                    add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+                                   continue_final_message=continue_final_message, template_kwargs=template_kwargs,
+                                   tools=tools)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

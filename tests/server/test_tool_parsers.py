@@ -1,0 +1,214 @@
+"""Tool calls without a server: each family's parser on literal answers, whole and streamed character by character
+(the same content and calls either way), the parser a model gets, the history and tools as each family's template
+renders them (small templates in the families' formats), and the forced-call grammars."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from vlora.engine.guided import grammar_text
+from vlora.server import protocol as P
+from vlora.server import tools as T
+from vlora.server.templates import compile_template
+from vlora.server.tool_calls import ToolCall, ToolStream, parse_answer, parser_for
+
+CITY = ToolCall("get_weather", '{"city": "Paris"}')
+TIME = ToolCall("get_time", "{}")
+
+# (parser, answer, content, calls)
+ANSWERS = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None, [CITY]),
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me look.\n", [CITY, TIME]),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}', None, [CITY]),  # unclosed
+    ("hermes", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ("hermes", "a <b> c < d <tool", "a <b> c < d <tool", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [CITY]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [CITY]),
+    ("llama3_json", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
+     None, [CITY, TIME]),
+    ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),                             # JSON, not a call
+    ("llama3_json", '{"name": "get_time", "parameters": {}} and more', '{"name": "get_time", "parameters": {}} and more',
+     []),
+    ("llama3_json", "Paris is sunny {today}.", "Paris is sunny {today}.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {}}]', None, [CITY, TIME]),
+    ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None, [CITY]),     # marker left out
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', "Sure. ", [TIME]),
+    ("mistral", "[1] is a footnote.", "[1] is a footnote.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}', '[TOOL_CALLS][{"name": "get_time", "arguments": {}}',
+     []),                                                                                       # cut short
+]
+
+
+@pytest.mark.parametrize("name,answer,content,calls", ANSWERS)
+def test_whole_answers(name, answer, content, calls):
+    assert parse_answer(parser_for(name), answer) == (content, calls)
+
+
+@pytest.mark.parametrize("name,answer,content,calls", ANSWERS)
+def test_streams_give_what_whole_answers_give(name, answer, content, calls):
+    """Fed a character at a time: no marker character goes out as content, each call goes out once, and the
+    content and calls are the whole answer's."""
+    stream, sent, got = ToolStream(parser_for(name)), "", []
+    for ch in answer:
+        text, done = stream.feed(ch)
+        sent, got = sent + text, got + done
+        assert "<tool_call" not in sent and "[TOOL_CALLS]" not in sent or not calls
+    text, done, called = stream.finish()
+    sent, got = sent + text, got + done
+    assert (sent or None, got, called) == (content, calls, bool(calls))
+
+
+def test_a_call_goes_out_as_soon_as_it_is_complete():
+    stream = ToolStream(parser_for("hermes"))
+    assert stream.feed('<tool_call>{"name": "get_time", "arguments": {}}') == ("", [])
+    assert stream.feed("</tool_call>\n<tool_") == ("", [TIME])
+    assert stream.feed('call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>') == ("", [CITY])
+    assert stream.finish() == ("", [], True)
+
+
+@pytest.mark.parametrize("configured,model_type,native,want", [
+    ("auto", "llama", True, "llama3_json"), ("auto", "qwen2", True, "hermes"), ("auto", "qwen3", True, "hermes"),
+    ("auto", "qwen2_5_vl_text", True, "hermes"), ("auto", "mistral", True, "mistral"),
+    ("auto", "llama", False, "hermes"), ("auto", "mistral", False, "hermes"), ("auto", None, False, "hermes"),
+    ("mistral", "llama", False, "mistral"), ("llama3_json", "qwen2", True, "llama3_json"),
+])
+def test_the_parser_follows_the_family_and_the_flag(configured, model_type, native, want):
+    assert T.choose_parser(configured, model_type, native) == want
+
+
+# -- templates ----------------------------------------------------------------------------------------------------
+# small templates in each family's format (tools shown, calls with their arguments as objects, results)
+LLAMA3 = """{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>
+
+Environment: ipython
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|eot_id|>{% endif %}{% for m in messages %}{% if m.tool_calls %}\
+<|start_header_id|>assistant<|end_header_id|>
+
+{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}\
+{% endfor %}<|eot_id|>{% elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ m.content }}<|eot_id|>{% else %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content }}<|eot_id|>{% endif %}{% endfor %}\
+{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+QWEN = """{% if tools %}<|im_start|>system
+# Tools
+<tools>
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}</tools><|im_end|>
+{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+MISTRAL = """{{ bos_token }}{% for m in messages %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}\
+[/AVAILABLE_TOOLS]{% endif %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}\
+[TOOL_CALLS][{% for c in m.tool_calls %}{% if c.id | length != 9 %}{{ raise_exception('ids are 9 characters') }}\
+{% endif %}{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}\
+{% endfor %}]</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{"content": {{ m.content | tojson }}, \
+"call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"""
+CHATML = """{% for m in messages %}<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time"}}]
+HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_abc", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "call_abc", "content": "21 C"},
+           {"role": "user", "content": "And now?"}]
+
+
+def request(**kw) -> P.ChatCompletionRequest:
+    return P.ChatCompletionRequest.model_validate({"model": "m", "messages": HISTORY, "tools": TOOLS, **kw})
+
+
+def render(template: str, parser: str, **kw) -> str:
+    """The request's conversation as the server hands it to ``template``, rendered."""
+    req = request(**kw)
+    compiled = compile_template(template)
+    draw = lambda conv, tools: compiled.render(messages=conv, tools=tools, bos_token="", add_generation_prompt=True)  # noqa: E731
+    native = T.renders_tools(draw)
+    tools = T.template_tools(req)
+    conv = [{"role": m.role, "content": m.content} for m in req.messages]
+    return draw(T.conversation(conv, req.messages, tools, native, parser), tools if native else None)
+
+
+@pytest.mark.parametrize("template,native", [(LLAMA3, True), (QWEN, True), (MISTRAL, True), (CHATML, False)])
+def test_the_probe_sees_which_templates_show_tools(template, native):
+    compiled = compile_template(template)
+    draw = lambda conv, tools: compiled.render(messages=conv, tools=tools, bos_token="", add_generation_prompt=True)  # noqa: E731
+    assert T.renders_tools(draw) is native
+
+
+def test_llama3_template_gets_tools_and_arguments_as_objects():
+    text = render(LLAMA3, "llama3_json")
+    assert '"name": "get_weather"' in text and "Environment: ipython" in text
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text       # an object, not JSON text
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\n21 C" in text
+
+
+def test_qwen_template_gets_tools_calls_and_results():
+    text = render(QWEN, "hermes")
+    assert text.count("get_weather") == 2 and '"parameters": {"type": "object", "properties": {}}' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n21 C\n</tool_response>" in text
+
+
+def test_mistral_template_gets_nine_character_ids():
+    text = render(MISTRAL, "mistral")
+    [call_id] = {text.split('"id": "')[1][:9], text.split('"call_id": "')[1][:9]}     # one id, both places
+    assert call_id.isalnum() and '"call_id": "' + call_id + '"}' in text
+    assert "[AVAILABLE_TOOLS]" in text and '"arguments": {"city": "Paris"}' in text
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message():
+    text = render(CHATML, "hermes")
+    system = text.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# Tools") and "<tool_call>" in system
+    assert json.dumps(T.template_tools(request())[0]) in system
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           "</tool_call><|im_end|>" in text
+    assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>" in text
+
+
+def test_tool_choice_none_shows_no_tools():
+    assert "# Tools" not in render(CHATML, "hermes", tool_choice="none")
+    assert "get_time" not in render(QWEN, "hermes", tool_choice="none")
+
+
+# -- forced calls -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_calls_compile(parser, choice, parallel):
+    spec = T.grammar(request(tool_choice=choice, parallel_tool_calls=parallel), parser, None)
+    assert LLMatcher.validate_grammar(grammar_text(spec)) == ""
+    assert ("get_weather" in spec.grammar) is (choice == "required")
+    key = '"parameters"' if parser == "llama3_json" else '"arguments"'
+    assert key in spec.grammar
+
+
+def test_auto_and_none_force_nothing():
+    assert T.grammar(request(), "hermes", None) is None
+    assert T.grammar(request(tool_choice="none"), "hermes", None) is None
