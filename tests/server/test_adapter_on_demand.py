@@ -12,11 +12,12 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, QUESTIONS, LiveServer, _shape
+from tests.server.conftest import API_KEY, QUESTIONS, LiveServer
 from vlora import LLM
 from vlora.config import ServerConfig
 from vlora.lora.random_adapter import write_random_adapter
 from vlora.models.hub import HubError
+from vlora.models.loader import lora_shape
 
 N = 8           # tokens per answer
 STARTUP = "start-r8"
@@ -26,10 +27,8 @@ STARTUP = "start-r8"
 def disk(setup, tmp_path_factory):
     """The server's adapter directory: od-0 .. od-5 (random, rank 8), od-late (a copy of the reference's late-r8),
     od-bad (rank-8 config, rank-4 weights), od-noconfig (weights only); and a valid adapter outside it."""
-    from vlora.models.loader import resolve_model_dir
-
     root = tmp_path_factory.mktemp("on-demand")
-    shape = _shape(resolve_model_dir(None))
+    shape = lora_shape(None)
     d = root / "adapters"
     for i in range(6):
         write_random_adapter(d / f"od-{i}", shape, 8, 10 + i)
