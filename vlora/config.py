@@ -178,9 +178,17 @@ class ServerConfig:
     """Name of the base model in the API (the 'model' field); it must differ from every adapter's name. Default:
     the model's own name."""
     adapter_dirs: tuple[str, ...] = ()
-    """Directory /v1/load_lora_adapter may load adapters from (repeatable); none: runtime loading is refused."""
+    """Directory adapters are loaded from at run time (repeatable): by /v1/load_lora_adapter, and on first request
+    (a request whose model names DIR/<model>, a PEFT adapter directory, loads it, then is served); none: runtime
+    loading is refused."""
     allow_hub_adapters: bool = False
-    """Let /v1/load_lora_adapter take a Hugging Face Hub id (org/name[@revision]) as lora_path and download it into the Hub cache when no adapter directory holds that path."""
+    """Let /v1/load_lora_adapter take a Hugging Face Hub id (org/name[@revision]) as lora_path, and a request's
+    model name one to load on first request, downloading it into the Hub cache when no adapter directory holds
+    that path."""
+    max_loaded_adapters: int | None = None
+    """Most adapters loaded on first request that stay registered (in host memory); loading one more unloads the
+    least recently used one with no request running (429 when all are busy). Adapters given at start or loaded
+    through /v1/load_lora_adapter are not counted and never unloaded. Default: no bound."""
     image_dir: str | None = None
     """Directory that image_url file paths (file:// or plain) may point into; none: only data: URIs."""
     max_queued_requests: int = 256
@@ -224,6 +232,8 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.unload_policy not in ("wait", "abort"):
             raise ConfigError(f"unload_policy must be wait or abort, got {self.unload_policy!r}")
+        if self.max_loaded_adapters is not None and self.max_loaded_adapters < 1:
+            raise ConfigError(f"max_loaded_adapters must be >= 1, got {self.max_loaded_adapters}")
         if not self.drain_timeout >= 0:
             raise ConfigError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:

@@ -17,6 +17,9 @@ import logging
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from vlora.engine.client import (AdapterExists, AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job,
                                  QueueFull, RequestFailed, RequestGroup, ShuttingDown, Timing)
@@ -44,6 +47,18 @@ def _raise(exc: BaseException):
 def _deliver_all(items: list[tuple[RequestGroup, RequestOutput | BaseException]]) -> None:
     for group, item in items:
         group.deliver(item)
+
+
+def _one_intra_op_thread() -> None:
+    """Start of the adapter-loading thread: its torch ops run on one core (an OpenMP team of one, set per
+    thread), so a load never takes the cores of the engine's forward nor spins its own team of threads beside
+    it. ``torch.set_num_threads`` also sets the count threads started later take: a thread of its own puts that
+    back."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(1)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+    restore.start()
+    restore.join()
 
 
 def _info_of(engine: Engine) -> EngineInfo:
@@ -86,6 +101,8 @@ class AsyncEngine:
         self._draining: set[str] = engine.unloading       # adapters being unloaded (the engine keeps their requests)
         self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._busy = False
+        # adapters are read, validated and packed here, one at a time, beside the engine thread
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="vlora-adapter-load", initializer=_one_intra_op_thread)
         # deliveries routed but not yet handed to the event loops: sent while the next forward runs on the
         # GPU (the runner's ``before_sync``), so that the event loop's stream work, which needs the
         # interpreter lock, runs while this thread waits on the GPU instead of stalling its host work
@@ -130,6 +147,7 @@ class AsyncEngine:
             self._stopping = True
             self._cv.notify()
         await loop.run_in_executor(None, self._thread.join)
+        self._loader.shutdown(wait=False)
         return drained
 
     # -- the asyncio side -----------------------------------------------------------------
@@ -160,12 +178,24 @@ class AsyncEngine:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Register the PEFT adapter in directory ``path`` as ``name``; raises AdapterError if it is refused
-        (AdapterExists if the name is taken, an adapter being unloaded included)."""
+        (AdapterExists if the name is taken, an adapter being unloaded included).
+
+        The adapter is read, validated and packed on a thread of its own (one torch thread: the engine's forward
+        keeps its cores) while the engine serves on; the engine thread only adds the result to its registry
+        between two steps."""
+        def taken() -> AdapterExists:
+            return AdapterExists(f"an adapter named {name!r} is already loaded"
+                                 + (" (it is being unloaded)" if name in self._draining else ""))
+
+        if name in self.engine.adapters:
+            raise taken()
+        prepared = await asyncio.get_running_loop().run_in_executor(self._loader, self.engine.adapters.prepare,
+                                                                     name, path)
+
         def register(e: Engine) -> None:
             if name in e.adapters:
-                raise AdapterExists(f"an adapter named {name!r} is already loaded"
-                                    + (" (it is being unloaded)" if name in self._draining else ""))
-            e.adapters.register(name, path)
+                raise taken()
+            e.adapters.add(prepared)
         await self.call(register)
 
     async def unload_adapter(self, name: str, policy: str = "wait") -> int:

@@ -51,6 +51,12 @@ def matrices(adapter: PackedAdapter) -> list[torch.Tensor]:
     return out
 
 
+def least_recent(order, protected) -> str | None:
+    """The adapter the LRU policy gives up: the first of ``order`` (least recently used first) outside
+    ``protected`` (in use), or None."""
+    return next((n for n in order if n not in protected), None)
+
+
 class AdapterStore:
     def __init__(self, pool, device: torch.device):
         self.pool = pool
@@ -73,10 +79,14 @@ class AdapterStore:
     def buf(self) -> torch.Tensor:
         return self.pool.buf
 
-    def add(self, adapter: PackedAdapter) -> None:
-        """Keep the adapter's matrices ready for copies: one flat host buffer (pinned on CUDA, at its exact
-        size) laid out exactly as the pool lays them out (back to back, each ALIGN-aligned), so a load is one
-        copy and one pinned allocation per adapter rather than one per matrix."""
+    def add(self, adapter: PackedAdapter, host: HostAdapter | None = None) -> None:
+        """Keep the adapter's matrices ready for copies (``host``: made beforehand by :meth:`host_copy`)."""
+        self._host[adapter.name] = host if host is not None else self.host_copy(adapter)
+
+    def host_copy(self, adapter: PackedAdapter) -> HostAdapter:
+        """The adapter's matrices in one flat host buffer (pinned on CUDA, at its exact size) laid out exactly as
+        the pool lays them out (back to back, each ALIGN-aligned), so a load is one copy and one pinned allocation
+        per adapter rather than one per matrix. Changes nothing here: safe on any thread."""
         mats = matrices(adapter if self.view is None else self.view(adapter))
         sizes = [m.numel() for m in mats]
         total = sum(aligned(n) for n in sizes)
@@ -87,7 +97,7 @@ class AdapterStore:
             flat[pos:pos + n].copy_(m)
             flat[pos + n:pos + aligned(n)].zero_()            # alignment padding: copied too, so defined
             pos += aligned(n)
-        self._host[adapter.name] = HostAdapter(flat, sizes)
+        return HostAdapter(flat, sizes)
 
     def remove(self, name: str) -> None:
         if name in self.resident:
@@ -105,8 +115,10 @@ class AdapterStore:
         """Most pages an adapter can have (the adapter pool of fixed pools, else the whole pool)."""
         return self.pool.num_pages if self.pool.adapter_limit is None else self.pool.adapter_limit
 
-    def pages_needed(self, adapter: PackedAdapter) -> int:
-        return self.pool.pages_for(self._host[adapter.name].sizes, ALIGN)
+    def pages_needed(self, adapter: PackedAdapter | HostAdapter) -> int:
+        """Pool pages a registered adapter (or a host copy not yet added) takes."""
+        host = adapter if isinstance(adapter, HostAdapter) else self._host[adapter.name]
+        return self.pool.pages_for(host.sizes, ALIGN)
 
     def load(self, adapter: PackedAdapter) -> bool:
         """Copy the adapter into free pages; False when there are not enough."""
@@ -188,7 +200,7 @@ class AdapterStore:
                     if getattr(reclaim, "__self__", None) is not self and self.pool.adapter_limit is None:
                         reclaim(need)
                 while not self.load(a):
-                    victim = next((n for n in self.resident if n not in keep), None)
+                    victim = least_recent(self.resident, keep)
                     if victim is None:
                         break
                     self.evict(victim)

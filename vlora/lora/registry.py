@@ -1,20 +1,22 @@
 """Adapter registry: names -> validated, packed adapters with dense slots.
 
 Registration validates the whole adapter before anything changes, so a refused
-adapter leaves every registered one untouched. The unified memory pool later
+adapter leaves every registered one untouched. It is two steps: ``prepare``
+(read, validate, pack: the costly part, safe on any thread) and ``add`` (a
+slot and a name, on the engine's thread). The unified memory pool later
 takes over where the packed weights live; names and slots stay here.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 import torch
 
-
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
-from vlora.lora.device_store import AdapterStore
+from vlora.lora.device_store import AdapterStore, HostAdapter
 from vlora.lora.merge_copy import MergedCopies
 from vlora.lora.task_head import TaskHead, load_task_head
 
@@ -38,6 +40,16 @@ def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: 
                 groups[group] = GroupWeights(torch.cat(a_parts, dim=1).to(device).contiguous(), tuple(slices))
         layers.append(groups)
     return PackedAdapter(slot, adapter.name, adapter.rank, adapter.scaling, tuple(layers))
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read, validated and packed, not yet registered (:meth:`AdapterRegistry.add`)."""
+
+    packed: PackedAdapter           # its slot is given when it is added
+    path: str
+    head: TaskHead | None           # its vision task head, if it carries one
+    host: HostAdapter | None        # kernel path: its matrices laid out for the pool
 
 
 class AdapterRegistry:
@@ -67,6 +79,42 @@ class AdapterRegistry:
         return MergedCopies(self.pool)
 
     def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
+        """Read, validate, pack and register the PEFT adapter in ``path`` as ``name``."""
+        return self.add(self.prepare(name, path))
+
+    def prepare(self, name: str, path: str | os.PathLike) -> PreparedAdapter:
+        """The adapter in ``path`` read, validated and packed (with its host copy for the pool), for :meth:`add`.
+        Changes nothing here, so it may run on any thread while the engine serves: the costly part of
+        registering."""
+        self._check_name(name)
+        loaded = load_adapter(path, name, self.shape, max_rank=self.max_rank, dtype=self.dtype,
+                              check_base_model=self.check_base_model)
+        head = load_task_head(path, self.shape.in_features["q_proj"], self.dtype, self.device)
+        packed = pack(loaded, -1, self.shape.out_features, self.device if self.store is None else torch.device("cpu"))
+        host = None
+        if self.store is not None:
+            host = self.store.host_copy(packed)
+            need, room = self.store.pages_needed(host), self.store.capacity
+            if need > room:
+                raise AdapterError(f"adapter {name!r} needs {need} pages of the memory pool, which has {room} for "
+                                   f"adapters: it could never be loaded (a larger pool or a smaller rank)")
+        return PreparedAdapter(packed, str(path), head, host)
+
+    def add(self, prepared: PreparedAdapter) -> PackedAdapter:
+        """Register a prepared adapter: a slot, its name, its host copy handed to the store (cheap)."""
+        name = prepared.packed.name
+        self._check_name(name)              # taken while it was prepared
+        used = {a.slot for a in self._by_name.values()}
+        packed = replace(prepared.packed, slot=next(i for i in range(len(used) + 1) if i not in used))
+        if self.store is not None:
+            self.store.add(packed, prepared.host)
+        self._by_name[name] = packed
+        self._paths[name] = prepared.path
+        if prepared.head is not None:
+            self.heads[name] = prepared.head
+        return packed
+
+    def _check_name(self, name: str) -> None:
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():
             raise AdapterError(f"adapter name must be a non-empty string of at most {_NAME_MAX} "
                                f"characters without surrounding spaces, got {name!r}")
@@ -74,25 +122,6 @@ class AdapterRegistry:
             raise AdapterError(f"an adapter named {name!r} is already registered (from {self._paths[name]})")
         if name == self.shape.name:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
-        loaded = load_adapter(path, name, self.shape, max_rank=self.max_rank, dtype=self.dtype,
-                              check_base_model=self.check_base_model)
-        head = load_task_head(path, self.shape.in_features["q_proj"], self.dtype, self.device)
-        used = {a.slot for a in self._by_name.values()}
-        slot = next(i for i in range(len(used) + 1) if i not in used)
-        packed = pack(loaded, slot, self.shape.out_features,
-                      self.device if self.store is None else torch.device("cpu"))
-        if self.store is not None:
-            self.store.add(packed)
-            need, room = self.store.pages_needed(packed), self.store.capacity
-            if need > room:
-                self.store.remove(name)
-                raise AdapterError(f"adapter {name!r} needs {need} pages of the memory pool, which has {room} for "
-                                   f"adapters: it could never be loaded (a larger pool or a smaller rank)")
-        self._by_name[name] = packed
-        self._paths[name] = str(path)
-        if head is not None:
-            self.heads[name] = head
-        return packed
 
     def unregister(self, name: str) -> None:
         if name not in self._by_name:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from vlora.lora.adapter import ModelShape
 from vlora.models.decoder import DecoderConfig, DecoderLM
 from vlora.models.hub import display_name, parse_hub_id, snapshot_dir
 from vlora.models.registry import is_decoder_type, named_model_dir
@@ -296,6 +297,21 @@ RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded ran
 
 def is_random_spec(model) -> bool:
     return isinstance(model, str) and model.startswith("random:")
+
+
+def lora_shape(model: str | None) -> ModelShape:
+    """What an adapter of ``model`` (a model argument, as ``resolve_model_dir`` or ``random:<preset>`` take it)
+    must fit, read from its config without loading its weights."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if is_random_spec(model):
+        name = model.removeprefix("random:")
+        cfg = decoder_config(LlamaConfig(**RANDOM_PRESETS[name]), name=f"random-{name}")
+    else:
+        model_dir = resolve_model_dir(model)
+        cfg = decoder_config(AutoConfig.from_pretrained(model_dir), model_dir.name)
+    ins, outs = cfg.lora_in_out()
+    return ModelShape(cfg.name, cfg.num_layers, ins, outs)
 
 
 def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None,

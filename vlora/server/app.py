@@ -67,6 +67,7 @@ from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
 from vlora.server.logprobs import TokenTexts, generated, prompt_items
 from vlora.server.metrics import ServerMetrics
+from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters
 from vlora.server.templates import describe as describe_template_error
 from vlora.server.templates import compile_template, load_chat_template, reserved_kwarg
 from vlora.server.tool_calls import Parser, ToolStream, new_call_id, parse_answer, parser_for
@@ -137,6 +138,10 @@ class OpenAIServer:
         self.image_placeholder = (None if e.vision is None or e.tokenizer is None else
                                   "".join(e.tokenizer.convert_ids_to_tokens(list(e.vision.image_prompt_ids))))
         self.metrics = ServerMetrics(self.engine, self.base_name)
+        # adapters loaded on first request, wherever adapters may be loaded at run time
+        self.on_demand = (OnDemandAdapters(self.engine, self.on_request_source, self.register_on_request,
+                                           config.max_loaded_adapters, self.metrics)
+                          if config.adapter_dirs or config.allow_hub_adapters else None)
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         # the server's default chat template (--chat-template), in place of the model's; checked here
         self.chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
@@ -173,14 +178,23 @@ class OpenAIServer:
                 raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
         return await self.work.run(_parse, bytes(body), model)
 
-    def adapter_for(self, model: str) -> str | None:
+    async def adapter_for(self, model: str) -> str | None:
+        """The adapter ``model`` names (None: the base model), loaded first if it is not yet (on_demand.py)."""
         if model == self.base_name:
             return None
+        if self.on_demand is not None:
+            try:
+                await self.on_demand.ensure(model)
+            except AdaptersBusy as e:
+                raise APIError(429, str(e), param="model", code="adapters_busy") from None
         if model not in self.engine.adapter_names:
-            known = ", ".join([self.base_name, *sorted(self.engine.adapter_names)])
-            raise APIError(404, f"model {quote(model)} does not exist (served: {known})", param="model",
-                           code="model_not_found")
+            raise self.no_model(model)
         return model
+
+    def no_model(self, model: str) -> APIError:
+        known = ", ".join([self.base_name, *sorted(self.engine.adapter_names)])
+        return APIError(404, f"model {quote(model)} does not exist (served: {known})", param="model",
+                        code="model_not_found")
 
     def max_tokens(self, prompt_len: int, requested: tuple[int | None, str], min_tokens: int, param: str) -> int:
         """The answer's token limit; ``requested``: (the value sent, the field it came in), named in errors."""
@@ -277,7 +291,11 @@ class OpenAIServer:
         """The jobs handed to the engine; ``prompt_param``: the field an error about the prompt names; ``req``:
         the request, whose structured-output field an error about the grammar names."""
         try:
-            return await self.engine.submit(jobs, self.metrics.observe)
+            if self.on_demand is None:
+                return await self.engine.submit(jobs, self.metrics.observe)
+            return await self.on_demand.submit(jobs, self.metrics.observe)
+        except AdaptersBusy as e:
+            raise APIError(429, str(e), param="model", code="adapters_busy") from None
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full") from None
         except ShuttingDown as e:
@@ -299,7 +317,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         self.check_accepting()
         req: P.ChatCompletionRequest = await self.read_request(request, P.ChatCompletionRequest)
-        adapter = self.adapter_for(req.model)
+        adapter = await self.adapter_for(req.model)
         self.check_text_size(sum(_text_chars(m.content) for m in req.messages), "messages")
         prompt, images, tools = await self.chat_prompt(req.messages, req)
         prompt_len = len(prompt) + self.image_tokens(images)
@@ -333,7 +351,7 @@ class OpenAIServer:
     async def completions(self, request: Request):
         self.check_accepting()
         req: P.CompletionRequest = await self.read_request(request, P.CompletionRequest)
-        adapter = self.adapter_for(req.model)
+        adapter = await self.adapter_for(req.model)
         sent = req.prompts()            # one prompt, or a list of them (all strings or all token-id lists)
         names = [f"prompt[{i}]" for i in range(len(sent))] if req.is_batch() else ["prompt"]
         self.check_choices(req, len(sent))
@@ -634,6 +652,32 @@ class OpenAIServer:
             for form in {os.path.realpath(root), os.path.abspath(root)}:
                 message = message.replace(form, "<adapter dir>")
         return message
+
+    async def on_request_source(self, model: str) -> str:
+        """The directory of the adapter ``model`` names, to load it on first request: <adapter dir>/<model> (a PEFT
+        adapter directory), else (when allowed) the Hub snapshot of ``model``; 404 naming model when there is none.
+        A name with an empty, "." or ".." part, a backslash or a leading "/" names none: nothing outside the
+        adapter directories is read."""
+        if "\\" in model or os.path.isabs(model) or any(p in ("", ".", "..") for p in model.split("/")):
+            raise self.no_model(model)
+        try:
+            path = await self.adapter_source(model)
+        except (APIError, ValueError):          # ValueError: a name the file system cannot take
+            raise self.no_model(model) from None
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise self.no_model(model)
+        return path
+
+    async def register_on_request(self, name: str, path: str) -> bool:
+        """Register adapter ``name`` from ``path`` (on_demand.py); False if the name was taken meanwhile. A refused
+        adapter is a 400 naming model, as /v1/load_lora_adapter's refusal names lora_path."""
+        try:
+            await self.engine.load_adapter(name, path)
+        except AdapterExists:
+            return False
+        except AdapterError as e:
+            raise APIError(400, self.hide_paths(str(e), path, name), param="model", code="invalid_adapter") from None
+        return True
 
     async def adapter_source(self, raw: str) -> str:
         """An adapter directory for ``raw``: inside the adapter roots first, else (when allowed) the snapshot of

@@ -11,6 +11,7 @@ MODES = ("merged", "unmerged", "mixed")
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LOAD = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
 class ServerMetrics:
@@ -45,6 +46,14 @@ class ServerMetrics:
                               ["adapter"], buckets=_TPOT, registry=r)
         self.e2e = Histogram("vlora_e2e_request_latency_seconds", "Time from submission to the last token",
                              ["adapter"], buckets=_E2E, registry=r)
+        # adapters loaded on first request (vlora/server/on_demand.py)
+        self.adapter_loads = Counter("vlora_adapter_loads", "Adapters loaded on first request", ["adapter"],
+                                     registry=r)
+        self.adapter_load_seconds = Histogram("vlora_adapter_load_seconds", "Time to load an adapter on first "
+                                              "request: finding, reading, validating, packing and registering it",
+                                              ["adapter"], buckets=_LOAD, registry=r)
+        self.adapter_evictions = Counter("vlora_adapter_evictions", "Adapters loaded on request and unloaded to "
+                                         "make room for another (--max-loaded-adapters)", ["adapter"], registry=r)
         self.http_errors = Counter("vlora_http_errors", "Requests refused or failed, by HTTP status", ["status"],
                                    registry=r)
 

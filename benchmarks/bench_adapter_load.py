@@ -1,0 +1,261 @@
+"""Adapters loaded on first request, over HTTP: do the other streams pause while one loads?
+
+``vlora serve --adapter-dir DIR`` (started as ``bench_serve.py`` starts it) with ``--running`` random adapters
+given at start. Per configuration (``--load-ranks``: the rank of the adapters loaded on request):
+
+1. ``--streams`` streaming ``/v1/completions`` on the adapters given at start (token-id prompts of
+   ``--input-len`` tokens, greedy, ignore_eos; each chunk carries its token ids), every chunk's arrival time
+   recorded;
+2. once every stream has ``--warm`` tokens, one after another: a request naming an adapter of DIR not loaded yet
+   (a load: a 4-token prompt, 1 output token), ``--spacing`` seconds of quiet, a like request on an adapter
+   given at start (a control: what any new request costs the streams), ``--spacing`` seconds; ``--loads`` times;
+3. the streams are closed.
+
+Reported per configuration: the streams' gaps between chunks (inter-token latency) that overlap a load (from its
+request's sending to its answer), a control, or neither (median, p99, max); the extra pause of a load, (max gap
+during loads - median gap outside) / median gap outside, target <= 5 %, and the same for the controls and for
+the quiet spells; load times (the client's latency and the server's ``vlora_adapter_load_seconds``). Writes
+``adapter-load-<device>.json`` after each configuration and ``adapter-load-<device>.md`` (a summary) at the end.
+
+    python benchmarks/bench_adapter_load.py --device cpu --out /tmp/adapter-load            # embedded model, CPU
+    python benchmarks/bench_adapter_load.py --device cuda --out benchmarks/results/<dir>     # random:llama-2-7b
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+
+from bench_e2e import log  # noqa: E402
+from bench_serve import free_port, start_server, wait_healthy  # noqa: E402
+
+from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
+from vlora.models.loader import lora_shape, resolve_model_dir  # noqa: E402
+
+TARGET = 0.05          # the extra pause a load may add, as a fraction of the median inter-token gap
+
+
+async def stream(client, body: dict, times: list[float], stop: asyncio.Event) -> None:
+    """One streaming completion; each chunk that carries tokens appends its arrival time, until ``stop``."""
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if any(c.get("token_ids") for c in chunk["choices"]):
+                times.append(time.perf_counter())
+            if stop.is_set():
+                return
+
+
+async def one_request(client, model: str, prompt: list[int]) -> tuple[float, float]:
+    """(sent, answered) times of a 1-token completion on ``model``."""
+    t0 = time.perf_counter()
+    r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 1})
+    if r.status_code != 200:
+        raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.text[:300]}")
+    return t0, time.perf_counter()
+
+
+def gap_stats(gaps: list[float]) -> dict | None:
+    if not gaps:
+        return None
+    s = sorted(gaps)
+    return {"n": len(s), "median_s": statistics.median(s), "p99_s": s[min(len(s) - 1, int(0.99 * len(s)))],
+            "max_s": s[-1]}
+
+
+def classify(times: list[list[float]], warm: int, windows: dict[str, list[tuple[float, float]]]) -> dict:
+    """Every stream's gaps between chunks after its first ``warm``, by the kind of window they overlap (a gap
+    overlapping none is ``outside``)."""
+    out: dict[str, list[float]] = {kind: [] for kind in (*windows, "outside")}
+    for t in times:
+        for a, b in zip(t[warm:], t[warm + 1:]):
+            kind = next((k for k, spans in windows.items() if any(a < end and b > start for start, end in spans)),
+                        "outside")
+            out[kind].append(b - a)
+    return out
+
+
+def server_load_seconds(text: str, names: list[str]) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vlora_adapter_load_seconds_sum" and s.labels.get("adapter") in names:
+                out[s.labels["adapter"]] = s.value
+    return out
+
+
+async def configuration(args, client, rank: int, prompts: list[list[int]], running: list[str]) -> dict:
+    names = [f"r{rank}-{j}" for j in range(args.loads)]
+    stop = asyncio.Event()
+    times: list[list[float]] = [[] for _ in prompts]
+    bodies = [{"model": running[i % len(running)], "prompt": p, "max_tokens": args.max_stream_tokens,
+               "ignore_eos": True, "stream": True} for i, p in enumerate(prompts)]
+    tasks = [asyncio.ensure_future(stream(client, b, t, stop)) for b, t in zip(bodies, times)]
+    short = prompts[0][:4]
+    windows: dict[str, list[tuple[float, float]]] = {"load": [], "control": []}
+    try:
+        while min(len(t) for t in times) < args.warm:
+            if any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.05)
+        for name in names:
+            await asyncio.sleep(args.spacing)
+            windows["load"].append(await one_request(client, name, short))
+            await asyncio.sleep(args.spacing)
+            windows["control"].append(await one_request(client, running[0], short))
+        await asyncio.sleep(args.spacing)
+    finally:
+        stop.set()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = [d for d in done if isinstance(d, BaseException)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} streams failed, the first: {failed[0]!r}")
+    gaps = classify(times, args.warm, windows)
+    stats = {kind: gap_stats(g) for kind, g in gaps.items()}
+    itl = stats["outside"]["median_s"]
+    extra = {kind: (stats[kind]["max_s"] - itl) / itl for kind in stats if stats[kind] is not None}
+    server = server_load_seconds((await client.get("/metrics")).text, names)
+    res = {"load_rank": rank, "loads": names, "gaps": stats, "extra_pause_over_median_itl": extra,
+           "within_target": extra.get("load", 0.0) <= TARGET,
+           "load_latency_client_s": [end - start for start, end in windows["load"]],
+           "control_latency_client_s": [end - start for start, end in windows["control"]],
+           "load_seconds_server": [server.get(n) for n in names],
+           "tokens_per_stream": [len(t) for t in times]}
+    return res
+
+
+def summary_lines(res: dict) -> list[str]:
+    lines = [f"# Adapters loaded on first request: {res['device']}, {res['model']}", "",
+             f"{res['streams']} streams on {res['running']} adapters given at start (rank {res['running_rank']}), "
+             f"{res['loads']} loads per configuration. Gaps between a stream's chunks in ms, median / p99 / max, "
+             f"outside any window, during a control request, during a load; extra pause = (max gap - median gap "
+             f"outside) / median gap outside, target for loads <= {TARGET:.0%}.", "",
+             "| load rank | gaps outside | gaps during controls | gaps during loads | extra pause: quiet / control / "
+             "load | load time, server (client), median |", "|---|---|---|---|---|---|"]
+    for c in res["configurations"]:
+        g, e = c["gaps"], c["extra_pause_over_median_itl"]
+        kinds = ("outside", "control", "load")
+        cells = ["-" if g[k] is None else " / ".join(f"{1e3 * g[k][q]:.0f}" for q in ("median_s", "p99_s", "max_s"))
+                 for k in kinds]
+        server = [s for s in c["load_seconds_server"] if s is not None]
+        lines.append(f"| {c['load_rank']} | " + " | ".join(cells) + " | "
+                     + " / ".join("-" if k not in e else f"{100 * e[k]:.0f} %" for k in kinds)
+                     + f" | {1e3 * statistics.median(server) if server else float('nan'):.0f} ms "
+                       f"({1e3 * statistics.median(c['load_latency_client_s']):.0f} ms) |")
+    return lines
+
+
+async def run(args, res: dict, path: Path, adapter_dir: Path, running: dict[str, str]) -> None:
+    import httpx
+
+    port = free_port()
+    args.serve_args = f"--adapter-dir {adapter_dir} {args.serve_args}"
+    proc = start_server(args, running, port)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 1000, (args.streams, args.input_len), generator=g).tolist()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=args.request_timeout,
+                                     limits=httpx.Limits(max_connections=args.streams + 8)) as client:
+            t = time.perf_counter()
+            await wait_healthy(client, proc, args.start_timeout)
+            res["start_s"] = time.perf_counter() - t
+            log(f"server healthy after {res['start_s']:.1f} s")
+            await one_request(client, "warm-0", prompts[0][:4])              # the first load's one-time costs
+            for name in running:
+                await one_request(client, name, prompts[0][:4])
+            for rank in args.load_ranks:
+                c = await configuration(args, client, rank, prompts, list(running))
+                res["configurations"].append(c)
+                path.write_text(json.dumps(res, indent=2))
+                g, e = c["gaps"], c["extra_pause_over_median_itl"]
+                log(f"rank {rank}: median ITL {1e3 * g['outside']['median_s']:.1f} ms; max gap during loads "
+                    f"{1e3 * g['load']['max_s']:.1f} ms (extra pause {100 * e['load']:.0f} % of the median ITL, "
+                    f"target <= {TARGET:.0%}), during controls {1e3 * g['control']['max_s']:.1f} ms, outside "
+                    f"{1e3 * g['outside']['max_s']:.1f} ms; loads {c['load_seconds_server']} s (server)")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: random:llama-2-7b on CUDA, the embedded SmolLM2 on CPU")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--streams", type=int, default=None, help="concurrent streams (default 16 on CUDA, 4 on CPU)")
+    ap.add_argument("--running", type=int, default=4, help="adapters given at start, the streams' adapters")
+    ap.add_argument("--running-rank", type=int, default=16)
+    ap.add_argument("--load-ranks", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="one configuration per rank of the adapters loaded (default 16,64 on CUDA, 8,64 on CPU)")
+    ap.add_argument("--loads", type=int, default=None, help="loads per configuration (default 4 on CUDA, 3 on CPU)")
+    ap.add_argument("--input-len", type=int, default=None, help="stream prompt tokens (default 128 on CUDA, 16 on CPU)")
+    ap.add_argument("--warm", type=int, default=8, help="tokens every stream has before the first load")
+    ap.add_argument("--spacing", type=float, default=None,
+                    help="seconds of quiet around each load and control (default 0.5 on CUDA, 1.0 on CPU)")
+    ap.add_argument("--max-stream-tokens", type=int, default=2000, help="a stream's limit (closed before it)")
+    ap.add_argument("--serve-args", default="", help="extra `vlora serve` options")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    args.model = args.model or ("random:llama-2-7b" if cuda else str(resolve_model_dir(None)))
+    args.streams = args.streams or (16 if cuda else 4)
+    args.load_ranks = args.load_ranks or ([16, 64] if cuda else [8, 64])
+    args.loads = args.loads or (4 if cuda else 3)
+    args.input_len = args.input_len or (128 if cuda else 16)
+    args.spacing = args.spacing if args.spacing is not None else (0.5 if cuda else 1.0)
+    args.profile = None                         # start_server's cProfile option, unused here
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
+    tag = gpu.lower().replace(" ", "-")
+    path = args.out / f"adapter-load-{tag}.json"
+    shape = lora_shape(args.model)
+    res = dict(date=dt.date.today().isoformat(), device=gpu, model=shape.name, streams=args.streams,
+               running=args.running, running_rank=args.running_rank, loads=args.loads, input_len=args.input_len,
+               spacing_s=args.spacing, warm_tokens=args.warm, serve_args=args.serve_args, torch=torch.__version__,
+               target_extra_pause=TARGET, configurations=[])
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        log(f"writing adapters for {shape.name}")
+        running = {f"run-{j}": str(write_random_adapter(tmp / "start" / f"run-{j}", shape, args.running_rank, j))
+                   for j in range(args.running)}
+        write_random_adapter(tmp / "dir" / "warm-0", shape, min(args.load_ranks), 99)
+        for rank in args.load_ranks:
+            for j in range(args.loads):
+                write_random_adapter(tmp / "dir" / f"r{rank}-{j}", shape, rank, 100 + rank + j)
+        asyncio.run(run(args, res, path, tmp / "dir", running))
+    lines = summary_lines(res)
+    (args.out / f"adapter-load-{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

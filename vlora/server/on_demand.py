@@ -1,0 +1,154 @@
+"""Adapters loaded on first request (``vlora serve --adapter-dir DIR``, ``--allow-hub-adapters``).
+
+A request whose ``model`` names an adapter that is not registered but can be found (DIR/<model>, or a Hub id)
+has it loaded, then is served. :class:`OnDemandAdapters` decides when: one load per name at a time (concurrent
+requests for it await the same task), at most ``max_loaded_adapters`` of them registered (the least recently
+used with no request running is unloaded to make room: the LRU policy of the adapter store,
+:func:`vlora.lora.device_store.least_recent`), and the loads and evictions counted in the metrics. The server
+says where an adapter comes from (``locate``) and registers it (``register``: what a refusal is); the engine
+client reads, validates and packs it off the engine thread and the event loop
+(:meth:`vlora.engine.async_engine.AsyncEngine.load_adapter`).
+
+Adapters registered otherwise (at start, through /v1/load_lora_adapter) are never unloaded here.
+
+    request -> ensure(name) --first--> task: locate(name) -> make room (evict LRU idle) -> register -> done
+                            --others-> await the same task
+            -> submit(jobs)  (the adapter counted busy until its requests finish)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+
+from vlora.engine.client import AdapterNotFound, EngineClient, Job, RequestGroup, Timing
+from vlora.engine.sequence import RequestOutput
+from vlora.lora.device_store import least_recent
+from vlora.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_SUBMIT_TRIES = 3           # an adapter evicted between its load and the submission is loaded again, this often
+
+
+class AdaptersBusy(RuntimeError):
+    """Every adapter loaded on request has requests running: none can make room for another (429)."""
+
+
+class OnDemandAdapters:
+    """The adapters this server loaded on first request: which are registered, which are loading, which are busy.
+
+    ``locate(name)`` is the directory of adapter ``name`` (it raises the error the request gets when there is
+    none); ``register(name, path)`` registers it with the engine and returns True, or False when the name was
+    registered meanwhile by other means (then it is not counted here), and raises the error the request gets
+    when the adapter is refused. Everything here runs on the server's event loop.
+    """
+
+    def __init__(self, engine: EngineClient, locate: Callable[[str], Awaitable[str]],
+                 register: Callable[[str, str], Awaitable[bool]], limit: int | None, metrics: ServerMetrics):
+        self.engine = engine
+        self.locate = locate
+        self.register = register
+        self.limit = limit
+        self.metrics = metrics
+        self.loaded: OrderedDict[str, None] = OrderedDict()     # registered here, least recently used first
+        self.loading: dict[str, asyncio.Task] = {}              # one load per name
+        self.evicting: dict[str, asyncio.Task] = {}             # being unloaded to make room
+        self.running: Counter[str] = Counter()                  # submitted requests not finished, per adapter
+        self._reserved = 0                                      # loads under way that room was made for
+
+    async def ensure(self, name: str) -> None:
+        """Return once adapter ``name`` is registered: at once if it is, else after loading it (or awaiting the
+        load under way). Raises what ``locate`` and ``register`` raise, or :class:`AdaptersBusy`."""
+        while name in self.evicting:            # loaded again once it is gone
+            await asyncio.shield(self.evicting[name])
+        if name in self.engine.adapter_names and name not in self.loading:
+            if name in self.loaded:
+                self.loaded.move_to_end(name)
+            return
+        task = self.loading.get(name)
+        if task is None:
+            task = self.loading[name] = asyncio.ensure_future(self._load(name))
+            task.add_done_callback(_forget(self.loading, name))
+        # shielded: a client that leaves does not cancel the load the others await
+        await asyncio.shield(task)
+
+    async def submit(self, jobs: Sequence[Job], on_finish: Callable[[RequestOutput, Timing], None]) -> RequestGroup:
+        """``engine.submit(jobs, on_finish)``, the jobs' adapter counted busy (never evicted) until they finish; an
+        adapter loaded on request and evicted since its request's :meth:`ensure` is loaded again."""
+        adapter = jobs[0].adapter if jobs else None
+
+        def finished(out: RequestOutput, timing: Timing) -> None:
+            self._release(out.adapter, 1)
+            on_finish(out, timing)
+
+        for attempt in range(_SUBMIT_TRIES):
+            self.running[adapter] += len(jobs)
+            try:
+                return await self.engine.submit(jobs, finished)
+            except AdapterNotFound:
+                self._release(adapter, len(jobs))
+                if adapter is None or attempt == _SUBMIT_TRIES - 1:
+                    raise
+                await self.ensure(adapter)
+            except BaseException:
+                self._release(adapter, len(jobs))
+                raise
+        raise AssertionError("unreachable")
+
+    def _release(self, adapter: str | None, count: int) -> None:
+        self.running[adapter] -= count
+        if self.running[adapter] <= 0:
+            del self.running[adapter]
+
+    async def _load(self, name: str) -> None:
+        start = time.perf_counter()
+        path = await self.locate(name)
+        await self._make_room()
+        try:
+            if not await self.register(name, path):
+                return
+            seconds = time.perf_counter() - start
+        finally:
+            self._reserved -= 1
+        self.loaded[name] = None
+        self.metrics.adapter_loads.labels(name).inc()
+        self.metrics.adapter_load_seconds.labels(name).observe(seconds)
+        log.info("loaded adapter %r on first request (%.3f s)", name, seconds)
+
+    async def _make_room(self) -> None:
+        """Reserve room for one more adapter, evicting the least recently used idle ones while there is none."""
+        for gone in [n for n in self.loaded if n not in self.engine.adapter_names]:
+            del self.loaded[gone]              # unloaded through /v1/unload_lora_adapter
+        while self.limit is not None and len(self.loaded) + self._reserved >= self.limit:
+            victim = least_recent(self.loaded, self.running)
+            if victim is None:
+                raise AdaptersBusy(f"all {self.limit} adapters loaded on request have requests running "
+                                   f"(--max-loaded-adapters {self.limit}); retry later")
+            del self.loaded[victim]
+            task = self.evicting[victim] = asyncio.ensure_future(self._evict(victim))
+            task.add_done_callback(_forget(self.evicting, victim))
+            await asyncio.shield(task)
+        self._reserved += 1
+
+    async def _evict(self, name: str) -> None:
+        # "wait": a request that reached the engine after it was chosen finishes before it goes
+        try:
+            await self.engine.unload_adapter(name, "wait")
+        except AdapterNotFound:             # unloaded meanwhile through /v1/unload_lora_adapter
+            return
+        self.metrics.adapter_evictions.labels(name).inc()
+        log.info("unloaded adapter %r (least recently used of those loaded on request)", name)
+
+
+def _forget(tasks: dict[str, asyncio.Task], name: str) -> Callable[[asyncio.Task], None]:
+    """A done callback: ``name``'s task leaves ``tasks``, its exception retrieved (its awaiters, if any are
+    left, have it)."""
+    def done(task: asyncio.Task) -> None:
+        tasks.pop(name, None)
+        if not task.cancelled():
+            task.exception()
+    return done
