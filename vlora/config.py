@@ -24,8 +24,6 @@ class ConfigError(ValueError):
 class ModelConfig:
     model: str | None = None
     """Local HF model directory (config.json + safetensors), a .gguf file, or random:<preset> (seeded random weights of a known shape, e.g. random:llama-2-7b, or the LMM random:llava-1.5-7b; prompts as token ids). Default: the embedded SmolLM2-135M-Instruct."""
-    tokenizer: str | None = None
-    """A directory holding the tokenizer to use instead of the model's (tokenizer.json or tokenizer_config.json): with one, a random:<preset> model takes text prompts and structured output. Token ids outside the model's vocabulary are never produced."""
     dtype: str = "auto"
     """Weight/activation dtype: auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16."""
     device: str = "auto"

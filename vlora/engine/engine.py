@@ -106,12 +106,8 @@ class Engine:
         # the model, loaded by what runs it (this rank's cut, under tensor parallelism)
         self.executor = ex = (executor or Executor)(config, self.dtype, self.device)
         self.model, self.max_model_len, self.vision = ex.model, ex.max_model_len, ex.vision
-        # random:<preset> models have no tokenizer (prompts are token ids) unless the config names one
-        tok_dir = config.model.tokenizer or ex.model_dir
-        self.tokenizer = _load_tokenizer(tok_dir) if tok_dir is not None else None
-        if config.model.tokenizer is not None and self.tokenizer is None:
-            raise ConfigError(f"tokenizer {config.model.tokenizer!r} holds no tokenizer.json, tokenizer.model or "
-                              f"tokenizer_config.json")
+        # random:<preset> models have no tokenizer: prompts are token ids
+        self.tokenizer = _load_tokenizer(ex.model_dir) if ex.model_dir is not None else None
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
