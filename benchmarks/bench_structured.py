@@ -147,6 +147,8 @@ def main() -> None:
                dtype=str(eng.dtype).removeprefix("torch."), requests=args.requests, input_len=args.input_len,
                output_len=args.output_len, num_adapters=args.adapters, ranks=args.ranks, schema=SCHEMA,
                torch=torch.__version__, async_scheduling=eng.config.scheduler.async_scheduling, settings={})
+    tag = gpu.lower().replace(" ", "-")
+    path = args.out / f"structured-{tag}.json"
     with tempfile.TemporaryDirectory() as tmp:
         adapters = write_adapters(llm, args, Path(tmp))
         log(f"{gpu}: {eng.model_name}, {args.requests} requests x {args.input_len} prompt tokens, "
@@ -179,12 +181,10 @@ def main() -> None:
                      "example": con["texts"][0]}
             entry["ratio"] = entry["constrained_tok_s"] / entry["unconstrained_tok_s"]
             res["settings"][name] = entry
+            path.write_text(json.dumps(res, indent=2))        # each setting as it finishes
             log(f"{name}: constrained {entry['constrained_tok_s']:.1f} tok/s, unconstrained "
                 f"{entry['unconstrained_tok_s']:.1f} tok/s, ratio {entry['ratio']:.3f}; {entry['valid_json']}/"
                 f"{len(prompts)} outputs valid; mean output {entry['mean_output_len']:.1f} tokens")
-    tag = gpu.lower().replace(" ", "-")
-    path = args.out / f"structured-{tag}.json"
-    path.write_text(json.dumps(res, indent=2))
     log(f"wrote {path}")
 
 
