@@ -462,6 +462,7 @@ class Engine:
             nxt = self._queue[0]
             live = tuple(s for s in nxt.plan.scheduled if not s.seq.is_finished)
             if nxt.launched is not None:
+                nxt.launched.sample()             # structured output's: its grammars have taken these tokens
                 self.num_overlapped += 1
                 self._commit(live)
                 if not live:                      # every row ended with the tokens just read
@@ -504,10 +505,13 @@ class Engine:
         """The next decode, scheduled while the tokens of ``behind`` are still on the device: every running
         sequence continues but those its pending token ends (``max_tokens``, ``max_model_len``). None where
         that would not be exact (the scheduler's :meth:`~Scheduler.lookahead` says when), a sequence wants its
-        task head, or one has structured output: its next mask depends on the token still on the device. None
-        falls back to the synchronous loop exactly (the tokens are read, then the next iteration is scheduled)."""
+        task head, or ``behind``'s sampling is not queued yet (structured output: it waits for the tokens before
+        it). None falls back to the synchronous loop exactly (the tokens are read, then the next iteration is
+        scheduled). A structured-output row's next forward goes ahead; its sampling waits for the pending token
+        (its mask depends on it: :meth:`Launched.sample <vlora.engine.runner.Launched.sample>`)."""
         sched = self.scheduler
-        if behind.launched is None or any(s.params.task_head or s.guide is not None for s in sched.running):
+        if (behind.launched is None or behind.launched.sampled is None
+                or any(s.params.task_head for s in sched.running)):
             return None
         mml = self.max_model_len
         ending = {s.request_id for s in sched.running

@@ -283,11 +283,19 @@ class ModelRunner:
         if logits is None:
             return None
         samplers = [s.seq for s in ordered]
-        allowed = self.masks.fill(samplers)              # host work while the replay runs
-        launched = Launched(samplers, self.sampler.sample(logits, samplers, pinned=self.device.type == "cuda",
-                                                          allowed=allowed))
+        if prev is not None and any(seq.guide is not None for seq in samplers):
+            # structured output behind an iteration in flight: the rows' masks depend on its tokens, so the
+            # sampling waits for them (Launched.sample, once they have landed); the forward runs meanwhile
+            launched = Launched(samplers, None, lambda: self._sample(logits, samplers))
+        else:
+            launched = Launched(samplers, self._sample(logits, samplers))
         self._launched()
         return launched
+
+    @torch.inference_mode()
+    def _sample(self, logits: torch.Tensor, samplers: list[Sequence]) -> Sampled:
+        allowed = self.masks.fill(samplers)              # host work while the forward runs
+        return self.sampler.sample(logits, samplers, pinned=self.device.type == "cuda", allowed=allowed)
 
     def _launched(self) -> None:
         """The forward is queued on the GPU and nothing has waited for it yet: the moment for ``before_sync``."""
@@ -342,11 +350,33 @@ class Launched:
     """An iteration queued on the device: its sampled tokens arrive in host memory without a wait; ``result``
     waits for them. ``rows``: request id -> row of the sampled tensor."""
 
-    def __init__(self, seqs: list[Sequence], sampled: Sampled):
-        self.seqs, self.sampled = seqs, sampled
+    def __init__(self, seqs: list[Sequence], sampled: Sampled | None, deferred: Callable[[], Sampled] | None = None):
+        """``deferred``: queues the sampling later (:meth:`sample`), in place of ``sampled``."""
+        self.seqs, self.sampled, self._deferred = seqs, sampled, deferred
+        self._error: Exception | None = None          # the deferred sampling's, raised by result()
         self.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
 
+    @property
+    def deferred(self) -> bool:
+        """Whether its sampling waits for :meth:`sample` (structured output behind an iteration in flight)."""
+        return self._deferred is not None
+
+    def sample(self) -> None:
+        """Queue the deferred sampling: once the tokens of the iteration before have advanced the rows'
+        grammars, and before any sequence has taken another pending token (the sampler's positions)."""
+        if self._deferred is not None:
+            queue, self._deferred = self._deferred, None
+            try:
+                self.sampled = queue()
+            except Exception as e:
+                if is_fatal(e):
+                    raise
+                self._error = e
+
     def result(self) -> dict[str, int | TokenLogprobs | RowFailed]:
+        self.sample()
+        if self._error is not None:
+            raise self._error
         return {seq.request_id: t for seq, t in zip(self.seqs, self.sampled.result())}
 
 
