@@ -98,7 +98,8 @@ class Engine:
         """``executor``: what runs the iterations (:mod:`vlora.engine.executor`; ``vlora.build_engine`` picks
         the tensor-parallel one from the configuration). ``hand_back_preempted`` (cluster replicas): a request
         preempted for KV goes back to the cluster front (finish "migrate") to resume elsewhere by recompute,
-        rather than wait here for pages this replica is short of. ``observers``: told of each forward and step (:mod:`vlora.engine.observer`)."""
+        rather than wait here for pages this replica is short of. ``observers``: told of each forward and step
+        (:mod:`vlora.engine.observer`)."""
         self.config = config = config or EngineConfig()
         self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)

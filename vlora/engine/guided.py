@@ -95,7 +95,7 @@ class Grammars:
 
 
 JSON_OPTIONS = {"whitespace_flexible": False}
-"""JSON is generated compact (", " and ": " separators, no other whitespace): free whitespace would let a model
+"""JSON is generated compact (no whitespace between its tokens: ``{"a":1}``): free whitespace would let a model
 fill its budget with it (vLLM's ``disable_any_whitespace``)."""
 
 

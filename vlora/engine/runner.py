@@ -350,16 +350,12 @@ class Launched:
     """An iteration queued on the device: its sampled tokens arrive in host memory without a wait; ``result``
     waits for them. ``rows``: request id -> row of the sampled tensor."""
 
-    def __init__(self, seqs: list[Sequence], sampled: Sampled | None, deferred: Callable[[], Sampled] | None = None):
+    def __init__(self, seqs: list[Sequence], sampled: Sampled | None,
+                 deferred: Callable[[], Sampled] | None = None):
         """``deferred``: queues the sampling later (:meth:`sample`), in place of ``sampled``."""
         self.seqs, self.sampled, self._deferred = seqs, sampled, deferred
         self._error: Exception | None = None          # the deferred sampling's, raised by result()
         self.rows = {seq.request_id: i for i, seq in enumerate(seqs)}
-
-    @property
-    def deferred(self) -> bool:
-        """Whether its sampling waits for :meth:`sample` (structured output behind an iteration in flight)."""
-        return self._deferred is not None
 
     def sample(self) -> None:
         """Queue the deferred sampling: once the tokens of the iteration before have advanced the rows'
