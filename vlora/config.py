@@ -30,6 +30,8 @@ class ModelConfig:
     """Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output) accepted. Default: the model's max_position_embeddings, capped at 8192."""
+    tokenizer: str | None = None
+    """Where the tokenizer comes from when not from the model: a local HF directory, a .gguf file or a Hub id. A random:<preset> model takes it (its vocabulary grows to the tokenizer's when that is larger), so that a benchmark of a model's shape can take text and structured output."""
     seed: int = 0
     """Seed for random weights created in tests and demos; requests carry their own sampling seed."""
     kernels: str = "auto"

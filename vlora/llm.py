@@ -37,7 +37,7 @@ class LLM:
                  adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9, merged_copy: bool = False,
                  lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
                  all_reduce: str = "nccl", replicas: int = 1, ray_address: str | None = None,
-                 cluster_policy: str = "round_robin", async_scheduling: bool = True,
+                 cluster_policy: str = "round_robin", async_scheduling: bool = True, tokenizer: str | None = None,
                  config: EngineConfig | None = None):
         """``replicas`` > 1 (or a ``ray_address``): that many engine replicas on Ray, placed by
         ``cluster_policy`` (docs/cluster.md); ``self.engine`` is then None."""
@@ -45,7 +45,7 @@ class LLM:
             model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed,
                               kernels=kernels, cuda_graphs=cuda_graphs, max_images_per_request=max_images_per_request,
                               max_pixels_per_image=max_pixels_per_image,
-                              tensor_parallel_size=tensor_parallel_size, all_reduce=all_reduce),
+                              tensor_parallel_size=tensor_parallel_size, all_reduce=all_reduce, tokenizer=tokenizer),
             cache=CacheConfig(block_size, num_blocks, prefix_caching, kv_cache_memory_gb, memory_policy, host_kv_gb,
                               adapter_pool_fraction, gpu_memory_utilization=gpu_memory_utilization,
                               merged_copy=merged_copy),

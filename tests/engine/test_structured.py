@@ -220,3 +220,15 @@ def test_grammars_compile_once_per_spec(tiny):
     spec = GuidedSpec(json_schema=SCHEMAS[0])
     a, b = g.compile(spec), g.compile(GuidedSpec(json_schema=json.dumps(SCHEMAS[0], separators=(",", ":"))))
     assert len(g._cache) == 1 and a.matcher is not b.matcher           # one compile; each request its own state
+
+
+def test_a_random_preset_given_a_tokenizer_takes_its_vocabulary_and_text():
+    """``tokenizer``: a random:<preset> model (no tokenizer of its own, a vocabulary of 256) given the embedded
+    model's grows to its 49,152 tokens, takes text prompts and decodes under a grammar."""
+    from vlora.models.loader import embedded_gguf
+
+    llm = LLM("random:tiny-llama", device="cpu", tokenizer=str(embedded_gguf()), num_blocks=64, block_size=8,
+              max_model_len=256, dtype="float32")
+    assert llm.engine.model.cfg.vocab_size == VOCAB == len(llm.tokenizer)
+    js = jobs(adapter=False)
+    check(generate(llm, js), js)

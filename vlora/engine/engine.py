@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 import random
 import time
 from collections import deque
@@ -52,7 +51,8 @@ from vlora.lora.task_head import TaskResult
 from vlora.memory.manager import MemoryManager
 from vlora.memory.pool import UnifiedPool
 from vlora.memory.sizing import Sizing, plan
-from vlora.models.build import load_model
+from vlora.models.build import load_model, load_tokenizer
+from vlora.models.loader import resolve_model_dir
 from vlora.models.lmm import ImageInputError
 from vlora.sampling_params import SamplingParams
 
@@ -107,8 +107,9 @@ class Engine:
         # the model, loaded by what runs it (this rank's cut, under tensor parallelism)
         self.executor = ex = (executor or Executor)(config, self.dtype, self.device)
         self.model, self.max_model_len, self.vision = ex.model, ex.max_model_len, ex.vision
-        # random:<preset> models have no tokenizer: prompts are token ids
-        self.tokenizer = _load_tokenizer(ex.model_dir) if ex.model_dir is not None else None
+        # random:<preset> models have no tokenizer unless given one: prompts are token ids
+        tok_dir = resolve_model_dir(config.model.tokenizer) if config.model.tokenizer else ex.model_dir
+        self.tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
         cfg = self.model.cfg
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -670,14 +671,6 @@ def _both(a, b):
     if a is None or b is None:
         return b if a is None else a
     return tuple(r for r in a if r in b)
-
-
-def _load_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    has_tok = any(os.path.exists(os.path.join(model_dir, f))
-                  for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(model_dir) if has_tok else None
 
 
 @dataclass

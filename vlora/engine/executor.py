@@ -45,7 +45,7 @@ class Executor:
         # the LoRA kernels (adapters in pool pages) or the torch reference (adapters as tensors)
         self.kernel_lora = lc.lora_kernel == "triton" or (lc.lora_kernel == "auto" and device.type == "cuda")
         loaded = load_model(mc.model, dtype, device, mc.max_model_len, mc.max_images_per_request,
-                            mc.max_pixels_per_image, mc.seed, cut=self._cut())
+                            mc.max_pixels_per_image, mc.seed, cut=self._cut(), tokenizer=mc.tokenizer)
         self.model = self._wrap(loaded.model)
         self.vision = loaded.vision              # LMMs: the vision tower + projector (rank 0's, under TP)
         self.max_model_len = loaded.max_model_len

@@ -25,14 +25,18 @@ class LoadedModel:
 
 
 def load_model(spec, dtype, device, max_model_len: int | None, max_images: int, max_pixels: int,
-               seed: int = 0, cut=None) -> LoadedModel:
+               seed: int = 0, cut=None, tokenizer: str | None = None) -> LoadedModel:
     """Build the model that ``spec`` names, with its weights, on ``device``. ``cut``: see
-    :func:`~vlora.models.loader.build_random_decoder` (random decoders only; others are built whole)."""
+    :func:`~vlora.models.loader.build_random_decoder` (random decoders only; others are built whole).
+    ``tokenizer``: a model argument whose tokenizer a random decoder is given (``ModelConfig.tokenizer``): its
+    vocabulary grows to cover that tokenizer's."""
     if is_random_spec(spec):             # shapes of a known model, seeded random weights (benchmarks)
         if is_random_lmm(spec):
             return LoadedModel(*build_random_lmm(spec, dtype, device, max_model_len, max_images, max_pixels, seed),
                                None)
-        return LoadedModel(*build_random_decoder(spec, dtype, device, max_model_len, seed, cut), None, None)
+        vocab = None if tokenizer is None else len(load_tokenizer(resolve_model_dir(tokenizer)) or ())
+        return LoadedModel(*build_random_decoder(spec, dtype, device, max_model_len, seed, cut, min_vocab=vocab),
+                           None, None)
     from transformers import AutoConfig
 
     model_dir = resolve_model_dir(spec)
@@ -44,3 +48,11 @@ def load_model(spec, dtype, device, max_model_len: int | None, max_images: int, 
         return LoadedModel(model, max_len, None, model_dir)
     model, max_len, vision = arch.build()(model_dir, hf_config, dtype, device, max_model_len, max_images, max_pixels)
     return LoadedModel(model, max_len, vision, model_dir)
+
+
+def load_tokenizer(model_dir: Path):
+    """The Hugging Face tokenizer of ``model_dir``, or None when it has none (random weights, bare checkpoints)."""
+    from transformers import AutoTokenizer
+
+    has_tok = any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return AutoTokenizer.from_pretrained(model_dir) if has_tok else None

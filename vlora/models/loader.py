@@ -315,16 +315,19 @@ def lora_shape(model: str | None) -> ModelShape:
 
 
 def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, max_model_len: int | None,
-                         seed: int = 0, cut=None) -> tuple[DecoderLM, int]:
+                         seed: int = 0, cut=None, min_vocab: int | None = None) -> tuple[DecoderLM, int]:
     """A decoder with the shapes of preset ``random:<name>`` and seeded random weights, made on ``device``.
     ``cut``: a callable that cuts the model down in place (tensor parallelism: one rank's shard) before any
-    weight is made, so a model larger than the device can be built; each weight keeps the scale of the whole."""
+    weight is made, so a model larger than the device can be built; each weight keeps the scale of the whole.
+    ``min_vocab``: the vocabulary grows to this many tokens if the preset's is smaller (a tokenizer given to it)."""
     from transformers import LlamaConfig
 
     name = spec.removeprefix("random:")
     if name not in RANDOM_PRESETS:
         raise ModelLoadError(f"unknown random model {name!r} (known: {', '.join(RANDOM_PRESETS)})")
-    hf_config = LlamaConfig(**RANDOM_PRESETS[name], bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    shape = dict(RANDOM_PRESETS[name])
+    shape["vocab_size"] = max(shape["vocab_size"], min_vocab or 0)
+    hf_config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     cfg = decoder_config(hf_config, name=f"random-{name}")
     inv_freq, scaling, _ = rope_parameters(hf_config, cfg.head_dim)
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

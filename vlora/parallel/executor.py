@@ -44,7 +44,7 @@ class TensorParallelExecutor(Executor):
         # with the LoRA kernels adapters live in the pool: the workers keep their slices in host memory to place
         # them
         spec = WorkerSpec(mc.model, self.dtype, self.device.type, mc.max_model_len, mc.seed, timeout_s=60.0,
-                          all_reduce=mc.all_reduce, host_adapters=self.kernel_lora)
+                          all_reduce=mc.all_reduce, host_adapters=self.kernel_lora, tokenizer=mc.tokenizer)
         return tensor_parallel(model, tp, spec, self.device)
 
     @property

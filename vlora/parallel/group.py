@@ -49,6 +49,7 @@ class WorkerSpec:
     all_reduce: str = "nccl"    # see collectives.py
     host_adapters: bool = False  # the LoRA kernels read adapters from the pool: their slices stay on the host
     build_timeout_s: float = 1800.0   # a worker's load of its model
+    tokenizer: str | None = None  # the model config's: a random decoder's vocabulary grows to it
 
 
 class TensorParallelGroup:

@@ -129,7 +129,7 @@ def build_model(spec, device: torch.device, rank: int, world: int):
     from vlora.models.build import load_model
 
     loaded = load_model(spec.model, spec.dtype, device, spec.max_model_len, 1, 1, spec.seed,
-                        cut=lambda m: shard_decoder(m, Shard.of(m.cfg, rank, world)))
+                        cut=lambda m: shard_decoder(m, Shard.of(m.cfg, rank, world)), tokenizer=spec.tokenizer)
     model = loaded.model
     del loaded
     if device.type == "cuda":
