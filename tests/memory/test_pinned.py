@@ -52,3 +52,69 @@ def test_a_failed_registration_falls_back_and_leaves_no_cuda_error(monkeypatch):
     torch.zeros(4, device="cuda").add_(1)                      # would raise the stale registration error
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaHostUnregister(taken.ctypes.data)
+
+
+@pytest.mark.gpu
+def test_a_buffer_registered_in_pieces_copies_piece_by_piece():
+    """``pieces``: a buffer larger than a piece (not a whole number of pages either) is page-locked throughout,
+    and one asynchronous copy per piece moves it to the device and back unchanged."""
+    from vlora.memory.pinned import PIECE_BYTES, pinned_empty, piece_slices
+
+    n = (5 * PIECE_BYTES) // 2 + 1234                         # float32 elements: 10 pieces and a bit
+    t = pinned_empty(n, torch.float32, pieces=True)
+    assert t.numel() == n and t.is_pinned() and t[-1:].is_pinned() and t[PIECE_BYTES // 4:].is_pinned()
+    t.copy_(torch.arange(n, dtype=torch.float32))
+    slices = piece_slices(n, torch.float32)
+    assert len(slices) == -(-n * 4 // PIECE_BYTES) and slices[0].start == 0 and slices[-1].stop == n
+    dev = torch.empty(n, device="cuda")
+    for s in slices:
+        dev[s].copy_(t[s], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), t)
+    del t
+    gc.collect()                                               # every piece unregistered: registering again works
+    assert pinned_empty(n, torch.float32, pieces=True).is_pinned()
+
+
+@pytest.mark.gpu
+def test_pinning_and_copies_on_another_thread_do_not_break_a_global_capture():
+    """The adapter loader's CUDA calls (pinning in pieces, moving a tensor to the device) take the capture lock,
+    so graphs captured meanwhile in ``global`` mode, as the engine captures its decode graphs while serving,
+    neither fail nor make those calls fail."""
+    import threading
+
+    from vlora.memory.capture import CAPTURE, guarded
+    from vlora.memory.pinned import pinned_empty
+
+    stop, errors = threading.Event(), []
+
+    def loader():
+        try:
+            while not stop.is_set():
+                pinned_empty(3_000_000, torch.float32, pieces=True)
+                with guarded(torch.device("cuda")):
+                    torch.ones(1000).to("cuda")
+                gc.collect()                                   # unregistering takes the lock too
+        except Exception as e:                                 # noqa: BLE001 - reported by the assertion
+            errors.append(e)
+
+    x = torch.zeros(1 << 16, device="cuda")
+    th = threading.Thread(target=loader)
+    th.start()
+    try:
+        for _ in range(50):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                (x * 2).sum()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with CAPTURE, torch.cuda.graph(graph, capture_error_mode="global"):
+                y = (x * 2 + 1).sum()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert y.item() == x.numel()
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors

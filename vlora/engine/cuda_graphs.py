@@ -44,6 +44,7 @@ import torch
 
 from vlora.kernels.segments import SegmentMeta
 from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
+from vlora.memory.capture import CAPTURE
 from vlora.models.forward_batch import ForwardBatch
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL, _SRC = range(9)
@@ -232,7 +233,8 @@ class DecodeGraphs:
                 self._run_forward(b, kind)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
+        # no other thread's CUDA call may land inside a global capture (vlora/memory/capture.py)
+        with CAPTURE, torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
             logits, cap = self._run_forward(b, kind)
         self.pool = graph.pool()
         self.graphs[(b, kind)] = (graph, logits, cap)

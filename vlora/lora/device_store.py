@@ -21,7 +21,7 @@ import torch
 from vlora.kernels.segments import SegmentMeta
 from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
 from vlora.memory.kv_cache import OutOfBlocks
-from vlora.memory.pinned import pinned_empty
+from vlora.memory.pinned import pinned_empty, piece_slices
 
 ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
 
@@ -90,8 +90,9 @@ class AdapterStore:
         mats = matrices(adapter if self.view is None else self.view(adapter))
         sizes = [m.numel() for m in mats]
         total = sum(aligned(n) for n in sizes)
-        flat = pinned_empty(total, mats[0].dtype) if self.device.type == "cuda" else torch.empty(total,
-                                                                                                 dtype=mats[0].dtype)
+        # registered in pieces: this runs on the loader's thread while the engine serves (pinned.PIECE_BYTES)
+        flat = pinned_empty(total, mats[0].dtype, pieces=True) if self.device.type == "cuda" else \
+            torch.empty(total, dtype=mats[0].dtype)
         pos = 0
         for m, n in zip(mats, sizes):
             flat[pos:pos + n].copy_(m)
@@ -132,7 +133,9 @@ class AdapterStore:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with ctx:
-            buf[offs[0]:offs[0] + host.flat.numel()].copy_(host.flat, non_blocking=True)
+            dst = buf[offs[0]:offs[0] + host.flat.numel()]
+            for piece in piece_slices(host.flat.numel(), host.flat.dtype):   # one copy per registered piece
+                dst[piece].copy_(host.flat[piece], non_blocking=True)
             if self.stream is not None:
                 adapter.placement.ready = torch.cuda.Event()
                 adapter.placement.ready.record(self.stream)

@@ -19,6 +19,7 @@ from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
 from vlora.lora.device_store import AdapterStore, HostAdapter
 from vlora.lora.merge_copy import MergedCopies
 from vlora.lora.task_head import TaskHead, load_task_head
+from vlora.memory.capture import guarded
 
 _NAME_MAX = 128
 
@@ -85,12 +86,21 @@ class AdapterRegistry:
     def prepare(self, name: str, path: str | os.PathLike) -> PreparedAdapter:
         """The adapter in ``path`` read, validated and packed (with its host copy for the pool), for :meth:`add`.
         Changes nothing here, so it may run on any thread while the engine serves: the costly part of
-        registering."""
-        self._check_name(name)
+        registering. Its CUDA calls (pinning the host copy, moving a task head or, without a store, the adapter
+        to the device) each take the capture lock (vlora/memory/capture.py): the engine may be capturing a
+        graph meanwhile. Whether the name is taken is :meth:`add`'s to say, on the engine's thread."""
+        self._check_name(name, taken=False)
         loaded = load_adapter(path, name, self.shape, max_rank=self.max_rank, dtype=self.dtype,
                               check_base_model=self.check_base_model)
-        head = load_task_head(path, self.shape.in_features["q_proj"], self.dtype, self.device)
-        packed = pack(loaded, -1, self.shape.out_features, self.device if self.store is None else torch.device("cpu"))
+        head = load_task_head(path, self.shape.in_features["q_proj"], self.dtype, torch.device("cpu"))
+        if head is not None and self.device.type != "cpu":
+            with guarded(self.device):
+                head = replace(head, weight=head.weight.to(self.device), bias=head.bias.to(self.device))
+        if self.store is None:
+            with guarded(self.device):
+                packed = pack(loaded, -1, self.shape.out_features, self.device)
+        else:
+            packed = pack(loaded, -1, self.shape.out_features, torch.device("cpu"))
         host = None
         if self.store is not None:
             host = self.store.host_copy(packed)
@@ -114,11 +124,12 @@ class AdapterRegistry:
             self.heads[name] = prepared.head
         return packed
 
-    def _check_name(self, name: str) -> None:
+    def _check_name(self, name: str, taken: bool = True) -> None:
+        """A refusal of ``name``'s form, of the base model's name, and (``taken``) of a name registered."""
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():
             raise AdapterError(f"adapter name must be a non-empty string of at most {_NAME_MAX} "
                                f"characters without surrounding spaces, got {name!r}")
-        if name in self._by_name:
+        if taken and name in self._by_name:
             raise AdapterError(f"an adapter named {name!r} is already registered (from {self._paths[name]})")
         if name == self.shape.name:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
