@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from vlora.engine.client import AdapterNotFound, EngineClient, Job, RequestGroup, Timing
 from vlora.engine.sequence import RequestOutput
@@ -57,7 +57,7 @@ class OnDemandAdapters:
         self.loaded: OrderedDict[str, None] = OrderedDict()     # registered here, least recently used first
         self.loading: dict[str, asyncio.Task] = {}              # one load per name
         self.evicting: dict[str, asyncio.Task] = {}             # being unloaded to make room
-        self.running: Counter[str] = Counter()                  # submitted requests not finished, per adapter
+        self.running: dict[str | None, set[str]] = {}          # ids of requests submitted, not finished, per adapter
         self._reserved = 0                                      # loads under way that room was made for
 
     async def ensure(self, name: str) -> None:
@@ -78,31 +78,53 @@ class OnDemandAdapters:
 
     async def submit(self, jobs: Sequence[Job], on_finish: Callable[[RequestOutput, Timing], None]) -> RequestGroup:
         """``engine.submit(jobs, on_finish)``, the jobs' adapter counted busy (never evicted) until they finish; an
-        adapter loaded on request and evicted since its request's :meth:`ensure` is loaded again."""
+        adapter loaded on request and evicted since its request's :meth:`ensure` is loaded again.
+
+        Each job counts until it is released, once: by its final output when the engine took the jobs, at once
+        when the engine refused them (it takes all or none). A caller cancelled meanwhile does not cancel the
+        engine's submission: its outcome is awaited, and the requests it took are aborted (their abort outputs
+        release them)."""
         adapter = jobs[0].adapter if jobs else None
 
         def finished(out: RequestOutput, timing: Timing) -> None:
-            self._release(out.adapter, 1)
+            self._release(adapter, (out.request_id,))
             on_finish(out, timing)
 
+        ids = {j.request_id for j in jobs}
         for attempt in range(_SUBMIT_TRIES):
-            self.running[adapter] += len(jobs)
+            self.running.setdefault(adapter, set()).update(ids)
+            task = asyncio.ensure_future(self.engine.submit(jobs, finished))
             try:
-                return await self.engine.submit(jobs, finished)
+                return await asyncio.shield(task)
             except AdapterNotFound:
-                self._release(adapter, len(jobs))
+                self._release(adapter, ids)
                 if adapter is None or attempt == _SUBMIT_TRIES - 1:
                     raise
                 await self.ensure(adapter)
+            except asyncio.CancelledError:
+                task.add_done_callback(self._abandoned(adapter, ids))
+                raise
             except BaseException:
-                self._release(adapter, len(jobs))
+                self._release(adapter, ids)
                 raise
         raise AssertionError("unreachable")
 
-    def _release(self, adapter: str | None, count: int) -> None:
-        self.running[adapter] -= count
-        if self.running[adapter] <= 0:
-            del self.running[adapter]
+    def _abandoned(self, adapter: str | None, ids: set[str]) -> Callable[[asyncio.Task], None]:
+        """A done callback for the engine's submission of ``ids``, whose caller went away: refused, they are
+        released; taken, they are aborted."""
+        def done(task: asyncio.Task) -> None:
+            if task.cancelled() or task.exception() is not None:
+                self._release(adapter, ids)
+            else:
+                task.result().abort()
+        return done
+
+    def _release(self, adapter: str | None, ids: Iterable[str]) -> None:
+        busy = self.running.get(adapter)
+        if busy is not None:
+            busy.difference_update(ids)
+            if not busy:
+                del self.running[adapter]
 
     async def _load(self, name: str) -> None:
         start = time.perf_counter()
