@@ -146,6 +146,28 @@ def test_a_missing_adapter_is_404(live, monkeypatch, model):
     assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_malformed_request_loads_and_evicts_nothing(live, monkeypatch):
+    """The request is validated before its adapter is loaded: a 400 loads nothing and evicts nothing; a name that
+    is nowhere is a 404 first, as for a loaded model; a Hub id is not looked up."""
+    def hub(repo_id, kind):
+        raise AssertionError(f"{repo_id!r} reached the Hub")
+
+    monkeypatch.setattr("vlora.server.app.snapshot_dir", hub)
+    reset(live)
+    for name in ("od-1", "od-2"):
+        assert chat(live, name).status_code == 200
+    loads, evictions = live.metric("vlora_adapter_loads_total"), live.metric("vlora_adapter_evictions_total")
+    for model in ("od-3", "org/od-unchecked"):
+        for body, param in [({"max_tokens": 10**6}, "max_tokens"), ({"n": 10**4}, "n")]:
+            r = chat(live, model, **body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (model, r.text)
+    r = chat(live, "od-missing", max_tokens=10**6)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert on_request(live) == ["od-1", "od-2"]
+    assert live.metric("vlora_adapter_loads_total") == loads
+    assert live.metric("vlora_adapter_evictions_total") == evictions
+
+
 def test_names_that_leave_the_adapter_dir_are_refused(live, disk, monkeypatch):
     def hub(repo_id, kind):
         raise AssertionError(f"{repo_id!r} reached the Hub")

@@ -1,7 +1,8 @@
 """Adapters loaded on first request (``vlora serve --adapter-dir DIR``, ``--allow-hub-adapters``).
 
 A request whose ``model`` names an adapter that is not registered but can be found (DIR/<model>, or a Hub id)
-has it loaded, then is served. :class:`OnDemandAdapters` decides when: one load per name at a time (concurrent
+has it loaded, then is served; the load comes after the request is validated (a request refused with 400 loads
+nothing), when its jobs are submitted. :class:`OnDemandAdapters` decides when: one load per name at a time (concurrent
 requests for it await the same task), at most ``max_loaded_adapters`` of them registered (the least recently
 used with no request running is unloaded to make room: the LRU policy of the adapter store,
 :func:`vlora.lora.device_store.least_recent`), and the loads and evictions counted in the metrics. The server
@@ -11,9 +12,10 @@ client reads, validates and packs it off the engine thread and the event loop
 
 Adapters registered otherwise (at start, through /v1/load_lora_adapter) are never unloaded here.
 
-    request -> ensure(name) --first--> task: locate(name) -> make room (evict LRU idle) -> register -> done
-                            --others-> await the same task
-            -> submit(jobs)  (the adapter counted busy until its requests finish)
+    request (validated, its jobs built) -> submit(jobs): the adapter counted busy until its requests finish
+        -> ensure(name) --first--> task: locate(name) -> make room (evict LRU idle) -> register -> done
+                        --others-> await the same task
+        -> engine.submit(jobs)
 """
 
 from __future__ import annotations
@@ -30,9 +32,6 @@ from vlora.lora.device_store import least_recent
 from vlora.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-_SUBMIT_TRIES = 3           # an adapter evicted between its load and the submission is loaded again, this often
-
 
 class AdaptersBusy(RuntimeError):
     """Every adapter loaded on request has requests running: none can make room for another (429)."""
@@ -77,37 +76,38 @@ class OnDemandAdapters:
         await asyncio.shield(task)
 
     async def submit(self, jobs: Sequence[Job], on_finish: Callable[[RequestOutput, Timing], None]) -> RequestGroup:
-        """``engine.submit(jobs, on_finish)``, the jobs' adapter counted busy (never evicted) until they finish; an
-        adapter loaded on request and evicted since its request's :meth:`ensure` is loaded again.
+        """``engine.submit(jobs, on_finish)`` once the jobs' adapter is registered (:meth:`ensure`: loaded now if it
+        is not). The adapter counts as busy (never evicted) from before it is ensured until the jobs finish, so it
+        stays registered between its load and the submission. Raises what :meth:`ensure` and ``engine.submit``
+        raise.
 
         Each job counts until it is released, once: by its final output when the engine took the jobs, at once
-        when the engine refused them (it takes all or none). A caller cancelled meanwhile does not cancel the
-        engine's submission: its outcome is awaited, and the requests it took are aborted (their abort outputs
-        release them)."""
+        when the engine refused them (it takes all or none) or they never reached it. A caller cancelled while
+        the engine decides does not cancel the engine's submission: its outcome is awaited, and the requests it
+        took are aborted (their abort outputs release them)."""
         adapter = jobs[0].adapter if jobs else None
+        ids = {j.request_id for j in jobs}
 
         def finished(out: RequestOutput, timing: Timing) -> None:
             self._release(adapter, (out.request_id,))
             on_finish(out, timing)
 
-        ids = {j.request_id for j in jobs}
-        for attempt in range(_SUBMIT_TRIES):
-            self.running.setdefault(adapter, set()).update(ids)
-            task = asyncio.ensure_future(self.engine.submit(jobs, finished))
-            try:
-                return await asyncio.shield(task)
-            except AdapterNotFound:
-                self._release(adapter, ids)
-                if adapter is None or attempt == _SUBMIT_TRIES - 1:
-                    raise
+        self.running.setdefault(adapter, set()).update(ids)
+        try:
+            if adapter is not None:
                 await self.ensure(adapter)
-            except asyncio.CancelledError:
-                task.add_done_callback(self._abandoned(adapter, ids))
-                raise
-            except BaseException:
-                self._release(adapter, ids)
-                raise
-        raise AssertionError("unreachable")
+            task = asyncio.ensure_future(self.engine.submit(jobs, finished))
+        except BaseException:
+            self._release(adapter, ids)
+            raise
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._abandoned(adapter, ids))
+            raise
+        except BaseException:
+            self._release(adapter, ids)
+            raise
 
     def _abandoned(self, adapter: str | None, ids: set[str]) -> Callable[[asyncio.Task], None]:
         """A done callback for the engine's submission of ``ids``, whose caller went away: refused, they are
