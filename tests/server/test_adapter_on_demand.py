@@ -18,6 +18,7 @@ from vlora.config import ServerConfig
 from vlora.lora.random_adapter import write_random_adapter
 from vlora.models.hub import HubError
 from vlora.models.loader import lora_shape
+from vlora.server.on_demand import HUB_MISS_SECONDS, RecentMisses
 
 N = 8           # tokens per answer
 STARTUP = "start-r8"
@@ -166,6 +167,24 @@ def test_a_malformed_request_loads_and_evicts_nothing(live, monkeypatch):
     assert on_request(live) == ["od-1", "od-2"]
     assert live.metric("vlora_adapter_loads_total") == loads
     assert live.metric("vlora_adapter_evictions_total") == evictions
+
+
+def test_a_hub_id_not_found_is_not_looked_up_again_for_a_while(live, monkeypatch):
+    asked, now = [], [1000.0]
+
+    def no_hub(repo_id, kind):
+        asked.append(repo_id)
+        raise HubError(f"{repo_id} is not on the Hub")
+
+    monkeypatch.setattr("vlora.server.app.snapshot_dir", no_hub)
+    monkeypatch.setattr(live.server_state, "hub_misses", RecentMisses(clock=lambda: now[0]))
+    for _ in range(3):
+        r = chat(live, "org/od-gone")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert asked == ["org/od-gone"]
+    now[0] += HUB_MISS_SECONDS
+    assert chat(live, "org/od-gone").status_code == 404
+    assert asked == ["org/od-gone"] * 2
 
 
 def test_names_that_leave_the_adapter_dir_are_refused(live, disk, monkeypatch):

@@ -67,7 +67,7 @@ from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
 from vlora.server.logprobs import TokenTexts, generated, prompt_items
 from vlora.server.metrics import ServerMetrics
-from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters
+from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters, RecentMisses
 from vlora.server.templates import describe as describe_template_error
 from vlora.server.templates import compile_template, load_chat_template, reserved_kwarg
 from vlora.server.tool_calls import Parser, ToolStream, new_call_id, parse_answer, parser_for
@@ -142,6 +142,7 @@ class OpenAIServer:
         self.on_demand = (OnDemandAdapters(self.engine, self.on_request_source, self.register_on_request,
                                            config.max_loaded_adapters, self.metrics)
                           if config.adapter_dirs or config.allow_hub_adapters else None)
+        self.hub_misses = RecentMisses()        # Hub ids not found lately: 404 without asking the Hub again
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         # the server's default chat template (--chat-template), in place of the model's; checked here
         self.chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
@@ -654,9 +655,10 @@ class OpenAIServer:
 
     def on_request_path(self, model: str) -> str | None:
         """The directory of the adapter ``model`` names in the adapter directories (a PEFT adapter directory), or
-        None when it is to be looked up on the Hub (allowed, and ``model`` a Hub id); 404 naming model when
-        neither. A name with an empty, "." or ".." part, a backslash, a NUL or a leading "/" names none: nothing
-        outside the adapter directories is read. Reaches no network: checked before the request is validated."""
+        None when it is to be looked up on the Hub (allowed, ``model`` a Hub id, not found there lately); 404
+        naming model when neither. A name with an empty, "." or ".." part, a backslash, a NUL or a leading "/"
+        names none: nothing outside the adapter directories is read. Reaches no network: checked before the
+        request is validated."""
         if ("\\" in model or "\x00" in model or os.path.isabs(model)
                 or any(p in ("", ".", "..") for p in model.split("/"))):
             raise self.no_model(model)
@@ -667,7 +669,7 @@ class OpenAIServer:
             except (APIError, ValueError):      # ValueError: a name the file system cannot take
                 pass
         if path is None:
-            if self.config.allow_hub_adapters and is_hub_id(model):
+            if self.config.allow_hub_adapters and is_hub_id(model) and model not in self.hub_misses:
                 return None
             raise self.no_model(model)
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
@@ -684,8 +686,9 @@ class OpenAIServer:
         try:
             path = str(await asyncio.to_thread(snapshot_dir, model, "adapter"))
         except HubError:
-            raise self.no_model(model) from None
-        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            path = None
+        if path is None or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            self.hub_misses.add(model)
             raise self.no_model(model)
         return path
 

@@ -12,6 +12,10 @@ client reads, validates and packs it off the engine thread and the event loop
 
 Adapters registered otherwise (at start, through /v1/load_lora_adapter) are never unloaded here.
 
+A Hub id the Hub did not give (no such repository, no adapter in it, or the Hub unreachable) is a 404 without
+asking the Hub again for :data:`HUB_MISS_SECONDS` (:class:`RecentMisses`): a client repeating a missing id does
+not repeat the lookups.
+
     request (validated, its jobs built) -> submit(jobs): the adapter counted busy until its requests finish
         -> ensure(name) --first--> task: locate(name) -> make room (evict LRU idle) -> register -> done
                         --others-> await the same task
@@ -32,6 +36,9 @@ from vlora.lora.device_store import least_recent
 from vlora.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+HUB_MISS_SECONDS = 60.0     # a Hub id not found is not looked up again for this long
+
 
 class AdaptersBusy(RuntimeError):
     """Every adapter loaded on request has requests running: none can make room for another (429)."""
@@ -164,6 +171,30 @@ class OnDemandAdapters:
             return
         self.metrics.adapter_evictions.labels(name).inc()
         log.info("unloaded adapter %r (least recently used of those loaded on request)", name)
+
+
+class RecentMisses:
+    """Names not found lately: each is in for ``seconds`` after its :meth:`add` (``clock``: monotonic seconds).
+    Holds only names added in the last ``seconds``."""
+
+    def __init__(self, seconds: float = HUB_MISS_SECONDS, clock: Callable[[], float] = time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self._until: OrderedDict[str, float] = OrderedDict()      # name -> when it expires, soonest first
+
+    def add(self, name: str) -> None:
+        self._until.pop(name, None)
+        self._until[name] = self.clock() + self.seconds
+        self._expire()
+
+    def __contains__(self, name: str) -> bool:
+        self._expire()
+        return name in self._until
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._until and next(iter(self._until.values())) <= now:
+            self._until.popitem(last=False)
 
 
 def _forget(tasks: dict[str, asyncio.Task], name: str) -> Callable[[asyncio.Task], None]:

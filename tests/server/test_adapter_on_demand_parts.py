@@ -1,7 +1,10 @@
-"""OnDemandAdapters on a fake engine client: which adapters count as busy (never evicted) while requests come,
-go, are refused or are cancelled, with the engine's guarantees: ``submit`` takes the jobs all or none; once it
-has taken them, each ends with a final output (``on_finish``), an abort included; a caller cancelled after the
-engine took them gets its requests aborted (as :class:`vlora.engine.async_engine.AsyncEngine` does)."""
+"""Adapters loaded on first request, without a server: :class:`OnDemandAdapters` on a fake engine client (which
+adapters count as busy, never evicted, while requests come, go, are refused or are cancelled) and
+:class:`RecentMisses`.
+
+The fake keeps the engine's guarantees: ``submit`` takes the jobs all or none; once it has taken them, each ends
+with a final output (``on_finish``), an abort included; a caller cancelled after the engine took them gets its
+requests aborted (as :class:`vlora.engine.async_engine.AsyncEngine` does)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import pytest
 from vlora.engine.client import AdapterNotFound, Job, QueueFull, RequestGroup
 from vlora.sampling_params import SamplingParams
 from vlora.engine.sequence import RequestOutput
-from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters
+from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters, RecentMisses
 
 
 class FakeEngine:
@@ -187,3 +190,19 @@ def test_requests_finish_one_by_one():
         assert engine.unloaded == ["a"]
 
     asyncio.run(main())
+
+
+def test_recent_misses_expire_and_hold_only_recent_names():
+    now = [0.0]
+    misses = RecentMisses(60.0, clock=lambda: now[0])
+    misses.add("org/a")
+    now[0] = 30.0
+    misses.add("org/b")
+    assert "org/a" in misses and "org/b" in misses and "org/c" not in misses
+    now[0] = 60.0
+    assert "org/a" not in misses and "org/b" in misses
+    misses.add("org/b")                     # missed again: in for another 60 s
+    now[0] = 100.0
+    assert "org/b" in misses
+    now[0] = 120.0
+    assert "org/b" not in misses and not misses._until
