@@ -15,6 +15,7 @@ import pytest
 from vlora.engine.client import AdapterNotFound, Job, QueueFull, RequestGroup
 from vlora.sampling_params import SamplingParams
 from vlora.engine.sequence import RequestOutput
+from vlora.server.metrics import ServerMetrics
 from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters, RecentMisses
 
 
@@ -66,22 +67,6 @@ class FakeEngine:
         return 0
 
 
-class Metrics:
-    """The few metrics OnDemandAdapters records, as no-ops."""
-
-    def __getattr__(self, name):
-        return self
-
-    def labels(self, *args):
-        return self
-
-    def inc(self, *args):
-        pass
-
-    def observe(self, *args):
-        pass
-
-
 def jobs(adapter: str | None, rid: str, n: int = 1) -> list[Job]:
     return [Job([1, 2], adapter, SamplingParams(max_tokens=1), f"{rid}-{i}") for i in range(n)]
 
@@ -94,7 +79,7 @@ def on_demand(engine: FakeEngine, limit: int | None = 1) -> OnDemandAdapters:
         await engine.load_adapter(name, path)
         return True
 
-    return OnDemandAdapters(engine, locate, register, limit, Metrics())
+    return OnDemandAdapters(engine, locate, register, limit, ServerMetrics(engine, "base"))
 
 
 async def settle() -> None:

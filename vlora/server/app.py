@@ -749,6 +749,7 @@ class OpenAIServer:
             count = await self.engine.unload_adapter(req.lora_name, policy)
         except AdapterNotFound as e:
             raise APIError(404, str(e), param="lora_name", code="adapter_not_found") from None
+        self.metrics.forget(req.lora_name)
         log.info("unloaded adapter %r (%s %d request(s))", req.lora_name,
                  "aborted" if policy == "abort" else "waited for", count)
         return {"status": "ok", "lora_name": req.lora_name,

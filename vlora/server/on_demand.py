@@ -144,8 +144,8 @@ class OnDemandAdapters:
         finally:
             self._reserved -= 1
         self.loaded[name] = None
-        self.metrics.adapter_loads.labels(name).inc()
-        self.metrics.adapter_load_seconds.labels(name).observe(seconds)
+        self.metrics.adapter_loads.inc()
+        self.metrics.adapter_load_seconds.observe(seconds)
         log.info("loaded adapter %r on first request (%.3f s)", name, seconds)
 
     async def _make_room(self) -> None:
@@ -169,7 +169,8 @@ class OnDemandAdapters:
             await self.engine.unload_adapter(name, "wait")
         except AdapterNotFound:             # unloaded meanwhile through /v1/unload_lora_adapter
             return
-        self.metrics.adapter_evictions.labels(name).inc()
+        self.metrics.adapter_evictions.inc()
+        self.metrics.forget(name)
         log.info("unloaded adapter %r (least recently used of those loaded on request)", name)
 
 
