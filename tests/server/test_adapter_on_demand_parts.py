@@ -82,6 +82,24 @@ def on_demand(engine: FakeEngine, limit: int | None = 1) -> OnDemandAdapters:
     return OnDemandAdapters(engine, locate, register, limit, ServerMetrics(engine, "base"))
 
 
+def ignore(out: RequestOutput, timing) -> None:
+    pass
+
+
+async def with_idle_a() -> tuple[FakeEngine, OnDemandAdapters]:
+    """Adapter a loaded on request (at most one), its request finished."""
+    engine = FakeEngine()
+    od = on_demand(engine)
+    engine.finish((await od.submit(jobs("a", "zero"), ignore)).request_ids[0])
+    return engine, od
+
+
+async def idle_a_is_evicted_for_b(engine: FakeEngine, od: OnDemandAdapters) -> None:
+    assert not od.running
+    await od.submit(jobs("b", "last"), ignore)
+    assert engine.unloaded == ["a"]
+
+
 async def settle() -> None:
     """Let the callbacks already scheduled (abort outputs) run."""
     for _ in range(5):
@@ -94,9 +112,9 @@ def test_a_cancelled_submit_releases_its_requests_once():
     async def main():
         engine = FakeEngine()
         od = on_demand(engine)
-        running = await od.submit(jobs("a", "first"), lambda out, t: None)        # loads a, stays running
+        running = await od.submit(jobs("a", "first"), ignore)        # loads a, stays running
         engine.answer, engine.taken = asyncio.Event(), asyncio.Event()
-        cancelled = asyncio.ensure_future(od.submit(jobs("a", "second", 2), lambda out, t: None))
+        cancelled = asyncio.ensure_future(od.submit(jobs("a", "second", 2), ignore))
         await engine.taken.wait()
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -106,10 +124,10 @@ def test_a_cancelled_submit_releases_its_requests_once():
         assert not any(rid.startswith("second") for rid in engine.live)
         engine.answer = None
         with pytest.raises(AdaptersBusy):       # a is still busy with "first": not evicted
-            await od.submit(jobs("b", "third"), lambda out, t: None)
+            await od.submit(jobs("b", "third"), ignore)
         assert engine.unloaded == [] and "a" in engine.adapter_names
         engine.finish(running.request_ids[0])
-        await od.submit(jobs("b", "fourth"), lambda out, t: None)              # a idle now: evicted for b
+        await od.submit(jobs("b", "fourth"), ignore)              # a idle now: evicted for b
         assert engine.unloaded == ["a"]
         assert dict(od.running) == {"b": {"fourth-0"}}
 
@@ -118,16 +136,12 @@ def test_a_cancelled_submit_releases_its_requests_once():
 
 def test_a_refused_submit_releases_its_requests():
     async def main():
-        engine = FakeEngine()
-        od = on_demand(engine)
-        engine.finish((await od.submit(jobs("a", "zero"), lambda out, t: None)).request_ids[0])
+        engine, od = await with_idle_a()
         engine.refuse = QueueFull("full")
         with pytest.raises(QueueFull):
-            await od.submit(jobs("a", "first", 3), lambda out, t: None)
-        assert not od.running
+            await od.submit(jobs("a", "first", 3), ignore)
         engine.refuse = None
-        await od.submit(jobs("b", "second"), lambda out, t: None)              # a idle: evicted for b
-        assert engine.unloaded == ["a"]
+        await idle_a_is_evicted_for_b(engine, od)
 
     asyncio.run(main())
 
@@ -135,9 +149,7 @@ def test_a_refused_submit_releases_its_requests():
 def test_a_submit_cancelled_before_the_engine_answers_with_a_refusal_releases_its_requests():
     """The caller goes away while the engine still decides; the engine then refuses: nothing runs on a."""
     async def main():
-        engine = FakeEngine()
-        od = on_demand(engine)
-        engine.finish((await od.submit(jobs("a", "zero"), lambda out, t: None)).request_ids[0])
+        engine, od = await with_idle_a()
         gate = asyncio.Event()
         submit = engine.submit
 
@@ -146,17 +158,15 @@ def test_a_submit_cancelled_before_the_engine_answers_with_a_refusal_releases_it
             raise QueueFull("full")
 
         engine.submit = slow_refusal
-        task = asyncio.ensure_future(od.submit(jobs("a", "first"), lambda out, t: None))
+        task = asyncio.ensure_future(od.submit(jobs("a", "first"), ignore))
         await settle()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         gate.set()
         await settle()
-        assert not od.running
         engine.submit = submit
-        await od.submit(jobs("b", "second"), lambda out, t: None)
-        assert engine.unloaded == ["a"]
+        await idle_a_is_evicted_for_b(engine, od)
 
     asyncio.run(main())
 
@@ -165,14 +175,13 @@ def test_requests_finish_one_by_one():
     async def main():
         engine = FakeEngine()
         od = on_demand(engine)
-        group = await od.submit(jobs("a", "first", 2), lambda out, t: None)
+        group = await od.submit(jobs("a", "first", 2), ignore)
         engine.finish(group.request_ids[0])
         with pytest.raises(AdaptersBusy):
-            await od.submit(jobs("b", "second"), lambda out, t: None)
+            await od.submit(jobs("b", "second"), ignore)
         engine.finish(group.request_ids[1])
         engine.finish(group.request_ids[1])       # a second final output for one request changes nothing
-        await od.submit(jobs("b", "third"), lambda out, t: None)
-        assert engine.unloaded == ["a"]
+        await idle_a_is_evicted_for_b(engine, od)
 
     asyncio.run(main())
 
