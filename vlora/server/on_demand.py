@@ -1,10 +1,10 @@
 """Adapters loaded on first request (``vlora serve --adapter-dir DIR``, ``--allow-hub-adapters``).
 
 A request whose ``model`` names an adapter that is not registered but can be found (DIR/<model>, or a Hub id)
-has it loaded, then is served; the load comes after the request is validated (a request refused with 400 loads
-nothing), when its jobs are submitted. :class:`OnDemandAdapters` decides when: one load per name at a time (concurrent
-requests for it await the same task), at most ``max_loaded_adapters`` of them registered (the least recently
-used with no request running is unloaded to make room: the LRU policy of the adapter store,
+has it loaded, then is served; the load comes once the request is validated (one refused with 400 loads
+nothing), when its jobs are submitted. :class:`OnDemandAdapters` decides when: one load per name at a time
+(concurrent requests for it await the same task), at most ``max_loaded_adapters`` of them registered (the least
+recently used with no request running is unloaded to make room: the LRU policy of the adapter store,
 :func:`vlora.lora.device_store.least_recent`), and the loads and evictions counted in the metrics. The server
 says where an adapter comes from (``locate``) and registers it (``register``: what a refusal is); the engine
 client reads, validates and packs it off the engine thread and the event loop
@@ -63,7 +63,7 @@ class OnDemandAdapters:
         self.loaded: OrderedDict[str, None] = OrderedDict()     # registered here, least recently used first
         self.loading: dict[str, asyncio.Task] = {}              # one load per name
         self.evicting: dict[str, asyncio.Task] = {}             # being unloaded to make room
-        self.running: dict[str | None, set[str]] = {}          # ids of requests submitted, not finished, per adapter
+        self.running: dict[str | None, set[str]] = {}           # ids of requests submitted, not finished
         self._reserved = 0                                      # loads under way that room was made for
 
     async def ensure(self, name: str) -> None:
