@@ -18,6 +18,7 @@ from vlora.config import ServerConfig
 from vlora.lora.random_adapter import write_random_adapter
 from vlora.models.hub import HubError
 from vlora.models.loader import lora_shape
+from vlora.server.on_demand import HUB_MISS_SECONDS, RecentMisses
 
 N = 8           # tokens per answer
 STARTUP = "start-r8"
@@ -78,6 +79,7 @@ def reset(live) -> None:
 
 def test_the_first_request_loads_the_adapter_and_is_served(live, ref):
     reset(live)
+    loads, timed = live.metric("vlora_adapter_loads_total"), live.metric("vlora_adapter_load_seconds_count")
     client = live.openai()
     assert "od-late" not in [m.id for m in client.models.list().data]      # on disk, not listed until loaded
     [want] = ref.chat([(QUESTIONS[0], "late-r8")], N, temperature=0.0)
@@ -86,12 +88,13 @@ def test_the_first_request_loads_the_adapter_and_is_served(live, ref):
     assert "od-late" in [m.id for m in client.models.list().data]
     r = client.completions.create(model="od-late", prompt="Hello", max_tokens=N, temperature=0)   # loaded: served
     assert r.choices[0].text
-    assert live.metric("vlora_adapter_loads_total", adapter="od-late") == 1
-    assert live.metric("vlora_adapter_load_seconds_count", adapter="od-late") == 1
+    assert live.metric("vlora_adapter_loads_total") == loads + 1
+    assert live.metric("vlora_adapter_load_seconds_count") == timed + 1
 
 
 def test_concurrent_first_requests_share_one_load(live, monkeypatch):
     reset(live)
+    loads = live.metric("vlora_adapter_loads_total")
     od = live.server_state.on_demand
     entered, registered = [], []
     ensure, register = od.ensure, od.register
@@ -122,17 +125,18 @@ def test_concurrent_first_requests_share_one_load(live, monkeypatch):
     assert [r.status_code for r in results] == [200] * 4
     assert len({r.json()["choices"][0]["message"]["content"] for r in results}) == 1
     assert entered.count("od-0") == 4 and registered == ["od-0"]
-    assert live.metric("vlora_adapter_loads_total", adapter="od-0") == 1
+    assert live.metric("vlora_adapter_loads_total") == loads + 1
 
 
 def test_an_invalid_adapter_is_400_naming_model(live, disk):
+    loads = live.metric("vlora_adapter_loads_total")
     r = chat(live, "od-bad")
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "model" and err["code"] == "invalid_adapter" and "shape" in err["message"]
     assert str(disk) not in err["message"]                   # the server's paths are not shown
     assert "od-bad" not in live.async_engine.adapter_names
-    assert live.metric("vlora_adapter_loads_total", adapter="od-bad") == 0
+    assert live.metric("vlora_adapter_loads_total") == loads
 
 
 @pytest.mark.parametrize("model", ["od-missing", "od-noconfig", "org/od-missing"])
@@ -144,6 +148,46 @@ def test_a_missing_adapter_is_404(live, monkeypatch, model):
     r = chat(live, model)
     assert r.status_code == 404, r.text
     assert r.json()["error"]["param"] == "model" and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_malformed_request_loads_and_evicts_nothing(live, monkeypatch):
+    """The request is validated before its adapter is loaded: a 400 loads nothing and evicts nothing; a name that
+    is nowhere is a 404 first, as for a loaded model; a Hub id is not looked up."""
+    def hub(repo_id, kind):
+        raise AssertionError(f"{repo_id!r} reached the Hub")
+
+    monkeypatch.setattr("vlora.server.app.snapshot_dir", hub)
+    reset(live)
+    for name in ("od-1", "od-2"):
+        assert chat(live, name).status_code == 200
+    loads, evictions = live.metric("vlora_adapter_loads_total"), live.metric("vlora_adapter_evictions_total")
+    for model in ("od-3", "org/od-unchecked"):
+        for body, param in [({"max_tokens": 10**6}, "max_tokens"), ({"n": 10**4}, "n")]:
+            r = chat(live, model, **body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (model, r.text)
+    r = chat(live, "od-missing", max_tokens=10**6)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert on_request(live) == ["od-1", "od-2"]
+    assert live.metric("vlora_adapter_loads_total") == loads
+    assert live.metric("vlora_adapter_evictions_total") == evictions
+
+
+def test_a_hub_id_not_found_is_not_looked_up_again_for_a_while(live, monkeypatch):
+    asked, now = [], [1000.0]
+
+    def no_hub(repo_id, kind):
+        asked.append(repo_id)
+        raise HubError(f"{repo_id} is not on the Hub")
+
+    monkeypatch.setattr("vlora.server.app.snapshot_dir", no_hub)
+    monkeypatch.setattr(live.server_state, "hub_misses", RecentMisses(clock=lambda: now[0]))
+    for _ in range(3):
+        r = chat(live, "org/od-gone")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert asked == ["org/od-gone"]
+    now[0] += HUB_MISS_SECONDS
+    assert chat(live, "org/od-gone").status_code == 404
+    assert asked == ["org/od-gone"] * 2
 
 
 def test_names_that_leave_the_adapter_dir_are_refused(live, disk, monkeypatch):
@@ -170,10 +214,11 @@ def test_a_hub_id_is_loaded_from_its_snapshot(live, disk, monkeypatch):
         return disk / "hub-snapshot"
 
     monkeypatch.setattr("vlora.server.app.snapshot_dir", snapshot)
+    loads = live.metric("vlora_adapter_loads_total")
     r = chat(live, "org/od-hub")
     assert r.status_code == 200, r.text
     assert asked == [("org/od-hub", "adapter")]
-    assert live.metric("vlora_adapter_loads_total", adapter="org/od-hub") == 1
+    assert live.metric("vlora_adapter_loads_total") == loads + 1
 
 
 def _stream(live, model: str, stop: threading.Event, times: list[float], ready: threading.Event) -> None:
@@ -196,16 +241,18 @@ def _stream(live, model: str, stop: threading.Event, times: list[float], ready: 
 
 def test_max_loaded_adapters_evicts_the_least_recently_used_idle_one(live):
     reset(live)
+    evictions = live.metric("vlora_adapter_evictions_total")
     for name in ("od-1", "od-2"):
         assert chat(live, name).status_code == 200
     assert chat(live, "od-1").status_code == 200                     # od-2 is now the least recently used
     assert chat(live, "od-3").status_code == 200
     assert on_request(live) == ["od-1", "od-3"]
     assert "od-2" not in live.async_engine.adapter_names and STARTUP in live.async_engine.adapter_names
-    assert live.metric("vlora_adapter_evictions_total", adapter="od-2") == 1
-    loads = live.metric("vlora_adapter_loads_total", adapter="od-2")
+    assert live.metric("vlora_adapter_evictions_total") == evictions + 1
+    loads = live.metric("vlora_adapter_loads_total")
     assert chat(live, "od-2").status_code == 200                     # loaded again; od-1 goes
-    assert live.metric("vlora_adapter_loads_total", adapter="od-2") == loads + 1
+    assert live.metric("vlora_adapter_loads_total") == loads + 1
+    assert live.metric("vlora_adapter_evictions_total") == evictions + 2
     assert on_request(live) == ["od-3", "od-2"]
 
     # a busy adapter is never evicted, even when it is the least recently used; all busy: 429
@@ -234,6 +281,27 @@ def test_max_loaded_adapters_evicts_the_least_recently_used_idle_one(live):
     assert STARTUP in live.async_engine.adapter_names
 
 
+def labelled(live) -> set[str]:
+    """The adapters that some series of /metrics is labelled with."""
+    return {s.labels["adapter"] for family in live.server_state.metrics.registry.collect()
+            for s in family.samples if "adapter" in s.labels}
+
+
+def test_an_unloaded_adapters_series_are_removed(live):
+    """Series labelled by adapter exist while it is registered: evicted or unloaded, its series go; the loads and
+    evictions are counted for all adapters together."""
+    reset(live)
+    for name in ("od-1", "od-2", "od-3"):                            # od-1 evicted for od-3
+        assert chat(live, name).status_code == 200
+    assert live.metric("vlora_requests_total", adapter="od-2") == 1
+    assert {"od-2", "od-3"} <= labelled(live) and "od-1" not in labelled(live)
+    with live.http() as h:
+        assert h.post("/v1/unload_lora_adapter", json={"lora_name": "od-2"}).status_code == 200
+    assert "od-2" not in labelled(live) and "od-3" in labelled(live)
+    assert chat(live, "od-2").status_code == 200                     # loaded again: counted from zero
+    assert live.metric("vlora_requests_total", adapter="od-2") == 1
+
+
 def test_a_stream_on_another_adapter_goes_on_during_a_load(live, monkeypatch):
     """The load runs on a worker thread (here made slow, as a slow disk would): tokens of a running stream keep
     arriving while it runs."""
@@ -250,6 +318,7 @@ def test_a_stream_on_another_adapter_goes_on_during_a_load(live, monkeypatch):
             window.append(time.monotonic())
 
     monkeypatch.setattr(adapters, "prepare", slow_prepare)
+    loads = live.metric("vlora_adapter_loads_total")
     stop, times, ready = threading.Event(), [], threading.Event()
     t = threading.Thread(target=_stream, args=(live, STARTUP, stop, times, ready), daemon=True)
     t.start()
@@ -262,4 +331,4 @@ def test_a_stream_on_another_adapter_goes_on_during_a_load(live, monkeypatch):
     start, end = window
     during = [x for x in times if start < x < end]
     assert len(during) >= 2, (len(times), during)
-    assert live.metric("vlora_adapter_loads_total", adapter="od-5") == 1
+    assert live.metric("vlora_adapter_loads_total") == loads + 1

@@ -67,7 +67,7 @@ from vlora.server.body import QUOTE_CHARS, BodyError, parse_json, quote
 from vlora.server.images import ImageError, ImageLimits, load_image
 from vlora.server.logprobs import TokenTexts, generated, prompt_items
 from vlora.server.metrics import ServerMetrics
-from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters
+from vlora.server.on_demand import AdaptersBusy, OnDemandAdapters, RecentMisses
 from vlora.server.templates import describe as describe_template_error
 from vlora.server.templates import compile_template, load_chat_template, reserved_kwarg
 from vlora.server.tool_calls import Parser, ToolStream, new_call_id, parse_answer, parser_for
@@ -142,6 +142,7 @@ class OpenAIServer:
         self.on_demand = (OnDemandAdapters(self.engine, self.on_request_source, self.register_on_request,
                                            config.max_loaded_adapters, self.metrics)
                           if config.adapter_dirs or config.allow_hub_adapters else None)
+        self.hub_misses = RecentMisses()        # Hub ids not found lately: 404 without asking the Hub again
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         # the server's default chat template (--chat-template), in place of the model's; checked here
         self.chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
@@ -178,17 +179,16 @@ class OpenAIServer:
                 raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
         return await self.work.run(_parse, bytes(body), model)
 
-    async def adapter_for(self, model: str) -> str | None:
-        """The adapter ``model`` names (None: the base model), loaded first if it is not yet (on_demand.py)."""
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter ``model`` names (None: the base model): one registered, or (on_demand.py) one that may be
+        loaded on request, which :meth:`submit` loads once the request is validated. 404 when there is none that
+        can be told without the Hub."""
         if model == self.base_name:
             return None
-        if self.on_demand is not None:
-            try:
-                await self.on_demand.ensure(model)
-            except AdaptersBusy as e:
-                raise APIError(429, str(e), param="model", code="adapters_busy") from None
         if model not in self.engine.adapter_names:
-            raise self.no_model(model)
+            if self.on_demand is None:
+                raise self.no_model(model)
+            self.on_request_path(model)
         return model
 
     def no_model(self, model: str) -> APIError:
@@ -317,7 +317,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         self.check_accepting()
         req: P.ChatCompletionRequest = await self.read_request(request, P.ChatCompletionRequest)
-        adapter = await self.adapter_for(req.model)
+        adapter = self.adapter_for(req.model)
         self.check_text_size(sum(_text_chars(m.content) for m in req.messages), "messages")
         prompt, images, tools = await self.chat_prompt(req.messages, req)
         prompt_len = len(prompt) + self.image_tokens(images)
@@ -351,7 +351,7 @@ class OpenAIServer:
     async def completions(self, request: Request):
         self.check_accepting()
         req: P.CompletionRequest = await self.read_request(request, P.CompletionRequest)
-        adapter = await self.adapter_for(req.model)
+        adapter = self.adapter_for(req.model)
         sent = req.prompts()            # one prompt, or a list of them (all strings or all token-id lists)
         names = [f"prompt[{i}]" for i in range(len(sent))] if req.is_batch() else ["prompt"]
         self.check_choices(req, len(sent))
@@ -653,18 +653,42 @@ class OpenAIServer:
                 message = message.replace(form, "<adapter dir>")
         return message
 
-    async def on_request_source(self, model: str) -> str:
-        """The directory of the adapter ``model`` names, to load it on first request: <adapter dir>/<model> (a PEFT
-        adapter directory), else (when allowed) the Hub snapshot of ``model``; 404 naming model when there is none.
-        A name with an empty, "." or ".." part, a backslash or a leading "/" names none: nothing outside the
-        adapter directories is read."""
-        if "\\" in model or os.path.isabs(model) or any(p in ("", ".", "..") for p in model.split("/")):
+    def on_request_path(self, model: str) -> str | None:
+        """The directory of the adapter ``model`` names in the adapter directories (a PEFT adapter directory), or
+        None when it is to be looked up on the Hub (allowed, ``model`` a Hub id, not found there lately); 404
+        naming model when neither. A name with an empty, "." or ".." part, a backslash, a NUL or a leading "/"
+        names none: nothing outside the adapter directories is read. Reaches no network: checked before the
+        request is validated."""
+        if ("\\" in model or "\x00" in model or os.path.isabs(model)
+                or any(p in ("", ".", "..") for p in model.split("/"))):
             raise self.no_model(model)
-        try:
-            path = await self.adapter_source(model)
-        except (APIError, ValueError):          # ValueError: a name the file system cannot take
-            raise self.no_model(model) from None
+        path = None
+        if self.config.adapter_dirs:
+            try:
+                path = self.adapter_path(model)
+            except (APIError, ValueError):      # ValueError: a name the file system cannot take
+                pass
+        if path is None:
+            if self.config.allow_hub_adapters and is_hub_id(model) and model not in self.hub_misses:
+                return None
+            raise self.no_model(model)
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise self.no_model(model)
+        return path
+
+    async def on_request_source(self, model: str) -> str:
+        """The directory of the adapter ``model`` names, to load it on first request: <adapter dir>/<model>, else
+        (when allowed) the Hub snapshot of ``model``; 404 naming model when there is none
+        (:meth:`on_request_path`)."""
+        path = self.on_request_path(model)
+        if path is not None:
+            return path
+        try:
+            path = str(await asyncio.to_thread(snapshot_dir, model, "adapter"))
+        except HubError:
+            path = None
+        if path is None or not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            self.hub_misses.add(model)
             raise self.no_model(model)
         return path
 
@@ -725,6 +749,7 @@ class OpenAIServer:
             count = await self.engine.unload_adapter(req.lora_name, policy)
         except AdapterNotFound as e:
             raise APIError(404, str(e), param="lora_name", code="adapter_not_found") from None
+        self.metrics.forget(req.lora_name)
         log.info("unloaded adapter %r (%s %d request(s))", req.lora_name,
                  "aborted" if policy == "abort" else "waited for", count)
         return {"status": "ok", "lora_name": req.lora_name,

@@ -1,4 +1,14 @@
-"""Prometheus metrics of one server, in a registry of its own (never the global one)."""
+"""Prometheus metrics of one server, in a registry of its own (never the global one).
+
+Series labelled by adapter (requests, tokens, latencies) exist while the adapter is registered: its unload (an
+eviction of an adapter loaded on request, /v1/unload_lora_adapter) removes them (:meth:`ServerMetrics.forget`),
+so with adapters loaded and unloaded by the thousand the output holds the registered ones only, as a model server
+reports its loaded models. A name loaded again starts from zero (a counter reset, which ``rate`` reads as
+such). The unload policy "wait" lets the adapter's requests finish and be counted first; with "abort", the
+aborted requests' final outputs arrive just after the unload and count under the name again (until its next
+unload). The loads and evictions of adapters loaded on request are counted and timed for all adapters together,
+not per adapter (one series each, however many adapters come and go); the log names each.
+"""
 
 from __future__ import annotations
 
@@ -46,16 +56,21 @@ class ServerMetrics:
                               ["adapter"], buckets=_TPOT, registry=r)
         self.e2e = Histogram("vlora_e2e_request_latency_seconds", "Time from submission to the last token",
                              ["adapter"], buckets=_E2E, registry=r)
-        # adapters loaded on first request (vlora/server/on_demand.py)
-        self.adapter_loads = Counter("vlora_adapter_loads", "Adapters loaded on first request", ["adapter"],
-                                     registry=r)
+        self.per_adapter = (self.requests, self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e)
+        # adapters loaded on first request (vlora/server/on_demand.py), all together
+        self.adapter_loads = Counter("vlora_adapter_loads", "Adapters loaded on first request", registry=r)
         self.adapter_load_seconds = Histogram("vlora_adapter_load_seconds", "Time to load an adapter on first "
                                               "request: finding, reading, validating, packing and registering it",
-                                              ["adapter"], buckets=_LOAD, registry=r)
+                                              buckets=_LOAD, registry=r)
         self.adapter_evictions = Counter("vlora_adapter_evictions", "Adapters loaded on request and unloaded to "
-                                         "make room for another (--max-loaded-adapters)", ["adapter"], registry=r)
+                                         "make room for another (--max-loaded-adapters)", registry=r)
         self.http_errors = Counter("vlora_http_errors", "Requests refused or failed, by HTTP status", ["status"],
                                    registry=r)
+
+    def forget(self, adapter: str) -> None:
+        """Remove the series of ``adapter``, unloaded (called on the event loop)."""
+        for metric in self.per_adapter:
+            metric.remove_by_labels({"adapter": adapter})
 
     def observe(self, out: RequestOutput, t: Timing) -> None:
         """Record one finished engine request (called on the event loop)."""

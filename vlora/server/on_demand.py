@@ -1,9 +1,10 @@
 """Adapters loaded on first request (``vlora serve --adapter-dir DIR``, ``--allow-hub-adapters``).
 
 A request whose ``model`` names an adapter that is not registered but can be found (DIR/<model>, or a Hub id)
-has it loaded, then is served. :class:`OnDemandAdapters` decides when: one load per name at a time (concurrent
-requests for it await the same task), at most ``max_loaded_adapters`` of them registered (the least recently
-used with no request running is unloaded to make room: the LRU policy of the adapter store,
+has it loaded, then is served; the load comes once the request is validated (one refused with 400 loads
+nothing), when its jobs are submitted. :class:`OnDemandAdapters` decides when: one load per name at a time
+(concurrent requests for it await the same task), at most ``max_loaded_adapters`` of them registered (the least
+recently used with no request running is unloaded to make room: the LRU policy of the adapter store,
 :func:`vlora.lora.device_store.least_recent`), and the loads and evictions counted in the metrics. The server
 says where an adapter comes from (``locate``) and registers it (``register``: what a refusal is); the engine
 client reads, validates and packs it off the engine thread and the event loop
@@ -11,9 +12,14 @@ client reads, validates and packs it off the engine thread and the event loop
 
 Adapters registered otherwise (at start, through /v1/load_lora_adapter) are never unloaded here.
 
-    request -> ensure(name) --first--> task: locate(name) -> make room (evict LRU idle) -> register -> done
-                            --others-> await the same task
-            -> submit(jobs)  (the adapter counted busy until its requests finish)
+A Hub id the Hub did not give (no such repository, no adapter in it, or the Hub unreachable) is a 404 without
+asking the Hub again for :data:`HUB_MISS_SECONDS` (:class:`RecentMisses`): a client repeating a missing id does
+not repeat the lookups.
+
+    request (validated, its jobs built) -> submit(jobs): the adapter counted busy until its requests finish
+        -> ensure(name) --first--> task: locate(name) -> make room (evict LRU idle) -> register -> done
+                        --others-> await the same task
+        -> engine.submit(jobs)
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from vlora.engine.client import AdapterNotFound, EngineClient, Job, RequestGroup, Timing
 from vlora.engine.sequence import RequestOutput
@@ -31,7 +37,7 @@ from vlora.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-_SUBMIT_TRIES = 3           # an adapter evicted between its load and the submission is loaded again, this often
+HUB_MISS_SECONDS = 60.0     # a Hub id not found is not looked up again for this long
 
 
 class AdaptersBusy(RuntimeError):
@@ -57,7 +63,7 @@ class OnDemandAdapters:
         self.loaded: OrderedDict[str, None] = OrderedDict()     # registered here, least recently used first
         self.loading: dict[str, asyncio.Task] = {}              # one load per name
         self.evicting: dict[str, asyncio.Task] = {}             # being unloaded to make room
-        self.running: Counter[str] = Counter()                  # submitted requests not finished, per adapter
+        self.running: dict[str | None, set[str]] = {}           # ids of requests submitted, not finished
         self._reserved = 0                                      # loads under way that room was made for
 
     async def ensure(self, name: str) -> None:
@@ -77,32 +83,55 @@ class OnDemandAdapters:
         await asyncio.shield(task)
 
     async def submit(self, jobs: Sequence[Job], on_finish: Callable[[RequestOutput, Timing], None]) -> RequestGroup:
-        """``engine.submit(jobs, on_finish)``, the jobs' adapter counted busy (never evicted) until they finish; an
-        adapter loaded on request and evicted since its request's :meth:`ensure` is loaded again."""
+        """``engine.submit(jobs, on_finish)`` once the jobs' adapter is registered (:meth:`ensure`: loaded now if it
+        is not). The adapter counts as busy (never evicted) from before it is ensured until the jobs finish, so it
+        stays registered between its load and the submission. Raises what :meth:`ensure` and ``engine.submit``
+        raise.
+
+        Each job counts until it is released, once: by its final output when the engine took the jobs, at once
+        when the engine refused them (it takes all or none) or they never reached it. A caller cancelled while
+        the engine decides does not cancel the engine's submission: its outcome is awaited, and the requests it
+        took are aborted (their abort outputs release them)."""
         adapter = jobs[0].adapter if jobs else None
+        ids = {j.request_id for j in jobs}
 
         def finished(out: RequestOutput, timing: Timing) -> None:
-            self._release(out.adapter, 1)
+            self._release(adapter, (out.request_id,))
             on_finish(out, timing)
 
-        for attempt in range(_SUBMIT_TRIES):
-            self.running[adapter] += len(jobs)
-            try:
-                return await self.engine.submit(jobs, finished)
-            except AdapterNotFound:
-                self._release(adapter, len(jobs))
-                if adapter is None or attempt == _SUBMIT_TRIES - 1:
-                    raise
+        self.running.setdefault(adapter, set()).update(ids)
+        try:
+            if adapter is not None:
                 await self.ensure(adapter)
-            except BaseException:
-                self._release(adapter, len(jobs))
-                raise
-        raise AssertionError("unreachable")
+            task = asyncio.ensure_future(self.engine.submit(jobs, finished))
+        except BaseException:
+            self._release(adapter, ids)
+            raise
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._abandoned(adapter, ids))
+            raise
+        except BaseException:
+            self._release(adapter, ids)
+            raise
 
-    def _release(self, adapter: str | None, count: int) -> None:
-        self.running[adapter] -= count
-        if self.running[adapter] <= 0:
-            del self.running[adapter]
+    def _abandoned(self, adapter: str | None, ids: set[str]) -> Callable[[asyncio.Task], None]:
+        """A done callback for the engine's submission of ``ids``, whose caller went away: refused, they are
+        released; taken, they are aborted."""
+        def done(task: asyncio.Task) -> None:
+            if task.cancelled() or task.exception() is not None:
+                self._release(adapter, ids)
+            else:
+                task.result().abort()
+        return done
+
+    def _release(self, adapter: str | None, ids: Iterable[str]) -> None:
+        busy = self.running.get(adapter)
+        if busy is not None:
+            busy.difference_update(ids)
+            if not busy:
+                del self.running[adapter]
 
     async def _load(self, name: str) -> None:
         start = time.perf_counter()
@@ -115,8 +144,8 @@ class OnDemandAdapters:
         finally:
             self._reserved -= 1
         self.loaded[name] = None
-        self.metrics.adapter_loads.labels(name).inc()
-        self.metrics.adapter_load_seconds.labels(name).observe(seconds)
+        self.metrics.adapter_loads.inc()
+        self.metrics.adapter_load_seconds.observe(seconds)
         log.info("loaded adapter %r on first request (%.3f s)", name, seconds)
 
     async def _make_room(self) -> None:
@@ -140,8 +169,33 @@ class OnDemandAdapters:
             await self.engine.unload_adapter(name, "wait")
         except AdapterNotFound:             # unloaded meanwhile through /v1/unload_lora_adapter
             return
-        self.metrics.adapter_evictions.labels(name).inc()
+        self.metrics.adapter_evictions.inc()
+        self.metrics.forget(name)
         log.info("unloaded adapter %r (least recently used of those loaded on request)", name)
+
+
+class RecentMisses:
+    """Names not found lately: each is in for ``seconds`` after its :meth:`add` (``clock``: monotonic seconds).
+    Holds only names added in the last ``seconds``."""
+
+    def __init__(self, seconds: float = HUB_MISS_SECONDS, clock: Callable[[], float] = time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self._until: OrderedDict[str, float] = OrderedDict()      # name -> when it expires, soonest first
+
+    def add(self, name: str) -> None:
+        self._until.pop(name, None)
+        self._until[name] = self.clock() + self.seconds
+        self._expire()
+
+    def __contains__(self, name: str) -> bool:
+        self._expire()
+        return name in self._until
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._until and next(iter(self._until.values())) <= now:
+            self._until.popitem(last=False)
 
 
 def _forget(tasks: dict[str, asyncio.Task], name: str) -> Callable[[asyncio.Task], None]:
