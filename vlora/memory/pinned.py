@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import weakref
 
 import numpy as np
@@ -58,9 +59,12 @@ PAGE = 4096
 
 PIECE_BYTES = 4 << 20
 """A large buffer is registered with the driver this much at a time (:func:`pinned_empty`'s ``pieces``). A
-registration holds the driver's lock for its whole length, at about 4 GB/s on an H100 host (19 ms for a rank-16
-Llama-2-7B adapter's 80 MB, 64 ms for rank 64): every other thread's CUDA call, the engine's launches included,
-waits meanwhile. Pieces of 4 MiB keep each wait near a millisecond."""
+registration of fresh memory faults in and locks its pages inside the driver, at about 4 GB/s on an H100 host
+(19 ms for a rank-16 Llama-2-7B adapter's 80 MB, 64-78 ms for rank 64), and the engine's thread stalls meanwhile
+(its steps took 20-40 ms instead of 9). So the pages are faulted in first, outside the driver, then registered
+4 MiB at a time with a pause between pieces in which other threads' CUDA calls go first."""
+
+PIECE_PAUSE_S = 2e-4
 
 
 def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool = False) -> torch.Tensor:
@@ -81,9 +85,13 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool 
     raw_view = raw[first:first + span]
     ptr = raw_view.ctypes.data
     step = PIECE_BYTES if pieces else span
+    if pieces:
+        raw_view.fill(0)                                # faults the pages in now, on this thread
     cudart = torch.cuda.cudart()
     done: list[int] = []
     for off in range(0, span, step):
+        if done:
+            time.sleep(PIECE_PAUSE_S)
         with CAPTURE:
             code = _code(cudart.cudaHostRegister(ptr + off, min(step, span - off), 0))
         if code != 0:
