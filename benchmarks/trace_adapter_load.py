@@ -1,0 +1,130 @@
+"""Where the engine's steps pause while an adapter loads: each step's time beside the loader's phases.
+
+One engine (random:llama-2-7b on CUDA, random:tiny-llama on the CPU) decodes 16 streams on 4 rank-16 adapters;
+between stretches of steps, an adapter of rank 16 or 64 is read, validated, packed and pinned on a thread of its
+own (``AdapterRegistry.prepare``, as the server's loader does) while the engine steps on, then registered and
+given a 4-token request (a load); or a like request goes to an adapter already registered (a control). The
+loader's phases and the engine's memory work are timed by wrapping them. Printed per load and control: its
+duration, its steps' longest and their time beyond the median step, and each step longer than twice the median
+with the phases it overlapped. A diagnosis for ``bench_adapter_load.py``'s figures, not a figure of its own.
+
+    python benchmarks/trace_adapter_load.py --device cuda > trace.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import vlora.lora.device_store as device_store  # noqa: E402
+import vlora.lora.registry as registry  # noqa: E402
+import vlora.memory.manager as manager  # noqa: E402
+from vlora import LLM, SamplingParams  # noqa: E402
+from vlora.engine import cuda_graphs  # noqa: E402
+from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
+from vlora.models.loader import lora_shape  # noqa: E402
+
+SPANS: list[tuple[str, str, float, float]] = []      # (phase, thread, start, end)
+
+
+def timed(owner, attr: str, label: str | None = None) -> None:
+    """Record every call of ``owner.attr`` in SPANS."""
+    f = getattr(owner, attr)
+
+    @functools.wraps(f)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            SPANS.append((label or attr, threading.current_thread().name, t0, time.perf_counter()))
+    setattr(owner, attr, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--streams", type=int, default=16)
+    args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    model = "random:llama-2-7b" if cuda else "random:tiny-llama"
+    for owner, attr, label in [(device_store, "pinned_empty", None), (registry, "load_adapter", None),
+                               (registry, "pack", None), (device_store.AdapterStore, "host_copy", None),
+                               (device_store.AdapterStore, "load", "store.load"),
+                               (registry.AdapterRegistry, "add", "registry.add"),
+                               (cuda_graphs.DecodeGraphs, "capture", "graph.capture"),
+                               (manager.MemoryManager, "prepare", "memory.prepare"),
+                               (manager.MemoryManager, "after", "memory.after")]:
+        timed(owner, attr, label)
+    shape = lora_shape(model)
+    tmp = Path(tempfile.mkdtemp())
+    llm = LLM(model, device=args.device, max_lora_rank=64, check_base_model=False)
+    eng = llm.engine
+    for j in range(4):
+        llm.register_adapter(f"run-{j}", write_random_adapter(tmp / f"run-{j}", shape, 16, j))
+    paths = {f"r{rank}-{j}": write_random_adapter(tmp / f"r{rank}-{j}", shape, rank, 100 + rank + j)
+             for rank in (16, 64) for j in range(2)}
+    prompts = torch.randint(3, min(1000, eng.model.cfg.vocab_size), (args.streams, 128), generator=torch.Generator().manual_seed(0)).tolist()
+    for i, p in enumerate(prompts):
+        eng.add_request(p, f"run-{i % 4}", SamplingParams(max_tokens=100_000 if cuda else 400, ignore_eos=True))
+    steps: list[tuple[float, float]] = []
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        eng.step()
+        steps.append((t0, time.perf_counter()))
+
+    def request(kind: str, name: str) -> tuple[str, str, float, float]:
+        t0 = time.perf_counter()
+        if kind == "load":
+            box = {}
+            loader = threading.Thread(target=lambda: box.setdefault("p", eng.adapters.prepare(name, paths[name])),
+                                      name="loader")
+            loader.start()
+            while loader.is_alive():
+                step()
+            eng.adapters.add(box["p"])
+        rid = eng.add_request(prompts[0][:4], name, SamplingParams(max_tokens=1))
+        while rid in eng._seqs:
+            step()
+        return kind, name, t0, time.perf_counter()
+
+    for _ in range(30):
+        step()
+    events = []
+    for name in paths:
+        for _ in range(40):
+            step()
+        events.append(request("load", name))
+        for _ in range(40):
+            step()
+        events.append(request("control", "run-0"))
+    median = statistics.median(b - a for a, b in steps[30:])
+    print(f"{args.device}: {len(steps)} steps, median {1e3 * median:.2f} ms")
+    for kind, name, a, b in events:
+        inside = [(s0, s1) for s0, s1 in steps if s0 >= a and s1 <= b]
+        durs = [s1 - s0 for s0, s1 in inside]
+        print(f"{kind} {name}: {1e3 * (b - a):.0f} ms, {len(durs)} steps, longest {1e3 * max(durs):.1f} ms, "
+              f"beyond the median {1e3 * sum(max(0.0, d - median) for d in durs):.1f} ms")
+        for s0, s1 in inside:
+            if s1 - s0 > 2 * median:
+                phases = [(p, th, round(1e3 * (t1 - t0), 1)) for p, th, t0, t1 in SPANS if t0 < s1 and t1 > s0]
+                print(f"   step {1e3 * (s1 - s0):.1f} ms at +{1e3 * (s0 - a):.0f} ms, beside {phases}")
+    longest = {}
+    for p, _, t0, t1 in SPANS:
+        longest[p] = max(longest.get(p, 0.0), t1 - t0)
+    print("longest of each phase (ms):", {p: round(1e3 * s, 1) for p, s in sorted(longest.items())})
+
+
+if __name__ == "__main__":
+    main()
