@@ -81,6 +81,7 @@ class AdapterRegistry:
 
     def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
         """Read, validate, pack and register the PEFT adapter in ``path`` as ``name``."""
+        self._check_name(name)              # a name taken is refused before the work
         return self.add(self.prepare(name, path))
 
     def prepare(self, name: str, path: str | os.PathLike) -> PreparedAdapter:
