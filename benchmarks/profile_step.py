@@ -1,7 +1,8 @@
 """Where a decode step's time goes: host time per phase of the engine step (``vlora.bench.phases``: schedule,
 inputs, staging and replay, sampling, waiting for tokens, finish, ...; on CUDA the GPU's time between forwards),
 host functions (cProfile over engine steps) and GPU kernels (torch.profiler over one eager forward), for a
-random-weight model with or without adapters.
+random-weight model with or without adapters. ``--arrival N``: what a new request of N prompt tokens costs the
+decoding batch it joins (its steps timed and profiled) instead of the eager forward.
 
 ``--stub-forward`` replaces the model's forward with one that costs next to nothing (the LM head of a zero hidden
 state), so the step is the host work alone, whatever the model; on a CPU it also replays the decode graphs' CPU
@@ -10,6 +11,7 @@ emulation, so the graph path's host side is what is timed.
     python benchmarks/profile_step.py --batch 64 --adapters 32          # GPU, Llama-2-7B shapes
     python benchmarks/profile_step.py --model random:tiny-llama --device cpu --batch 256 --adapters 32 \
         --stub-forward --input-len 32        # the host work of a 256-sequence decode step on this CPU
+    python benchmarks/profile_step.py --batch 16 --adapters 4 --input-len 128 --arrival 4    # a request joins
 """
 
 from __future__ import annotations
@@ -50,12 +52,17 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="queue each decode behind the one in flight (the engine's async_scheduling)")
     ap.add_argument("--no-cprofile", action="store_true", help="time the phases only (cProfile slows the host)")
+    ap.add_argument("--arrival", type=int, default=0,
+                    help="instead of the eager decode forward's kernels: a new request of this many prompt tokens "
+                         "joins the decoding batch, several times; the steps until it is prefilled are timed, then "
+                         "profiled (host functions, then torch.profiler's host and GPU ops)")
     args = ap.parse_args()
     cpu = args.device == "cpu"
     if cpu:                   # a tiny model's ops gain nothing from threads; a busy second core only delays them
         torch.set_num_threads(1)
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.batch, kv_cache_memory_gb=args.kv_gb,
-              max_num_batched_tokens=max(8192, args.batch), max_model_len=args.input_len + 2 * args.steps + 64,
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.batch + bool(args.arrival),
+              kv_cache_memory_gb=args.kv_gb,
+              max_num_batched_tokens=max(8192, args.batch), max_model_len=args.input_len + 2 * args.steps + 64 + ARRIVAL_STEPS,
               check_base_model=False, async_scheduling=args.async_scheduling,
               **(dict(kernels="triton", lora_kernel="triton") if cpu and args.stub_forward else {}))
     eng = llm.engine
@@ -71,7 +78,7 @@ def main() -> None:
     if args.adapters:
         names = [f"a{i % args.adapters}" for i in range(args.batch)]
     prompts = torch.randint(3, cfg.vocab_size, (args.batch, args.input_len)).tolist()
-    sp = SamplingParams(max_tokens=2 * args.steps + 8, ignore_eos=True)
+    sp = SamplingParams(max_tokens=2 * args.steps + 8 + ARRIVAL_STEPS * bool(args.arrival), ignore_eos=True)
     for p, a in zip(prompts, names):
         eng.add_request(p, a, sp)
     while any(s.num_computed < len(s.prompt_token_ids) for s in eng.scheduler.unfinished()):
@@ -100,6 +107,9 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
         print(s.getvalue())
+    if args.arrival:
+        arrivals(eng, args, names[0], cuda)
+        return
     if args.stub_forward:
         return
     # GPU kernels of one eager decode forward (no graph) of the same batch
@@ -120,6 +130,50 @@ def main() -> None:
                 torch.cuda.synchronize()
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
+
+
+ARRIVAL_STEPS = 80
+"""Decode steps the streams have left for ``--arrival``'s requests."""
+
+
+def arrivals(eng, args, adapter: str | None, cuda: bool) -> None:
+    """A request of ``args.arrival`` prompt tokens joins the running batch: five times timed (the first warms),
+    once under cProfile, once under torch.profiler. Printed: the steps until it was prefilled and their time."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(3, eng.model.cfg.vocab_size, (args.arrival,)).tolist()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    kinds = ["timed"] * 5 + ([] if args.no_cprofile else ["cprofile"]) + ["torch.profiler"]
+    for k, kind in enumerate(kinds):
+        for _ in range(4):                    # the batch back to decoding alone
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+        rid = eng.add_request(prompt, adapter, SamplingParams(max_tokens=1))
+        pr = cProfile.Profile() if kind == "cprofile" else None
+        ctx = profile(activities=acts) if kind == "torch.profiler" else nullcontext()
+        times = []
+        with ctx as prof:
+            if pr is not None:
+                pr.enable()
+            while rid in eng._seqs:
+                t0 = time.perf_counter()
+                eng.step()
+                times.append(1e3 * (time.perf_counter() - t0))
+            if cuda:
+                torch.cuda.synchronize()
+            if pr is not None:
+                pr.disable()
+        print(f"arrival {k} ({kind}): {len(times)} steps until prefilled, "
+              f"{' + '.join(f'{t:.1f}' for t in times)} ms")
+        if pr is not None:
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(args.top)
+            print(out.getvalue())
+    for key in ("cpu_time_total",) + (("cuda_time_total",) if cuda else ()):
+        print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
 
 
 def stub_forward(eng) -> None:
