@@ -432,10 +432,11 @@ class OpenAIServer:
         prompt or continuation) and the tools (:mod:`vlora.server.tools`)."""
         template, kwargs, add_prompt, cont, tools = None, None, True, False, None
         if req is not None:
-            try:
-                await self.work.run(T.check, req, _format_field(req) is not None)
-            except T.ToolError as e:
-                raise APIError(400, str(e), param=e.param) from None
+            if req.tools or req.tool_choice is not None:      # else nothing to check: no hop to a worker
+                try:
+                    await self.work.run(T.check, req, _format_field(req) is not None)
+                except T.ToolError as e:
+                    raise APIError(400, str(e), param=e.param) from None
             tools = T.template_tools(req)
             if req.chat_template is not None and not self.config.trust_request_chat_template:
                 raise APIError(400, "this server does not run chat templates sent in requests (start it with "
