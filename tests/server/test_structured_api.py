@@ -1,6 +1,6 @@
 """Structured output through the server: chat's response_format (json_schema, json_object) through the official
 client, whole and streamed, on the base model and an adapter; vLLM's guided_* extras on completions; a schema or
-field the engine cannot take is a 400 naming it."""
+field the engine cannot take is a 400 naming it; the spec is derived once per request."""
 
 from __future__ import annotations
 
@@ -82,3 +82,26 @@ def test_a_spec_that_cannot_compile_is_400_naming_the_field(live, route, extra, 
     body.update({"messages": ask("Hi")} if "chat" in route else {"prompt": "Hi"})
     with live.http() as h:
         check_error(h.post(route, json=body), 400, param)
+
+
+def test_the_spec_is_derived_once_per_request(live, monkeypatch):
+    """A request's structured output is derived once, for all its prompts and choices (chat: response_format;
+    completions: guided_*), and the answers follow it."""
+    from vlora.server import protocol as P
+
+    derived = []
+    for cls in (P.SamplingRequest, P.ChatCompletionRequest):
+        def guided(self, original=cls.__dict__["guided"], name=cls.__name__):
+            derived.append(name)
+            return original(self)
+        monkeypatch.setattr(cls, "guided", guided)
+    client = live.openai()
+    r = client.chat.completions.create(model=BASE, messages=ask("A person, as JSON."), max_tokens=60, temperature=0,
+                                       response_format=person_format())
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    assert derived == ["ChatCompletionRequest"]
+    derived.clear()
+    r = client.completions.create(model=BASE, prompt=["Yes or no?", "Is it?", "Well?"], n=2, max_tokens=4,
+                                  extra_body={"guided_choice": ["yes", "no"]})
+    assert len(r.choices) == 6 and {c.text for c in r.choices} <= {"yes", "no"}
+    assert derived == ["SamplingRequest"]

@@ -107,6 +107,17 @@ def test_none_answers_as_without_tools(live):
     assert create(live, True, tools=TOOLS, tool_choice="none", max_tokens=6) == plain
 
 
+def test_a_request_without_tools_skips_their_check(live, monkeypatch):
+    """No tools and no tool_choice: nothing to check, so no hop to a worker for it; the answer is the same as
+    with tool_choice none, which is checked."""
+    checked, check = [], T.check
+    monkeypatch.setattr(T, "check", lambda req, guided: checked.append(req.tool_choice) or check(req, guided))
+    plain = create(live, False, max_tokens=6)
+    assert checked == []
+    assert create(live, False, tool_choice="none", max_tokens=6) == plain
+    assert checked == ["none"]
+
+
 def test_tool_results_in_the_history(live):
     """An assistant turn that called a tool (content null) and the tool's result: accepted, rendered (the prompt
     grows by them), answered, whole and streamed."""

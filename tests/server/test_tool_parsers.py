@@ -1,10 +1,12 @@
 """Tool calls without a server: each family's parser on literal answers, whole and streamed character by character
-(the same content and calls either way), the parser a model gets, the history and tools as each family's template
-renders them (small templates in the families' formats), and the forced-call grammars."""
+(the same content and calls either way; long answers too, each character read a bounded number of times), the
+parser a model gets, the history and tools as each family's template renders them (small templates in the
+families' formats), and the forced-call grammars."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from llguidance import LLMatcher
@@ -13,6 +15,7 @@ from vlora.engine.guided import grammar_text
 from vlora.server import protocol as P
 from vlora.server import tools as T
 from vlora.server.templates import compile_template
+from vlora.server import tool_calls
 from vlora.server.tool_calls import ToolCall, ToolStream, parse_answer, parser_for
 
 CITY = ToolCall("get_weather", '{"city": "Paris"}')
@@ -63,6 +66,66 @@ def test_streams_give_what_whole_answers_give(name, answer, content, calls):
     text, done, called = stream.finish()
     sent, got = sent + text, got + done
     assert (sent or None, got, called) == (content, calls, bool(calls))
+
+
+def _stream(name: str, answer: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of ``answer`` streamed a character at a time."""
+    stream, sent, got = ToolStream(parser_for(name)), [], []
+    for ch in answer:
+        text, done = stream.feed(ch)
+        sent.append(text)
+        got += done
+    text, done, _ = stream.finish()
+    return "".join(sent + [text]) or None, got + done
+
+
+_WORDS = random.Random(0).choices(["Paris", "is", "sunny", "a", "<b>", "<", "[1]", "{x}", ";", "\n", "  "], k=6000)
+LONG_TEXT = ("Well: " + " ".join(_WORDS))[:20_000]
+LONG_ARGUMENTS = {"notes": "x < y, [z] " * 2_000}                 # 22k characters
+LONG_CALLS = {
+    "hermes": f'<tool_call>\n{json.dumps({"name": "note", "arguments": LONG_ARGUMENTS})}\n</tool_call>',
+    "llama3_json": json.dumps({"name": "note", "parameters": LONG_ARGUMENTS}),
+    "mistral": f'[TOOL_CALLS][{json.dumps({"name": "note", "arguments": LONG_ARGUMENTS})}]',
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_CALLS))
+@pytest.mark.parametrize("kind", ["text", "call", "whitespace then call", "text then call"])
+def test_long_streams_give_what_whole_answers_give(name, kind):
+    answer = {"text": LONG_TEXT, "call": LONG_CALLS[name], "whitespace then call": " \n" * 10_000 + LONG_CALLS[name],
+              "text then call": LONG_TEXT + "\n" + LONG_CALLS[name]}[kind]
+    calls = [ToolCall("note", json.dumps(LONG_ARGUMENTS))]
+    want = {"text": (LONG_TEXT, []), "call": (None, calls), "whitespace then call": (None, calls),
+            "text then call": (answer, []) if name == "llama3_json" else (LONG_TEXT + "\n", calls)}[kind]
+    assert parse_answer(parser_for(name), answer) == want
+    assert _stream(name, answer) == want
+
+
+@pytest.mark.parametrize("name", list(LONG_CALLS))
+def test_a_stream_reads_each_character_a_bounded_number_of_times(name, monkeypatch):
+    """Fed a character at a time, a stream's tag searches read each new character and fewer before it than the
+    longest tag holds (where a tag may begin), however long the answer grows; each block is decoded once."""
+    read, decoded = [], []
+    first, load = tool_calls._first, tool_calls._load
+
+    def counted_first(text, tags):
+        read.append(len(text))
+        return first(text, tags)
+
+    def counted_load(text):
+        decoded.append(text)
+        return load(text)
+
+    monkeypatch.setattr(tool_calls, "_first", counted_first)
+    monkeypatch.setattr(tool_calls, "_load", counted_load)
+    blocks = "\n".join(f'<tool_call>{{"name": "get_time", "arguments": {{"n": {i}}}}}</tool_call>' for i in range(300))
+    answer = LONG_TEXT + " \n" * 5_000 + (blocks if name == "hermes" else LONG_CALLS[name])
+    stream, calls = ToolStream(parser_for(name)), []
+    for ch in answer:
+        calls += stream.feed(ch)[1]
+    longest = max(len(t) for t in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"))
+    assert sum(read) <= 2 * longest * len(answer)
+    assert len(decoded) == len(calls) == (300 if name == "hermes" else 0)
 
 
 def test_a_call_goes_out_as_soon_as_it_is_complete():

@@ -248,9 +248,10 @@ class OpenAIServer:
                                 f"per call", param="prompt")
 
     def jobs(self, req: P.SamplingRequest, prompt: list[int], adapter: str | None, max_tokens: int,
-             request_id: str, images: list | None = None, tool_grammar: GuidedSpec | None = None) -> list[Job]:
+             request_id: str, guided: GuidedSpec | None, images: list | None = None) -> list[Job]:
         """One job per candidate answer (``n``, or ``best_of``); candidate *i* samples with ``seed + i``;
-        ``tool_grammar``: the structured output that forces tool calls, in place of the request's."""
+        ``guided``: the structured output the answers follow (:func:`_guided`'s, or the grammar that forces tool
+        calls), derived once per request."""
         self.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         bias = req.logit_bias_pairs()
         for t, _ in bias:
@@ -258,12 +259,6 @@ class OpenAIServer:
                 raise APIError(400, f"logit_bias names token id {quote(t)}, outside the vocabulary "
                                     f"[0, {self.vocab_size})", param="logit_bias", code="invalid_token_id")
         self.check_choices(req)
-        try:
-            guided, _ = req.guided()
-        except SamplingError as e:
-            field = str(e).partition(":")[0]
-            raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
-        guided = tool_grammar or guided
         count = req.num_candidates()
         logprobs = req.logprobs_k()
         if logprobs is None and count > req.n:
@@ -287,9 +282,10 @@ class OpenAIServer:
             jobs.append(Job(prompt, adapter, params, f"{request_id}-{i}", tuple(images) if images else None))
         return jobs
 
-    async def submit(self, jobs: list[Job], prompt_param: str, req: P.SamplingRequest | None = None) -> RequestGroup:
-        """The jobs handed to the engine; ``prompt_param``: the field an error about the prompt names; ``req``:
-        the request, whose structured-output field an error about the grammar names."""
+    async def submit(self, jobs: list[Job], prompt_param: str, guided_field: str | None = None) -> RequestGroup:
+        """The jobs handed to the engine; ``prompt_param``: the field an error about the prompt names;
+        ``guided_field``: the field that gave the jobs' structured output, which an error about its grammar
+        names."""
         try:
             if self.on_demand is None:
                 return await self.engine.submit(jobs, self.metrics.observe)
@@ -304,8 +300,8 @@ class OpenAIServer:
             raise APIError(404, str(e), param="model", code="model_not_found") from None
         except (RequestError, SamplingError) as e:
             param = getattr(e, "param", None)
-            if param == "guided" and req is not None:      # the grammar could not be compiled: name its field
-                param = _guided_field(req)
+            if param == "guided":          # the grammar could not be compiled: name its field
+                param = guided_field
             raise APIError(400, str(e), param=param or prompt_param) from None
 
     def check_accepting(self) -> None:
@@ -319,12 +315,14 @@ class OpenAIServer:
         req: P.ChatCompletionRequest = await self.read_request(request, P.ChatCompletionRequest)
         adapter = self.adapter_for(req.model)
         self.check_text_size(sum(_text_chars(m.content) for m in req.messages), "messages")
-        prompt, images, tools = await self.chat_prompt(req.messages, req)
+        guided, field = _guided(req)
+        prompt, images, tools = await self.chat_prompt(req.messages, req, field is not None)
+        if tools.guided is not None:        # a forced call: T.check refuses one with structured output of its own
+            guided, field = tools.guided, "tools"
         prompt_len = len(prompt) + self.image_tokens(images)
         max_tokens = self.max_tokens(prompt_len, req.requested_max_tokens(), req.min_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, images, tools.guided), "messages",
-                                  req)
+        group = await self.submit(self.jobs(req, prompt, adapter, max_tokens, rid, guided, images), "messages", field)
         with_logprobs = req.logprobs_k() is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -378,10 +376,11 @@ class OpenAIServer:
             echoes = sent if not given_ids else await self.work.run(lambda ps: [decode(p) for p in ps], prompts)
         forms = [_CompletionForm(ids, echo, req.logprobs_k()) for ids, echo in zip(prompts, echoes)]
         rid = f"cmpl-{uuid.uuid4().hex}"
+        guided, field = _guided(req)
         jobs = []
         for i, (ids, max_tokens) in enumerate(zip(prompts, limits)):      # prompt i's choices: a run of jobs
-            jobs += self.jobs(req, list(ids), adapter, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}")
-        group = await self.submit(jobs, "prompt", req)
+            jobs += self.jobs(req, list(ids), adapter, max_tokens, rid if len(prompts) == 1 else f"{rid}-{i}", guided)
+        group = await self.submit(jobs, "prompt", field)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self.completion_chunks(group, rid, req.model, forms, include_usage, given_ids), group)
@@ -424,18 +423,20 @@ class OpenAIServer:
         logprobs, offset = self.texts.completion(items + generated(new), offset)
         return text, logprobs, offset
 
-    async def chat_prompt(self, messages: list[P.ChatMessage],
-                          req: P.ChatCompletionRequest | None = None) -> tuple[list[int], list, T.ToolUse]:
+    async def chat_prompt(self, messages: list[P.ChatMessage], req: P.ChatCompletionRequest | None = None,
+                          guided: bool = False) -> tuple[list[int], list, T.ToolUse]:
         """(templated prompt, decoded images, what the tools make of the answer). Every image is checked first
         (sizes, decoding); a text-only model then refuses them; an LMM gets its image placeholder token where each
         image part was. ``req``: the template controls (the request's own template, its variables, generation
-        prompt or continuation) and the tools (:mod:`vlora.server.tools`)."""
+        prompt or continuation) and the tools (:mod:`vlora.server.tools`); ``guided``: it asks for structured
+        output (response_format, guided_*)."""
         template, kwargs, add_prompt, cont, tools = None, None, True, False, None
         if req is not None:
-            try:
-                await self.work.run(T.check, req, _format_field(req) is not None)
-            except T.ToolError as e:
-                raise APIError(400, str(e), param=e.param) from None
+            if req.tools or req.tool_choice is not None:      # else nothing to check: no hop to a worker
+                try:
+                    await self.work.run(T.check, req, guided)
+                except T.ToolError as e:
+                    raise APIError(400, str(e), param=e.param) from None
             tools = T.template_tools(req)
             if req.chat_template is not None and not self.config.trust_request_chat_template:
                 raise APIError(400, "this server does not run chat templates sent in requests (start it with "
@@ -1029,17 +1030,11 @@ def _text_chars(content) -> int:
     return sum(len(p.text) for p in content if isinstance(p, P.TextPart))
 
 
-def _guided_field(req: P.SamplingRequest) -> str | None:
-    """The field whose structured output the answer follows: ``tools`` when tool_choice forces a call, else
-    :func:`_format_field`'s."""
-    if getattr(req, "tool_mode", lambda: "none")() in ("required", "named"):
-        return "tools"
-    return _format_field(req)
-
-
-def _format_field(req: P.SamplingRequest) -> str | None:
-    """The field that asked for structured output: chat's response_format, else a guided_* extra."""
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.get("type") != "text":
-        return "response_format"
-    return next((f for f in req.GUIDED if getattr(req, f) is not None), None)
+def _guided(req: P.SamplingRequest) -> tuple[GuidedSpec | None, str | None]:
+    """(the request's structured output, the field that asked for it: chat's response_format, else a guided_*
+    extra), or (None, None); a malformed one is a 400 naming its field."""
+    try:
+        return req.guided()
+    except SamplingError as e:
+        field = str(e).partition(":")[0]
+        raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from None
