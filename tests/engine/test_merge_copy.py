@@ -155,7 +155,7 @@ def test_graph_sets_follow_the_weights_the_layers_read(tmp_path):
     sp = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True)
     kw = dict(adapters=paths, num_blocks=256, block_size=4, kernels="triton", lora_kernel="triton")
     want = [o.token_ids for o in LLM(str(path), cuda_graphs=False, **kw).generate(PROMPTS[:2], ["a8"] * 2, sp)]
-    llm = LLM(str(path), merged_copy=True, **kw)
+    llm = LLM(str(path), merged_copy=True, max_model_len=128, **kw)
     eng = llm.engine
     eng.runner.enable_graphs(4, eng.max_model_len)
     g, modes = eng.runner.graphs, eng.runner.modes

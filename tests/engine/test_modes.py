@@ -138,7 +138,7 @@ def test_graph_replays_follow_a_change_of_mixed_launch(tmp_path):
 
     path, paths, _ = build(tmp_path)
     llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, dtype="float32", kernels="triton",
-              lora_kernel="triton", max_num_seqs=4)
+              lora_kernel="triton", max_num_seqs=4, max_model_len=128)
     eng = llm.engine
     eng.runner.enable_graphs(4, eng.max_model_len, columns=4)
     short, sp = [p[:4] for p in PROMPTS], SamplingParams(max_tokens=3, ignore_eos=True)

@@ -43,7 +43,7 @@ def check_graph_decode(path, paths, pm, **kw):
     """Requests of different lengths and adapters join and leave (batch sizes between buckets, LoRA segments
     split into tile-high pieces): every token equal to PEFT's (which the eager engine's equal: test_parity)."""
     want = [peft_greedy(pm, p, a, sp.max_tokens) for p, a, sp in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
-    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, **kw)
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128, **kw)
     if llm.engine.runner.graphs is None:                 # CPU: the emulation (same buffers, re-run forward)
         llm.engine.runner.enable_graphs(8, llm.engine.max_model_len, columns=2)    # 3 adapters: tables grow
     got = [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
@@ -84,7 +84,8 @@ def check_graph_columns(path, paths, columns, **kw):
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     eager = LLM(str(path), adapters=names, num_blocks=64, block_size=4, max_num_seqs=4, cuda_graphs=False, **kw)
     want = [eager.generate([p], [n], sp)[0].token_ids for p, n in zip(prompts, names)]
-    llm = LLM(str(path), adapters=names, num_blocks=8, block_size=4, max_num_seqs=4, max_lora_rank=16, **kw)
+    llm = LLM(str(path), adapters=names, num_blocks=8, block_size=4, max_num_seqs=4, max_lora_rank=16, max_model_len=128,
+              **kw)
     llm.engine.runner.enable_graphs(4, llm.engine.max_model_len, columns=columns)
     got = [llm.generate([p], [n], sp)[0].token_ids for p, n in zip(prompts, names)]
     assert got == want

@@ -143,7 +143,7 @@ def test_fused_kernels_and_graph_decode_take_mrope(tiny):
     want = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=96, block_size=4)
             .generate(list(prompts), list(names), sp, images=list(images))]
     llm = LLM(str(path), adapters=paths, num_blocks=96, block_size=4, max_num_seqs=8, kernels="triton",
-              lora_kernel="triton")
+              lora_kernel="triton", max_model_len=128)
     assert llm.engine.runner.use_kernels
     if llm.engine.runner.graphs is None:
         llm.engine.runner.enable_graphs(8, llm.engine.max_model_len)
