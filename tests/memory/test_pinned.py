@@ -56,13 +56,14 @@ def test_a_failed_registration_falls_back_and_leaves_no_cuda_error(monkeypatch):
 
 @pytest.mark.gpu
 def test_a_buffer_registered_in_pieces_copies_piece_by_piece():
-    """``pieces``: a buffer larger than a piece (not a whole number of pages either) is page-locked throughout,
-    and one asynchronous copy per piece moves it to the device and back unchanged."""
+    """``pieces``: a buffer larger than a piece (not a whole number of pages either) is zero-filled and page-locked
+    throughout, and one asynchronous copy per piece moves it to the device and back unchanged."""
     from vlora.memory.pinned import PIECE_BYTES, pinned_empty, piece_slices
 
     n = (5 * PIECE_BYTES) // 2 + 1234                         # float32 elements: 10 pieces and a bit
     t = pinned_empty(n, torch.float32, pieces=True)
     assert t.numel() == n and t.is_pinned() and t[-1:].is_pinned() and t[PIECE_BYTES // 4:].is_pinned()
+    assert not t.any()                                         # zero-filled: an adapter's padding relies on it
     t.copy_(torch.arange(n, dtype=torch.float32))
     slices = piece_slices(n, torch.float32)
     assert len(slices) == -(-n * 4 // PIECE_BYTES) and slices[0].start == 0 and slices[-1].stop == n

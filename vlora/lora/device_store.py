@@ -84,19 +84,19 @@ class AdapterStore:
         self._host[adapter.name] = host if host is not None else self.host_copy(adapter)
 
     def host_copy(self, adapter: PackedAdapter) -> HostAdapter:
-        """The adapter's matrices in one flat host buffer (pinned on CUDA, at its exact size) laid out exactly as
-        the pool lays them out (back to back, each ALIGN-aligned), so a load is one copy and one pinned allocation
-        per adapter rather than one per matrix. Changes nothing here: safe on any thread."""
+        """The adapter's matrices in one flat host buffer (pinned on CUDA) laid out exactly as the pool lays them
+        out (back to back, each ALIGN-aligned), so a load is one pinned allocation and a copy per 4 MiB piece
+        rather than one of each per matrix. Changes nothing here: safe on any thread."""
         mats = matrices(adapter if self.view is None else self.view(adapter))
         sizes = [m.numel() for m in mats]
         total = sum(aligned(n) for n in sizes)
-        # registered in pieces: this runs on the loader's thread while the engine serves (pinned.PIECE_BYTES)
+        # registered in pieces: this runs on the loader's thread while the engine serves (pinned.PIECE_BYTES).
+        # Zero-filled either way: the alignment padding is copied too, so it is defined.
         flat = pinned_empty(total, mats[0].dtype, pieces=True) if self.device.type == "cuda" else \
-            torch.empty(total, dtype=mats[0].dtype)
+            torch.zeros(total, dtype=mats[0].dtype)
         pos = 0
         for m, n in zip(mats, sizes):
             flat[pos:pos + n].copy_(m)
-            flat[pos + n:pos + aligned(n)].zero_()            # alignment padding: copied too, so defined
             pos += aligned(n)
         return HostAdapter(flat, sizes)
 

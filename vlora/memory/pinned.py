@@ -61,18 +61,19 @@ PIECE_BYTES = 4 << 20
 """A large buffer is registered with the driver this much at a time (:func:`pinned_empty`'s ``pieces``). A
 registration of fresh memory faults in and locks its pages inside the driver, at about 4 GB/s on an H100 host
 (19 ms for a rank-16 Llama-2-7B adapter's 80 MB, 64-78 ms for rank 64), and the engine's thread stalls meanwhile
-(its steps took 20-40 ms instead of 9). So the pages are faulted in first, outside the driver, then registered
+(its steps took 20-42 ms instead of 9). So the pages are faulted in first, outside the driver, then registered
 4 MiB at a time with a pause between pieces in which other threads' CUDA calls go first."""
 
 PIECE_PAUSE_S = 2e-4
+"""The pause between two pieces' registrations, in which a thread waiting for the driver gets it first."""
 
 
 def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool = False) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` whose memory is page-locked for asynchronous copies.
 
-    ``pieces``: registered :data:`PIECE_BYTES` at a time (for buffers registered while the engine serves, such as
-    an adapter's host copy); an asynchronous copy from it then must not cross a piece's boundary
-    (:func:`piece_slices`). Registering is one of the calls a CUDA graph capture must not meet on another
+    ``pieces``: zero-filled (its pages faulted in before they are registered) and registered :data:`PIECE_BYTES`
+    at a time (for buffers registered while the engine serves, such as an adapter's host copy); an asynchronous
+    copy from it then must not cross a piece's boundary (:func:`piece_slices`). Registering is one of the calls a CUDA graph capture must not meet on another
     thread: each takes :data:`~vlora.memory.capture.CAPTURE`."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -100,7 +101,7 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool 
             _unregister(done)
             with CAPTURE:
                 _clear_last_error()
-                return torch.empty(shape, dtype=dtype, pin_memory=True)
+                return (torch.zeros if pieces else torch.empty)(shape, dtype=dtype, pin_memory=True)
         done.append(ptr + off)
     weakref.finalize(raw, _unregister, done)      # runs once every tensor over ``raw`` is gone
     return torch.from_numpy(raw_view[:nbytes]).view(dtype).view(shape)
