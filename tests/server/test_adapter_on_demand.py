@@ -303,21 +303,21 @@ def test_an_unloaded_adapters_series_are_removed(live):
 
 
 def test_a_stream_on_another_adapter_goes_on_during_a_load(live, monkeypatch):
-    """The load runs on a worker thread (here made slow, as a slow disk would): tokens of a running stream keep
-    arriving while it runs."""
+    """The load runs off the engine thread (read in a process of its own, finished on a worker thread, here made
+    slow, as a slow disk would make it): tokens of a running stream keep arriving while it runs."""
     reset(live)
     adapters = live.engine.adapters
-    prepare, window = adapters.prepare, []
+    finish, window = adapters.finish, []
 
-    def slow_prepare(name, path):
+    def slow_finish(read):
         window.append(time.monotonic())
         time.sleep(1.0)
         try:
-            return prepare(name, path)
+            return finish(read)
         finally:
             window.append(time.monotonic())
 
-    monkeypatch.setattr(adapters, "prepare", slow_prepare)
+    monkeypatch.setattr(adapters, "finish", slow_finish)
     loads = live.metric("vlora_adapter_loads_total")
     stop, times, ready = threading.Event(), [], threading.Event()
     t = threading.Thread(target=_stream, args=(live, STARTUP, stop, times, ready), daemon=True)

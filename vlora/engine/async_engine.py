@@ -26,6 +26,7 @@ from vlora.engine.client import (AdapterExists, AdapterNotFound, EngineFailed, E
 from vlora.engine.engine import Engine
 from vlora.engine.observer import StepObserver
 from vlora.engine.sequence import RequestOutput
+from vlora.lora.loader import LOADER
 
 log = logging.getLogger(__name__)
 
@@ -180,17 +181,19 @@ class AsyncEngine:
         """Register the PEFT adapter in directory ``path`` as ``name``; raises AdapterError if it is refused
         (AdapterExists if the name is taken, an adapter being unloaded included).
 
-        The adapter is read, validated and packed on a thread of its own (one torch thread: the engine's forward
-        keeps its cores) while the engine serves on; the engine thread only adds the result to its registry
-        between two steps."""
+        The adapter is read, validated and packed in a process of its own (:data:`vlora.lora.loader.LOADER`) and
+        finished (its pool copy pinned) on a thread of its own, while the engine serves on; the engine thread only
+        adds the result to its registry between two steps."""
         def taken() -> AdapterExists:
             return AdapterExists(f"an adapter named {name!r} is already loaded"
                                  + (" (it is being unloaded)" if name in self._draining else ""))
 
-        if name in self.engine.adapters:
+        registry = self.engine.adapters
+        registry.check_name(name, taken=False)
+        if name in registry:
             raise taken()
-        prepared = await asyncio.get_running_loop().run_in_executor(self._loader, self.engine.adapters.prepare,
-                                                                     name, path)
+        read = await LOADER.read(registry.spec, name, path)
+        prepared = await asyncio.get_running_loop().run_in_executor(self._loader, registry.finish, read)
 
         def register(e: Engine) -> None:
             if name in e.adapters:

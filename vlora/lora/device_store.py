@@ -21,7 +21,7 @@ import torch
 from vlora.kernels.segments import SegmentMeta
 from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
 from vlora.memory.kv_cache import OutOfBlocks
-from vlora.memory.pinned import pinned_empty, piece_slices
+from vlora.memory.pinned import pin_in_place, pinned_empty, piece_slices
 
 ALIGN = 16        # elements: every A and B starts on a 16-element boundary (vectorised kernel loads)
 
@@ -49,6 +49,20 @@ def matrices(adapter: PackedAdapter) -> list[torch.Tensor]:
                 out.append(gw.a.T.contiguous().reshape(-1))
                 out.extend(sl.b.reshape(-1) for sl in gw.slices)
     return out
+
+
+def host_layout(adapter: PackedAdapter, alloc=torch.zeros) -> HostAdapter:
+    """The adapter's matrices in one flat host buffer, from ``alloc(numel, dtype=)`` (zero-filled: the alignment
+    padding is copied too, so it is defined), laid out exactly as the pool lays them out (back to back, each
+    ALIGN-aligned), so that a load is one copy per 4 MiB piece rather than one per matrix."""
+    mats = matrices(adapter)
+    sizes = [m.numel() for m in mats]
+    flat = alloc(sum(aligned(n) for n in sizes), dtype=mats[0].dtype)
+    pos = 0
+    for m, n in zip(mats, sizes):
+        flat[pos:pos + n].copy_(m)
+        pos += aligned(n)
+    return HostAdapter(flat, sizes)
 
 
 def least_recent(order, protected) -> str | None:
@@ -84,21 +98,21 @@ class AdapterStore:
         self._host[adapter.name] = host if host is not None else self.host_copy(adapter)
 
     def host_copy(self, adapter: PackedAdapter) -> HostAdapter:
-        """The adapter's matrices in one flat host buffer (pinned on CUDA) laid out exactly as the pool lays them
-        out (back to back, each ALIGN-aligned), so a load is one pinned allocation and a copy per 4 MiB piece
-        rather than one of each per matrix. Changes nothing here: safe on any thread."""
-        mats = matrices(adapter if self.view is None else self.view(adapter))
-        sizes = [m.numel() for m in mats]
-        total = sum(aligned(n) for n in sizes)
-        # registered in pieces: this runs on the loader's thread while the engine serves (pinned.PIECE_BYTES).
-        # Zero-filled either way: the alignment padding is copied too, so it is defined.
-        flat = pinned_empty(total, mats[0].dtype, pieces=True) if self.device.type == "cuda" else \
-            torch.zeros(total, dtype=mats[0].dtype)
-        pos = 0
-        for m, n in zip(mats, sizes):
-            flat[pos:pos + n].copy_(m)
-            pos += aligned(n)
-        return HostAdapter(flat, sizes)
+        """The adapter's matrices (this process's share of them: :attr:`view`) in the pool's layout
+        (:func:`host_layout`), pinned on CUDA. Changes nothing here: safe on any thread."""
+        # registered in pieces: this runs on a loader's thread while the engine serves (pinned.PIECE_BYTES)
+        alloc = (lambda n, dtype: pinned_empty(n, dtype, pieces=True)) if self.device.type == "cuda" else torch.zeros
+        return host_layout(adapter if self.view is None else self.view(adapter), alloc)
+
+    def pinned(self, host: HostAdapter) -> HostAdapter:
+        """``host`` (a layout read elsewhere, :func:`host_layout`) ready for asynchronous copies: on CUDA its
+        buffer page-locked where it is when it can be (:func:`~vlora.memory.pinned.pin_in_place`), else copied
+        into pinned memory. Safe on any thread."""
+        if self.device.type != "cuda" or pin_in_place(host.flat):
+            return host
+        flat = pinned_empty(host.flat.numel(), host.flat.dtype, pieces=True)
+        flat.copy_(host.flat)
+        return HostAdapter(flat, host.sizes)
 
     def remove(self, name: str) -> None:
         if name in self.resident:

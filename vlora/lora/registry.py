@@ -2,8 +2,9 @@
 
 Registration validates the whole adapter before anything changes, so a refused
 adapter leaves every registered one untouched. It is two steps: ``prepare``
-(read, validate, pack: the costly part, safe on any thread) and ``add`` (a
-slot and a name, on the engine's thread). The unified memory pool later
+(read, validate, pack: the costly part, safe on any thread; reading may happen
+in another process, vlora/lora/loader.py, and ``finish`` completes it here)
+and ``add`` (a slot and a name, on the engine's thread). The unified memory pool later
 takes over where the packed weights live; names and slots stay here.
 """
 
@@ -14,33 +15,22 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
-from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
+from vlora.lora.adapter import AdapterError, ModelShape
+from vlora.lora.batch import GroupWeights, PackedAdapter
 from vlora.lora.device_store import AdapterStore, HostAdapter
+from vlora.lora.loader import ReadAdapter, ReadSpec, read
 from vlora.lora.merge_copy import MergedCopies
-from vlora.lora.task_head import TaskHead, load_task_head
+from vlora.lora.task_head import TaskHead
 from vlora.memory.capture import guarded
 
 _NAME_MAX = 128
 
 
-def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: torch.device) -> PackedAdapter:
-    """Lay an adapter out per layer and packed group (qkv, o, gate_up, down)."""
-    layers = []
-    for per_module in adapter.weights:
-        groups: dict[str, GroupWeights] = {}
-        for group, modules in GROUPS.items():
-            a_parts, slices, col = [], [], 0
-            for j, module in enumerate(modules):
-                if module in per_module:
-                    a, b = per_module[module]
-                    slices.append(SliceB(j, col, len(a_parts) * adapter.rank, b.to(device).contiguous()))
-                    a_parts.append(a)
-                col += out_features.get(module, 0)      # a module the model takes no LoRA on (MoE MLP)
-            if a_parts:
-                groups[group] = GroupWeights(torch.cat(a_parts, dim=1).to(device).contiguous(), tuple(slices))
-        layers.append(groups)
-    return PackedAdapter(slot, adapter.name, adapter.rank, adapter.scaling, tuple(layers))
+def _on_device(packed: PackedAdapter, device: torch.device) -> PackedAdapter:
+    """``packed`` with its matrices moved to ``device``."""
+    layers = tuple({g: GroupWeights(gw.a.to(device), tuple(replace(sl, b=sl.b.to(device)) for sl in gw.slices))
+                    for g, gw in groups.items()} for groups in packed.layers)
+    return replace(packed, layers=layers)
 
 
 @dataclass(frozen=True)
@@ -81,40 +71,51 @@ class AdapterRegistry:
 
     def register(self, name: str, path: str | os.PathLike) -> PackedAdapter:
         """Read, validate, pack and register the PEFT adapter in ``path`` as ``name``."""
-        self._check_name(name)              # a name taken is refused before the work
+        self.check_name(name)              # a name taken is refused before the work
         return self.add(self.prepare(name, path))
 
+    @property
+    def spec(self) -> ReadSpec:
+        """What reading an adapter for this registry needs (:func:`vlora.lora.loader.read`, in any process)."""
+        return ReadSpec(self.shape, self.max_rank, self.dtype, self.check_base_model,
+                        host_layout=self.store is not None and self.store.view is None)
+
     def prepare(self, name: str, path: str | os.PathLike) -> PreparedAdapter:
-        """The adapter in ``path`` read, validated and packed (with its host copy for the pool), for :meth:`add`.
-        Changes nothing here, so it may run on any thread while the engine serves: the costly part of
-        registering. Its CUDA calls (pinning the host copy, moving a task head or, without a store, the adapter
-        to the device) each take the capture lock (vlora/memory/capture.py): the engine may be capturing a
-        graph meanwhile. Whether the name is taken is :meth:`add`'s to say, on the engine's thread."""
-        self._check_name(name, taken=False)
-        loaded = load_adapter(path, name, self.shape, max_rank=self.max_rank, dtype=self.dtype,
-                              check_base_model=self.check_base_model)
-        head = load_task_head(path, self.shape.in_features["q_proj"], self.dtype, torch.device("cpu"))
+        """The adapter in ``path`` read, validated and packed (with its host copy for the pool), for :meth:`add`:
+        :func:`~vlora.lora.loader.read` here, then :meth:`finish`. Changes nothing here, so it may run on any
+        thread while the engine serves (the server reads in a process of its own instead:
+        :class:`~vlora.lora.loader.LoaderProcess`)."""
+        self.check_name(name, taken=False)
+        return self.finish(read(self.spec, name, str(path)))
+
+    def finish(self, r: ReadAdapter) -> PreparedAdapter:
+        """An adapter read (:func:`~vlora.lora.loader.read`, with this registry's :attr:`spec`) made ready for
+        :meth:`add`: its pool copy pinned, its task head (and, without a store, its matrices) on the device;
+        refused if it could never fit the pool. Safe on any thread: its CUDA calls each take the capture lock
+        (vlora/memory/capture.py), as the engine may be capturing a graph meanwhile. Whether the name is taken
+        is :meth:`add`'s to say, on the engine's thread."""
+        name = r.packed.name
+        self.check_name(name, taken=False)
+        head, packed, host = r.head, r.packed, None
         if head is not None and self.device.type != "cpu":
             with guarded(self.device):
                 head = replace(head, weight=head.weight.to(self.device), bias=head.bias.to(self.device))
         if self.store is None:
-            with guarded(self.device):
-                packed = pack(loaded, -1, self.shape.out_features, self.device)
+            if self.device.type != "cpu":
+                with guarded(self.device):
+                    packed = _on_device(packed, self.device)
         else:
-            packed = pack(loaded, -1, self.shape.out_features, torch.device("cpu"))
-        host = None
-        if self.store is not None:
-            host = self.store.host_copy(packed)
+            host = self.store.host_copy(packed) if r.host is None else self.store.pinned(r.host)
             need, room = self.store.pages_needed(host), self.store.capacity
             if need > room:
                 raise AdapterError(f"adapter {name!r} needs {need} pages of the memory pool, which has {room} for "
                                    f"adapters: it could never be loaded (a larger pool or a smaller rank)")
-        return PreparedAdapter(packed, str(path), head, host)
+        return PreparedAdapter(packed, r.path, head, host)
 
     def add(self, prepared: PreparedAdapter) -> PackedAdapter:
         """Register a prepared adapter: a slot, its name, its host copy handed to the store (cheap)."""
         name = prepared.packed.name
-        self._check_name(name)              # taken while it was prepared
+        self.check_name(name)              # taken while it was prepared
         used = {a.slot for a in self._by_name.values()}
         packed = replace(prepared.packed, slot=next(i for i in range(len(used) + 1) if i not in used))
         if self.store is not None:
@@ -125,7 +126,7 @@ class AdapterRegistry:
             self.heads[name] = prepared.head
         return packed
 
-    def _check_name(self, name: str, taken: bool = True) -> None:
+    def check_name(self, name: str, taken: bool = True) -> None:
         """A refusal of ``name``'s form, of the base model's name, and (``taken``) of a name registered."""
         if not isinstance(name, str) or not name or len(name) > _NAME_MAX or name != name.strip():
             raise AdapterError(f"adapter name must be a non-empty string of at most {_NAME_MAX} "

@@ -73,8 +73,8 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool 
 
     ``pieces``: zero-filled (its pages faulted in before they are registered) and registered :data:`PIECE_BYTES`
     at a time (for buffers registered while the engine serves, such as an adapter's host copy); an asynchronous
-    copy from it then must not cross a piece's boundary (:func:`piece_slices`). Registering is one of the calls a CUDA graph capture must not meet on another
-    thread: each takes :data:`~vlora.memory.capture.CAPTURE`."""
+    copy from it then must not cross a piece's boundary (:func:`piece_slices`). Registering is one of the calls a
+    CUDA graph capture must not meet on another thread: each takes :data:`~vlora.memory.capture.CAPTURE`."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
@@ -85,9 +85,40 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool 
     first = -raw.ctypes.data % PAGE
     raw_view = raw[first:first + span]
     ptr = raw_view.ctypes.data
-    step = PIECE_BYTES if pieces else span
     if pieces:
         raw_view.fill(0)                                # faults the pages in now, on this thread
+    done = _register(ptr, span, PIECE_BYTES if pieces else span)
+    if done is None:
+        with CAPTURE:
+            _clear_last_error()
+            return (torch.zeros if pieces else torch.empty)(shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(raw, _unregister, done)      # runs once every tensor over ``raw`` is gone
+    return torch.from_numpy(raw_view[:nbytes]).view(dtype).view(shape)
+
+
+def pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock the memory of ``t`` (a contiguous CPU tensor that starts on a page boundary and is the only one
+    using its pages, such as a buffer of its own in shared memory) where it is, :data:`PIECE_BYTES` at a time,
+    its pages faulted in first; it is unlocked once ``t`` is gone, so asynchronous copies must read it through
+    ``t`` or views of ``t`` held no longer (:func:`piece_slices`). False (nothing changed) where it is not
+    possible or the driver refuses."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes == 0 or t.data_ptr() % PAGE:
+        return False
+    t.view(torch.uint8)[::PAGE].max()                    # faults the pages in, outside the driver's lock
+    done = _register(t.data_ptr(), -(-nbytes // PAGE) * PAGE, PIECE_BYTES)
+    if done is None:
+        with CAPTURE:
+            _clear_last_error()
+        return False
+    weakref.finalize(t, _unregister, done)
+    return True
+
+
+def _register(ptr: int, span: int, step: int) -> list[int] | None:
+    """Register ``span`` bytes (whole pages) from ``ptr`` with the driver, ``step`` bytes at a time with a pause
+    between, each under the capture lock; the pieces' addresses, or None (nothing left registered) where the
+    driver refused one (its error is still the thread's last error)."""
     cudart = torch.cuda.cudart()
     done: list[int] = []
     for off in range(0, span, step):
@@ -96,15 +127,12 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool 
         with CAPTURE:
             code = _code(cudart.cudaHostRegister(ptr + off, min(step, span - off), 0))
         if code != 0:
-            log.warning("cudaHostRegister of %d bytes failed (error %d); using the caching pinned allocator",
+            log.warning("cudaHostRegister of %d bytes failed (error %d); falling back to the caching pinned allocator",
                         min(step, span - off), code)
             _unregister(done)
-            with CAPTURE:
-                _clear_last_error()
-                return (torch.zeros if pieces else torch.empty)(shape, dtype=dtype, pin_memory=True)
+            return None
         done.append(ptr + off)
-    weakref.finalize(raw, _unregister, done)      # runs once every tensor over ``raw`` is gone
-    return torch.from_numpy(raw_view[:nbytes]).view(dtype).view(shape)
+    return done
 
 
 def piece_slices(numel: int, dtype: torch.dtype) -> list[slice]:

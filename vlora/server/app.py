@@ -59,6 +59,7 @@ from vlora.engine.client import (AdapterExists, AdapterNotFound, EngineClient, E
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
+from vlora.lora.loader import LOADER
 from vlora.models.hub import HubError, is_hub_id, snapshot_dir
 from vlora.sampling_params import GuidedSpec, SamplingError, SamplingParams
 from vlora.server import protocol as P
@@ -142,6 +143,8 @@ class OpenAIServer:
         self.on_demand = (OnDemandAdapters(self.engine, self.on_request_source, self.register_on_request,
                                            config.max_loaded_adapters, self.metrics)
                           if config.adapter_dirs or config.allow_hub_adapters else None)
+        if self.on_demand is not None:
+            LOADER.start()          # the process that reads adapters imports torch now, not on the first load
         self.hub_misses = RecentMisses()        # Hub ids not found lately: 404 without asking the Hub again
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
         # the server's default chat template (--chat-template), in place of the model's; checked here

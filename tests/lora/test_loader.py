@@ -1,0 +1,114 @@
+"""Adapters read in a process of their own (vlora/lora/loader.py): the same adapter as one read here, refusals
+with their messages, and a worker that dies refusing only the adapter it was reading."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.lora.test_adapter import SHAPE, make_tensors, write_adapter
+from vlora.lora.adapter import AdapterError
+from vlora.lora.loader import LoaderProcess, ReadAdapter, landed, ship, shared_zeros
+from vlora.lora.registry import AdapterRegistry
+from vlora.memory.pool import UnifiedPool
+
+@pytest.fixture(scope="module")
+def loader():
+    lp = LoaderProcess()
+    yield lp
+    lp.shutdown()
+
+
+def registry(kernel: bool) -> AdapterRegistry:
+    if not kernel:
+        return AdapterRegistry(SHAPE, 16, torch.bfloat16, torch.device("cpu"), check_base_model=False)
+    pool = UnifiedPool(256, 2, 2, 4, 16, torch.bfloat16, torch.device("cpu"))
+    return AdapterRegistry(SHAPE, 16, torch.bfloat16, torch.device("cpu"), check_base_model=False, kernel="triton",
+                           pool=pool)
+
+
+def adapter_dir(tmp_path, r: int = 4, **config) -> str:
+    tensors = make_tensors(r=r, modules=("q_proj", "v_proj", "down_proj"), layers=(0, 1), dtype=torch.float32)
+    return write_adapter(tmp_path, tensors, r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj", "down_proj"],
+                         **config)
+
+
+def same_adapter(a, b) -> None:
+    assert (a.packed.name, a.packed.rank, a.packed.scaling) == (b.packed.name, b.packed.rank, b.packed.scaling)
+    assert len(a.packed.layers) == len(b.packed.layers)
+    for ga, gb in zip(a.packed.layers, b.packed.layers):
+        assert ga.keys() == gb.keys()
+        for g in ga:
+            assert torch.equal(ga[g].a, gb[g].a)
+            assert [(s.index, s.col_start, s.rank_start) for s in ga[g].slices] == \
+                   [(s.index, s.col_start, s.rank_start) for s in gb[g].slices]
+            assert all(torch.equal(x.b, y.b) for x, y in zip(ga[g].slices, gb[g].slices))
+    assert (a.host is None) == (b.host is None)
+    if a.host is not None:
+        assert a.host.sizes == b.host.sizes and torch.equal(a.host.flat, b.host.flat)
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch-path", "pool-layout"])
+def test_an_adapter_read_in_the_worker_is_the_one_read_here(loader, tmp_path, kernel):
+    reg = registry(kernel)
+    path = adapter_dir(tmp_path)
+    here = reg.prepare("a", path)
+    there = reg.finish(asyncio.run(loader.read(reg.spec, "a", path)))
+    same_adapter(here, there)
+    assert there.packed.layers[0]["qkv"].a.is_shared()              # crossed as shared memory, not as a copy
+    assert (there.host is not None) == kernel
+    reg.add(there)
+    assert reg.names() == ["a"]
+
+
+def test_ship_and_land_keep_every_matrix_and_its_place(tmp_path):
+    reg = registry(kernel=True)
+    read = reg.prepare("a", adapter_dir(tmp_path))
+    r = ReadAdapter(read.packed, read.path, read.head, read.host)
+    back = landed(ship(r))
+    same_adapter(r, back)
+    views = [gw.a for groups in back.packed.layers for gw in groups.values()]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1     # one buffer for all of them
+
+
+def test_shared_zeros_are_zero_and_shared():
+    t = shared_zeros(1000, torch.bfloat16)
+    assert t.is_shared() and t.shape == (1000,) and t.dtype == torch.bfloat16 and not t.any()
+
+
+def test_a_refusal_in_the_worker_carries_its_message(loader, tmp_path):
+    reg = registry(kernel=True)
+    with pytest.raises(AdapterError, match="exceeds max_rank=16"):
+        asyncio.run(loader.read(reg.spec, "big", adapter_dir(tmp_path, r=32)))
+    with pytest.raises(AdapterError, match="is not a directory"):
+        asyncio.run(loader.read(reg.spec, "none", str(tmp_path / "missing")))
+    path = adapter_dir(tmp_path / "ok")                               # the worker serves on
+    assert asyncio.run(loader.read(reg.spec, "ok", path)).packed.name == "ok"
+
+
+def test_a_worker_that_dies_refuses_only_its_adapter(tmp_path):
+    """The worker killed while a read waits for it: that read is refused as an AdapterError, and the next read
+    starts a new worker."""
+    lp = LoaderProcess()
+    reg = registry(kernel=True)
+    path = adapter_dir(tmp_path)
+
+    async def scenario():
+        pool = lp._executor()
+        pid = await asyncio.wrap_future(pool.submit(os.getpid))
+        pool.submit(time.sleep, 30)                                     # the worker is busy when it dies
+        reading = asyncio.ensure_future(lp.read(reg.spec, "a", path))
+        await asyncio.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(AdapterError, match="died"):
+            await reading
+        return await lp.read(reg.spec, "a", path)
+    try:
+        assert asyncio.run(scenario()).packed.name == "a"
+    finally:
+        lp.shutdown()

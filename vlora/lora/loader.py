@@ -1,0 +1,230 @@
+"""Adapters read, validated and packed in a process of their own while the engine serves.
+
+Reading an adapter is host work: parse the safetensors file, check every matrix, convert it to the served
+dtype, pack the matrices per group and lay out the copy the unified pool loads from. On a thread of the
+serving process that work shares the interpreter lock, the allocator and the address space with the engine's
+thread, whose steps it slows: by 20-86 ms over a rank-64 Llama-2-7B load on an H100 host, and on a CPU with
+no spare core the forward loses one to it. So :class:`LoaderProcess` hands the reading to one worker process
+(spawned once, shared by the engines of this process, at ``os.nice`` :data:`NICE` with one torch thread: a
+core the forward wants goes to the forward). The worker writes the result into two shared-memory buffers
+(the packed matrices back to back, and the pool's layout of them), which cross to this process as two file
+descriptors, not as copies. What is left here is the part that needs this process: pinning the pool's copy
+(registered in place), moving a task head to the device, and the registration on the engine's thread
+(:meth:`vlora.lora.registry.AdapterRegistry.finish`, ``add``).
+
+    read(spec, name, path)            worker: load_adapter -> pack (CPU) -> host_layout, into shared memory
+        -> Shipped (2 buffers + shapes)   crosses as file descriptors
+        -> landed(shipped) -> ReadAdapter (views of the buffers)      this process
+        -> registry.finish -> PreparedAdapter -> registry.add (engine thread)
+
+A worker that dies while reading (a file that crashes the parser, memory exhausted) refuses that adapter
+with :class:`~vlora.lora.adapter.AdapterError`; the next load starts a new worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+
+import torch
+
+from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
+from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
+from vlora.lora.device_store import HostAdapter, host_layout
+from vlora.lora.task_head import TaskHead, load_task_head
+
+NICE = 10
+"""How much the worker lowers its scheduling priority: beside the engine's busy threads it gets about a tenth of
+a core's time, and all of an idle one."""
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """What reading an adapter needs to know of the served model (plain values: it crosses to the worker)."""
+
+    shape: ModelShape
+    max_rank: int
+    dtype: torch.dtype
+    check_base_model: bool
+    host_layout: bool       # lay the matrices out for the unified pool (kernel path, whole adapters)
+
+
+@dataclass(frozen=True)
+class ReadAdapter:
+    """An adapter read, validated and packed on the host; the registry finishes it (pinning, device moves)."""
+
+    packed: PackedAdapter           # CPU matrices; its slot is given when it is added
+    path: str
+    head: TaskHead | None           # CPU
+    host: HostAdapter | None        # the pool's layout, not pinned (``spec.host_layout``)
+
+
+def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: torch.device) -> PackedAdapter:
+    """Lay an adapter out per layer and packed group (qkv, o, gate_up, down)."""
+    layers = []
+    for per_module in adapter.weights:
+        groups: dict[str, GroupWeights] = {}
+        for group, modules in GROUPS.items():
+            a_parts, slices, col = [], [], 0
+            for j, module in enumerate(modules):
+                if module in per_module:
+                    a, b = per_module[module]
+                    slices.append(SliceB(j, col, len(a_parts) * adapter.rank, b.to(device).contiguous()))
+                    a_parts.append(a)
+                col += out_features.get(module, 0)      # a module the model takes no LoRA on (MoE MLP)
+            if a_parts:
+                groups[group] = GroupWeights(torch.cat(a_parts, dim=1).to(device).contiguous(), tuple(slices))
+        layers.append(groups)
+    return PackedAdapter(slot, adapter.name, adapter.rank, adapter.scaling, tuple(layers))
+
+
+def read(spec: ReadSpec, name: str, path: str, alloc=torch.zeros) -> ReadAdapter:
+    """Read, validate and pack the PEFT adapter in ``path`` (raises AdapterError if it is refused); the pool's
+    layout comes in a buffer from ``alloc(numel, dtype=)``, zero-filled."""
+    loaded = load_adapter(path, name, spec.shape, max_rank=spec.max_rank, dtype=spec.dtype,
+                          check_base_model=spec.check_base_model)
+    head = load_task_head(path, spec.shape.in_features["q_proj"], spec.dtype, torch.device("cpu"))
+    packed = pack(loaded, -1, spec.shape.out_features, torch.device("cpu"))
+    host = host_layout(packed, alloc) if spec.host_layout else None
+    return ReadAdapter(packed, str(path), head, host)
+
+
+# -- crossing between processes -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shipped:
+    """A :class:`ReadAdapter` as it crosses: its packed matrices in one shared buffer (``flat``, ``shapes`` in
+    order), the adapter's structure with empty tensors in their place, and the pool's layout (shared too)."""
+
+    skeleton: ReadAdapter
+    flat: torch.Tensor
+    shapes: list[tuple[int, ...]]
+
+
+def _matrices(packed: PackedAdapter) -> list[torch.Tensor]:
+    """The packed adapter's tensors in a fixed order: per layer and group, A then each slice's B."""
+    out = []
+    for groups in packed.layers:
+        for gw in groups.values():
+            out.append(gw.a)
+            out.extend(sl.b for sl in gw.slices)
+    return out
+
+
+def _with_matrices(packed: PackedAdapter, mats) -> PackedAdapter:
+    """``packed`` with its tensors replaced, in :func:`_matrices`' order, by those ``mats`` yields."""
+    it = iter(mats)
+
+    def group(gw: GroupWeights) -> GroupWeights:
+        a = next(it)
+        return GroupWeights(a, tuple(replace(sl, b=next(it)) for sl in gw.slices))
+    return replace(packed, layers=tuple({g: group(gw) for g, gw in groups.items()} for groups in packed.layers))
+
+
+def shared_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor in shared memory (a fresh shared mapping is zero): one that crosses to another
+    process as a file descriptor."""
+    storage = torch.UntypedStorage._new_shared(max(numel, 1) * dtype.itemsize)
+    return torch.tensor([], dtype=torch.uint8).set_(storage).view(dtype)[:numel]
+
+
+def ship(r: ReadAdapter) -> Shipped:
+    """``r`` (with its pool layout already in shared memory) made ready to cross: its packed matrices copied into
+    one shared buffer, so that they cross as one descriptor rather than one each."""
+    mats = _matrices(r.packed)
+    dtype = mats[0].dtype if mats else torch.float32
+    flat = shared_zeros(sum(m.numel() for m in mats), dtype)
+    pos = 0
+    for m in mats:
+        flat[pos:pos + m.numel()].copy_(m.reshape(-1))
+        pos += m.numel()
+    empty = torch.empty(0, dtype=dtype)
+    skeleton = replace(r, packed=_with_matrices(r.packed, [empty] * len(mats)))
+    return Shipped(skeleton, flat, [tuple(m.shape) for m in mats])
+
+
+def landed(s: Shipped) -> ReadAdapter:
+    """The :class:`ReadAdapter` that crossed as ``s``: its matrices are views of the shared buffer."""
+    views, pos = [], 0
+    for shape in s.shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        views.append(s.flat[pos:pos + n].view(shape))
+        pos += n
+    return replace(s.skeleton, packed=_with_matrices(s.skeleton.packed, views))
+
+
+# -- the worker -----------------------------------------------------------------------------------
+
+def _worker_start() -> None:
+    try:
+        os.nice(NICE)
+    except OSError:                     # not permitted here: the worker runs at the server's priority
+        pass
+    torch.set_num_threads(1)
+
+
+def _read_shipped(spec: ReadSpec, name: str, path: str) -> Shipped:
+    """The worker's task: :func:`read` into shared memory."""
+    return ship(read(spec, name, path, alloc=shared_zeros))
+
+
+class LoaderProcess:
+    """One worker process that reads adapters (:func:`read`), one at a time, for every engine of this process.
+    Started on first use (or :meth:`start`); a worker that died is replaced by the next load."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start the worker now (it takes a few seconds to import torch), so the first load does not wait."""
+        self._executor().submit(os.getpid)
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                # spawn: a fork of a serving process would copy its CUDA state and its threads' locks
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_worker_start)
+            return self._pool
+
+    def _broken(self, pool: ProcessPoolExecutor) -> None:
+        """Forget ``pool`` (its worker died): the next load starts another."""
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+        pool.shutdown(wait=False)
+
+    async def read(self, spec: ReadSpec, name: str, path: str) -> ReadAdapter:
+        """Read the adapter in ``path`` in the worker; raises AdapterError if it is refused or the worker died
+        reading it."""
+        pool = self._executor()
+        try:
+            try:
+                future = pool.submit(_read_shipped, spec, name, str(path))
+            except BrokenProcessPool:            # died after its last load
+                self._broken(pool)
+                pool = self._executor()
+                future = pool.submit(_read_shipped, spec, name, str(path))
+            return landed(await asyncio.wrap_future(future))
+        except BrokenProcessPool:
+            self._broken(pool)
+            raise AdapterError(f"adapter {name!r}: the process reading {path} died (a file that crashes the "
+                               f"reader, or memory exhausted)") from None
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+LOADER = LoaderProcess()
+"""The worker every engine of this process reads adapters with."""
