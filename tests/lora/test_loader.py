@@ -112,3 +112,25 @@ def test_a_worker_that_dies_refuses_only_its_adapter(tmp_path):
         assert asyncio.run(scenario()).packed.name == "a"
     finally:
         lp.shutdown()
+
+
+@pytest.mark.gpu
+def test_a_worker_read_adapter_is_pinned_in_place_and_loads_into_the_pool(loader, tmp_path):
+    """On CUDA the pool's copy that crossed from the worker is page-locked where it is (no copy here), and the
+    store loads it into the pool as it loads one prepared here."""
+    pool = UnifiedPool(256, 2, 2, 4, 16, torch.bfloat16, torch.device("cuda"))
+    reg = AdapterRegistry(SHAPE, 16, torch.bfloat16, torch.device("cuda"), check_base_model=False, kernel="triton",
+                          pool=pool)
+    path = adapter_dir(tmp_path)
+    here = reg.prepare("here", path)
+    read = asyncio.run(loader.read(reg.spec, "there", path))
+    there = reg.finish(read)
+    assert there.host.flat.is_pinned() and there.host.flat.data_ptr() == read.host.flat.data_ptr()
+    assert torch.equal(there.host.flat, here.host.flat)
+    for prepared in (here, there):
+        packed = reg.add(prepared)
+        assert reg.store.load(packed)
+        torch.cuda.synchronize()
+        start = packed.placement.host["qkv"][0][0]               # a_off of layer 0's qkv group
+        flat = prepared.host.flat
+        assert torch.equal(pool.buf[start:start + flat.numel()].cpu(), flat)

@@ -119,3 +119,30 @@ def test_pinning_and_copies_on_another_thread_do_not_break_a_global_capture():
         stop.set()
         th.join()
     assert not errors, errors
+
+
+@pytest.mark.gpu
+def test_shared_memory_is_page_locked_in_place_while_a_view_lives():
+    """A buffer in shared memory (as the adapter loader process hands one over) is registered where it is: the
+    result is pinned, copies asynchronously piece by piece, and stays registered while a view of it lives."""
+    from vlora.lora.loader import shared_zeros
+    from vlora.memory.pinned import PIECE_BYTES, pin_in_place, piece_slices
+
+    n = PIECE_BYTES + 12345                                      # more than a piece, not whole pages
+    src = shared_zeros(n, torch.bfloat16)
+    src.copy_(torch.arange(n, dtype=torch.float32) % 251)
+    t = pin_in_place(src)
+    assert t is not None and t.is_pinned() and t.data_ptr() == src.data_ptr() and torch.equal(t, src)
+    dev = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    for piece in piece_slices(n, t.dtype):
+        dev[piece].copy_(t[piece], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), src)
+    view = t[5:]
+    del t
+    gc.collect()
+    assert view.is_pinned()
+    del view
+    gc.collect()
+    assert pin_in_place(src) is not None                         # unregistered when the last view went
+    assert pin_in_place(shared_zeros(n, torch.bfloat16)[1:]) is None     # not on a page boundary

@@ -126,6 +126,8 @@ def test_random_bodies_never_break_the_server(live, ref):
                     assert _stream_ok(r.text), r.text[-300:]
                 elif path == "/v1/load_lora_adapter":
                     loaded.append(r.json()["lora_name"])
+                elif path == "/v1/unload_lora_adapter":       # one a load of this run registered
+                    assert json.loads(text)["lora_name"] in loaded, text[:300]
                 else:
                     assert r.json()["choices"], r.text[:300]
             else:

@@ -102,7 +102,8 @@ class AsyncEngine:
         self._draining: set[str] = engine.unloading       # adapters being unloaded (the engine keeps their requests)
         self._unloads: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future, int]] = []
         self._busy = False
-        # adapters are read, validated and packed here, one at a time, beside the engine thread
+        # adapters read in the loader process are finished here (their pool copy pinned), one at a time, beside
+        # the engine thread
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="vlora-adapter-load", initializer=_one_intra_op_thread)
         # deliveries routed but not yet handed to the event loops: sent while the next forward runs on the
         # GPU (the runner's ``before_sync``), so that the event loop's stream work, which needs the

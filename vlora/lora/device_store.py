@@ -108,10 +108,12 @@ class AdapterStore:
         """``host`` (a layout read elsewhere, :func:`host_layout`) ready for asynchronous copies: on CUDA its
         buffer page-locked where it is when it can be (:func:`~vlora.memory.pinned.pin_in_place`), else copied
         into pinned memory. Safe on any thread."""
-        if self.device.type != "cuda" or pin_in_place(host.flat):
+        if self.device.type != "cuda":
             return host
-        flat = pinned_empty(host.flat.numel(), host.flat.dtype, pieces=True)
-        flat.copy_(host.flat)
+        flat = pin_in_place(host.flat)
+        if flat is None:
+            flat = pinned_empty(host.flat.numel(), host.flat.dtype, pieces=True)
+            flat.copy_(host.flat)
         return HostAdapter(flat, host.sizes)
 
     def remove(self, name: str) -> None:

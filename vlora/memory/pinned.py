@@ -96,23 +96,24 @@ def pinned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype, pieces: bool 
     return torch.from_numpy(raw_view[:nbytes]).view(dtype).view(shape)
 
 
-def pin_in_place(t: torch.Tensor) -> bool:
-    """Page-lock the memory of ``t`` (a contiguous CPU tensor that starts on a page boundary and is the only one
-    using its pages, such as a buffer of its own in shared memory) where it is, :data:`PIECE_BYTES` at a time,
-    its pages faulted in first; it is unlocked once ``t`` is gone, so asynchronous copies must read it through
-    ``t`` or views of ``t`` held no longer (:func:`piece_slices`). False (nothing changed) where it is not
-    possible or the driver refuses."""
+def pin_in_place(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s memory page-locked where it is (``t``: a contiguous CPU tensor that starts on a page boundary and is
+    alone on its pages, such as a buffer of its own in shared memory), :data:`PIECE_BYTES` at a time, its pages
+    faulted in first: a tensor over that memory, which stays locked while any view of that tensor lives (so an
+    asynchronous copy from it must not cross a piece's boundary: :func:`piece_slices`). None, with nothing
+    changed, where that is not possible or the driver refuses."""
     nbytes = t.numel() * t.element_size()
     if t.device.type != "cpu" or not t.is_contiguous() or nbytes == 0 or t.data_ptr() % PAGE:
-        return False
+        return None
     t.view(torch.uint8)[::PAGE].max()                    # faults the pages in, outside the driver's lock
     done = _register(t.data_ptr(), -(-nbytes // PAGE) * PAGE, PIECE_BYTES)
     if done is None:
         with CAPTURE:
             _clear_last_error()
-        return False
-    weakref.finalize(t, _unregister, done)
-    return True
+        return None
+    owner = t.reshape(-1).view(torch.uint8).numpy()      # holds ``t``; every view of the result holds it
+    weakref.finalize(owner, _unregister, done)
+    return torch.from_numpy(owner).view(t.dtype).view(t.shape)
 
 
 def _register(ptr: int, span: int, step: int) -> list[int] | None:

@@ -7,8 +7,8 @@ nothing), when its jobs are submitted. :class:`OnDemandAdapters` decides when: o
 recently used with no request running is unloaded to make room: the LRU policy of the adapter store,
 :func:`vlora.lora.device_store.least_recent`), and the loads and evictions counted in the metrics. The server
 says where an adapter comes from (``locate``) and registers it (``register``: what a refusal is); the engine
-client reads, validates and packs it off the engine thread and the event loop
-(:meth:`vlora.engine.async_engine.AsyncEngine.load_adapter`).
+client reads, validates and packs it in a process of its own (vlora/lora/loader.py), off the engine thread and
+the event loop (:meth:`vlora.engine.async_engine.AsyncEngine.load_adapter`).
 
 Adapters registered otherwise (at start, through /v1/load_lora_adapter) are never unloaded here.
 
