@@ -18,8 +18,9 @@ its request's sending to its answer), a control, or neither (median, p99, max); 
 A window's delay is the time its gaps took beyond the median gap outside any window, summed over a stream's gaps
 and averaged over the streams. A load's own request is a new request like a control's (a prefill joins the
 decodes), so the pause the load itself adds is the mean delay of the loads less that of the controls; it is
-reported over the load's duration (how much slower the streams ran while it loaded: the target is at most 5 %)
-and over the median ITL (in inter-token times). Load times: the client's latency, and the mean of the server's
+reported over the load's duration (how much slower the streams ran while it loaded: the target is at most 5 %),
+with its standard error (the windows' delays vary by tens of ms: a figure needs enough ``--loads``), and over
+the median ITL (in inter-token times). Load times: the client's latency, and the mean of the server's
 ``vlora_adapter_load_seconds`` (all adapters together). Writes ``adapter-load-<device>.json`` after each
 configuration and ``adapter-load-<device>.md`` (a summary) at the end.
 
@@ -171,11 +172,13 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     itl = stats["outside"]["median_s"]
     delay = {kind: delays(times, args.warm, spans, itl) for kind, spans in windows.items()}
     pause = statistics.fmean(delay["load"]) - statistics.fmean(delay["control"])
+    pause_se = standard_error(delay["load"], delay["control"])
     load_s = statistics.fmean(end - start for start, end in windows["load"])
     after = server_load_seconds((await client.get("/metrics")).text)
     loads = after[1] - before[1]
     res = {"setting": setting, "load_rank": rank, "loads": names, "gaps": stats, "delay_s": delay, "load_pause_s": pause,
            "load_pause_over_load_time": pause / load_s, "load_pause_over_median_itl": pause / itl,
+           "load_pause_se_s": pause_se, "load_pause_se_over_load_time": pause_se / load_s,
            "within_target": pause / load_s <= TARGET,
            "load_latency_client_s": [end - start for start, end in windows["load"]],
            "control_latency_client_s": [end - start for start, end in windows["control"]],
@@ -184,13 +187,21 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     return res
 
 
+def standard_error(a: list[float], b: list[float]) -> float:
+    """The standard error of mean(a) - mean(b), the two samples independent (0 where one has fewer than 2)."""
+    if min(len(a), len(b)) < 2:
+        return 0.0
+    return (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
+
+
 def summary_lines(res: dict) -> list[str]:
     lines = [f"# Adapters loaded on first request: {res['device']}, {res['model']}", "",
              f"{res['streams']} streams on {res['running']} adapters given at start (rank {res['running_rank']}), "
              f"{res['loads']} loads per configuration. Gaps between a stream's chunks in ms, median / p99 / max, "
              f"outside any window, during a control request, during a load. Delay: what a window's gaps took beyond "
              f"the median gap outside, per stream, mean over windows. Pause of a load: its delay less a control's, "
-             f"over the load's time (target <= {TARGET:.0%}) and in inter-token times.", "",
+             f"over the load's time (target <= {TARGET:.0%}; ± its standard error over the loads and controls) and in "
+             f"inter-token times.", "",
              "| streams | load rank | gaps outside | gaps during controls | gaps during loads | delay: control / load (ms) "
              "| pause of a load: over its time, in ITLs | load time, server mean (client) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -201,7 +212,9 @@ def summary_lines(res: dict) -> list[str]:
         server = c["load_seconds_server_mean"]
         lines.append(f"| {c['setting']} | {c['load_rank']} | " + " | ".join(cells) + " | "
                      + " / ".join(f"{1e3 * statistics.fmean(c['delay_s'][k]):.1f}" for k in ("control", "load"))
-                     + f" | {100 * c['load_pause_over_load_time']:.1f} %, {c['load_pause_over_median_itl']:.2f} "
+                     + f" | {100 * c['load_pause_over_load_time']:.1f} ± "
+                       f"{100 * c.get('load_pause_se_over_load_time', float('nan')):.1f} %, "
+                       f"{c['load_pause_over_median_itl']:.2f} "
                      + f"| {1e3 * server if server is not None else float('nan'):.0f} ms "
                        f"({1e3 * statistics.fmean(c['load_latency_client_s']):.0f} ms) |")
     return lines
@@ -231,7 +244,8 @@ async def run(args, res: dict, path: Path, adapter_dir: Path, running: dict[str,
                 path.write_text(json.dumps(res, indent=2))
                 g = c["gaps"]
                 log(f"{setting}, rank {rank}: median ITL {1e3 * g['outside']['median_s']:.1f} ms; a load's pause "
-                    f"{1e3 * c['load_pause_s']:.1f} ms = {100 * c['load_pause_over_load_time']:.1f} % of its time "
+                    f"{1e3 * c['load_pause_s']:.1f} ms = {100 * c['load_pause_over_load_time']:.1f} ± "
+                    f"{100 * c['load_pause_se_over_load_time']:.1f} % of its time "
                     f"(target <= {TARGET:.0%}), {c['load_pause_over_median_itl']:.2f} ITLs; max gap during loads "
                     f"{1e3 * g['load']['max_s']:.1f} ms, controls {1e3 * g['control']['max_s']:.1f} ms, outside "
                     f"{1e3 * g['outside']['max_s']:.1f} ms; loads {c['load_seconds_server_mean']} s (server mean)")

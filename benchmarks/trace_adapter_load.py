@@ -58,6 +58,7 @@ def timed(owner, attr: str, label: str | None = None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=None, help="default: random:llama-2-7b on CUDA, random:tiny-llama on the CPU")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="the interpreter's thread switch interval, seconds (default: Python's, 0.005)")
@@ -68,7 +69,7 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     cuda = args.device.startswith("cuda")
-    model = "random:llama-2-7b" if cuda else "random:tiny-llama"
+    model = args.model or ("random:llama-2-7b" if cuda else "random:tiny-llama")
     for owner, attr, label in [(device_store, "pinned_empty", None), (device_store, "pin_in_place", None),
                                (loader_mod, "load_adapter", None), (loader_mod, "pack", None),
                                (loader_mod, "landed", None), (registry.AdapterRegistry, "finish", "registry.finish"),

@@ -5,8 +5,8 @@ dtype, pack the matrices per group and lay out the copy the unified pool loads f
 serving process that work shares the interpreter lock, the allocator and the address space with the engine's
 thread, whose steps it slows: by 20-86 ms over a rank-64 Llama-2-7B load on an H100 host, and on a CPU with
 no spare core the forward loses one to it. So :class:`LoaderProcess` hands the reading to one worker process
-(spawned once, shared by the engines of this process, at ``os.nice`` :data:`NICE` with one torch thread: a
-core the forward wants goes to the forward). The worker writes the result into two shared-memory buffers
+(spawned once, shared by the engines of this process, scheduled only on idle cores with one torch thread: a core
+the forward wants goes to the forward). The worker writes the result into two shared-memory buffers
 (the packed matrices back to back, and the pool's layout of them), which cross to this process as two file
 descriptors, not as copies. What is left here is the part that needs this process: pinning the pool's copy
 (registered in place), moving a task head to the device, and the registration on the engine's thread
@@ -38,9 +38,6 @@ from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
 from vlora.lora.device_store import HostAdapter, host_layout
 from vlora.lora.task_head import TaskHead, load_task_head
 
-NICE = 10
-"""How much the worker lowers its scheduling priority: beside the engine's busy threads it gets about a tenth of
-a core's time, and all of an idle one."""
 
 
 @dataclass(frozen=True)
@@ -163,10 +160,16 @@ def landed(s: Shipped) -> ReadAdapter:
 # -- the worker -----------------------------------------------------------------------------------
 
 def _worker_start() -> None:
+    """The worker runs when a core is idle (SCHED_IDLE): beside an engine whose forward keeps every core busy (a
+    CPU server) a worker at any normal priority takes a share of one core, and the forward's threads wait for the
+    one that lost it; between steps, and on a GPU host with cores to spare, it runs at full speed."""
     try:
-        os.nice(NICE)
-    except OSError:                     # not permitted here: the worker runs at the server's priority
-        pass
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):   # not on Linux: the lowest normal priority
+        try:
+            os.nice(19)
+        except OSError:
+            pass
     torch.set_num_threads(1)
 
 
