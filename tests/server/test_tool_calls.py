@@ -180,24 +180,26 @@ def test_refusals_reach_the_client_with_their_field(live):
     check_calls(calls)          # the server is unharmed
 
 
-@pytest.mark.parametrize("parser,text", [
-    ("hermes", '<tool_call>\n{"name":"get_time","arguments":{"zone":"UTC"}}\n</tool_call>'),
-    ("llama3_json", '{"name":"get_time","parameters":{"zone":"UTC"}}'),
-    ("mistral", '[TOOL_CALLS][{"name":"get_time","arguments":{"zone":"UTC"}}]'),
+@pytest.mark.parametrize("parser,template,text", [
+    ("hermes", None, '<tool_call>\n{"name":"get_time","arguments":{"zone":"UTC"}}\n</tool_call>'),
+    ("llama3_json", None, '{"name":"get_time","parameters":{"zone":"UTC"}}'),
+    ("mistral", None, '[TOOL_CALLS][{"name":"get_time","arguments":{"zone":"UTC"}}]'),
+    ("mistral", "{{ '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}", '[TOOL_CALLS]get_time[ARGS]{"zone":"UTC"}'),
 ])
-def test_each_format_grammar_takes_its_calls_and_the_parser_reads_them(setup, parser, text):
-    """The forced-call grammar of each format, on a real tokenizer (mistral's marker as a special token), takes
-    that format's call to its end, and the parser reads the answer's text (special tokens left out) back."""
+def test_each_format_grammar_takes_its_calls_and_the_parser_reads_them(setup, parser, template, text):
+    """The forced-call grammar of each format (mistral's as the template writes calls), on a real tokenizer
+    (mistral's tags as special tokens), takes that format's call to its end, and the parser reads the answer's
+    text (special tokens left out) back."""
     from transformers import AutoTokenizer
 
     from vlora.models.loader import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(None))
-    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
     marker = T.special_token(tok, "[TOOL_CALLS]")
     req = P.ChatCompletionRequest.model_validate({"model": BASE, "messages": ASK, "tools": TOOLS,
                                                   "tool_choice": "required", "parallel_tool_calls": False})
-    guide = Grammars(tok, len(tok), (tok.eos_token_id,)).compile(T.grammar(req, parser, marker))
+    guide = Grammars(tok, len(tok), (tok.eos_token_id,)).compile(T.grammar(req, parser, T.mistral_tags(tok, template)))
     ids = tok.encode(text, add_special_tokens=False)
     assert (marker in ids) is (parser == "mistral")
     assert all(not guide.advance(t) for t in ids[:-1]) and guide.advance(ids[-1])      # complete at the last token

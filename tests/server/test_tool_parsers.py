@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 from llguidance import LLMatcher
@@ -20,6 +21,7 @@ from vlora.server.tool_calls import ToolCall, ToolStream, parse_answer, parser_f
 
 CITY = ToolCall("get_weather", '{"city": "Paris"}')
 TIME = ToolCall("get_time", "{}")
+CALL_WITH_NOTE = ToolCall("get_weather", '{"city": "Paris", "note": "}"}')
 
 # (parser, answer, content, calls)
 ANSWERS = [
@@ -46,6 +48,24 @@ ANSWERS = [
     ("mistral", "[1] is a footnote.", "[1] is a footnote.", []),
     ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}', '[TOOL_CALLS][{"name": "get_time", "arguments": {}}',
      []),                                                                                       # cut short
+    # mistral from tokenizer v11 on: name[ARGS]{...}, one call per marker
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', None, [CITY]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', None, [CITY, TIME]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}\n[TOOL_CALLS]get_time[ARGS]{}',
+     None, [CITY, TIME]),
+    ("mistral", 'Let me look. [TOOL_CALLS]get_time[ARGS]{}', "Let me look. ", [TIME]),
+    ("mistral", ' get_weather{"city": "Paris"}get_time{}', None, [CITY, TIME]),                  # tags left out
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}', None, [CITY]),                     # [ARGS] left out
+    ("mistral", '[TOOL_CALLS]note[ARGS]{"text": "} \\" {", "n": {"m": []}}', None,             # braces in strings
+     [ToolCall("note", '{"text": "} \\" {", "n": {"m": []}}')]),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{city}', None, [TIME]),  # before a bad one
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]{zone: UTC}", "[TOOL_CALLS]get_time[ARGS]{zone: UTC}", []),  # bad JSON
+    ("mistral", "[TOOL_CALLS]get_time[ARGS][]", "[TOOL_CALLS]get_time[ARGS][]", []),           # not an object
+    ("mistral", "[TOOL_CALLS]get time[ARGS]{}", "[TOOL_CALLS]get time[ARGS]{}", []),           # not a name
+    ("mistral", "[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS][ARGS]{}", []),                           # no name
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"', '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"', []),  # cut
+    ("mistral", "Paris is sunny.", "Paris is sunny.", []),
+    ("mistral", "Sunny{ish} in Paris.", "Sunny{ish} in Paris.", []),
 ]
 
 
@@ -82,29 +102,39 @@ def _stream(name: str, answer: str) -> tuple[str | None, list[ToolCall]]:
 _WORDS = random.Random(0).choices(["Paris", "is", "sunny", "a", "<b>", "<", "[1]", "{x}", ";", "\n", "  "], k=6000)
 LONG_TEXT = ("Well: " + " ".join(_WORDS))[:20_000]
 LONG_ARGUMENTS = {"notes": "x < y, [z] " * 2_000}                 # 22k characters
-LONG_CALLS = {
-    "hermes": f'<tool_call>\n{json.dumps({"name": "note", "arguments": LONG_ARGUMENTS})}\n</tool_call>',
-    "llama3_json": json.dumps({"name": "note", "parameters": LONG_ARGUMENTS}),
-    "mistral": f'[TOOL_CALLS][{json.dumps({"name": "note", "arguments": LONG_ARGUMENTS})}]',
+LONG_CALLS = {         # a format: its parser and a call in it
+    "hermes": ("hermes", f'<tool_call>\n{json.dumps({"name": "note", "arguments": LONG_ARGUMENTS})}\n</tool_call>'),
+    "llama3_json": ("llama3_json", json.dumps({"name": "note", "parameters": LONG_ARGUMENTS})),
+    "mistral": ("mistral", f'[TOOL_CALLS][{json.dumps({"name": "note", "arguments": LONG_ARGUMENTS})}]'),
+    "mistral v11": ("mistral", f"[TOOL_CALLS]note[ARGS]{json.dumps(LONG_ARGUMENTS)}"),
+    "mistral v11, tags left out": ("mistral", f"note{json.dumps(LONG_ARGUMENTS)}"),
+}
+LEADING_ONLY = {"llama3_json", "mistral v11, tags left out"}      # formats whose calls begin only the answer
+MANY_CALLS = {          # formats whose calls go out one by one: 300 calls
+    "hermes": "\n".join(f'<tool_call>{{"name": "get_time", "arguments": {{"n": {i}}}}}</tool_call>'
+                        for i in range(300)),
+    "mistral v11": "".join(f'[TOOL_CALLS]get_time[ARGS]{{"n": {i}}}' for i in range(300)),
 }
 
 
-@pytest.mark.parametrize("name", list(LONG_CALLS))
+@pytest.mark.parametrize("label", list(LONG_CALLS))
 @pytest.mark.parametrize("kind", ["text", "call", "whitespace then call", "text then call"])
-def test_long_streams_give_what_whole_answers_give(name, kind):
-    answer = {"text": LONG_TEXT, "call": LONG_CALLS[name], "whitespace then call": " \n" * 10_000 + LONG_CALLS[name],
-              "text then call": LONG_TEXT + "\n" + LONG_CALLS[name]}[kind]
+def test_long_streams_give_what_whole_answers_give(label, kind):
+    name, call = LONG_CALLS[label]
+    answer = {"text": LONG_TEXT, "call": call, "whitespace then call": " \n" * 10_000 + call,
+              "text then call": LONG_TEXT + "\n" + call}[kind]
     calls = [ToolCall("note", json.dumps(LONG_ARGUMENTS))]
     want = {"text": (LONG_TEXT, []), "call": (None, calls), "whitespace then call": (None, calls),
-            "text then call": (answer, []) if name == "llama3_json" else (LONG_TEXT + "\n", calls)}[kind]
+            "text then call": (answer, []) if label in LEADING_ONLY else (LONG_TEXT + "\n", calls)}[kind]
     assert parse_answer(parser_for(name), answer) == want
     assert _stream(name, answer) == want
 
 
-@pytest.mark.parametrize("name", list(LONG_CALLS))
-def test_a_stream_reads_each_character_a_bounded_number_of_times(name, monkeypatch):
+@pytest.mark.parametrize("label", list(LONG_CALLS))
+def test_a_stream_reads_each_character_a_bounded_number_of_times(label, monkeypatch):
     """Fed a character at a time, a stream's tag searches read each new character and fewer before it than the
-    longest tag holds (where a tag may begin), however long the answer grows; each block is decoded once."""
+    longest tag holds (where a tag may begin), however long the answer grows; each call of the formats that send
+    them one by one is decoded once."""
     read, decoded = [], []
     first, load = tool_calls._first, tool_calls._load
 
@@ -118,14 +148,14 @@ def test_a_stream_reads_each_character_a_bounded_number_of_times(name, monkeypat
 
     monkeypatch.setattr(tool_calls, "_first", counted_first)
     monkeypatch.setattr(tool_calls, "_load", counted_load)
-    blocks = "\n".join(f'<tool_call>{{"name": "get_time", "arguments": {{"n": {i}}}}}</tool_call>' for i in range(300))
-    answer = LONG_TEXT + " \n" * 5_000 + (blocks if name == "hermes" else LONG_CALLS[name])
+    name, call = LONG_CALLS[label]
+    answer = LONG_TEXT + " \n" * 5_000 + MANY_CALLS.get(label, call)
     stream, calls = ToolStream(parser_for(name)), []
     for ch in answer:
         calls += stream.feed(ch)[1]
     longest = max(len(t) for t in ("<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>"))
     assert sum(read) <= 2 * longest * len(answer)
-    assert len(decoded) == len(calls) == (300 if name == "hermes" else 0)
+    assert len(decoded) == len(calls) == (300 if label in MANY_CALLS else 0)
 
 
 def test_a_call_goes_out_as_soon_as_it_is_complete():
@@ -134,6 +164,24 @@ def test_a_call_goes_out_as_soon_as_it_is_complete():
     assert stream.feed("</tool_call>\n<tool_") == ("", [TIME])
     assert stream.feed('call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>') == ("", [CITY])
     assert stream.finish() == ("", [], True)
+
+
+@pytest.mark.parametrize("tags", [("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]a1B2c3D4e"), ("", "", "")])
+def test_a_mistral_call_goes_out_once_its_arguments_close(tags):
+    """Tags written or left out of the text (special tokens): the same calls, each sent once its object closes."""
+    marker, args, call_id = tags
+    stream = ToolStream(parser_for("mistral"))
+    assert stream.feed(f'{marker}get_weather{args}{{"city": "Par') == ("", [])
+    assert stream.feed('is", "note": "}"') == ("", [])
+    assert stream.feed(f"}}{marker}get_time{call_id}{args}{{") == ("", [CALL_WITH_NOTE])
+    assert stream.feed("}") == ("", [TIME])
+    assert stream.finish() == ("", [], True)
+
+
+def test_a_stream_holds_a_leading_word_back_until_it_is_no_function_name():
+    stream = ToolStream(parser_for("mistral"))
+    assert [stream.feed(d)[0] for d in ("  Hel", "lo", " there", "!")] == ["", "", "  Hello there", "!"]
+    assert stream.finish() == ("", [], False)
 
 
 @pytest.mark.parametrize("configured,model_type,native,want", [
@@ -185,6 +233,11 @@ MISTRAL = """{{ bos_token }}{% for m in messages %}{% if loop.last and tools %}[
 {% endif %}{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}, "id": "{{ c.id }}"}\
 {% endfor %}]</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{"content": {{ m.content | tojson }}, \
 "call_id": "{{ m.tool_call_id }}"}[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"""
+MISTRAL_V11 = """{{ bos_token }}{% for m in messages %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}\
+[/AVAILABLE_TOOLS]{% endif %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}\
+{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>\
+{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}\
+{% endfor %}"""
 CHATML = """{% for m in messages %}<|im_start|>{{ m['role'] }}
 {{ m['content'] }}<|im_end|>
 {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
@@ -217,7 +270,8 @@ def render(template: str, parser: str, **kw) -> str:
     return draw(T.conversation(conv, req.messages, tools, native, parser), tools if native else None)
 
 
-@pytest.mark.parametrize("template,native", [(LLAMA3, True), (QWEN, True), (MISTRAL, True), (CHATML, False)])
+@pytest.mark.parametrize("template,native", [(LLAMA3, True), (QWEN, True), (MISTRAL, True), (MISTRAL_V11, True),
+                                             (CHATML, False)])
 def test_the_probe_sees_which_templates_show_tools(template, native):
     compiled = compile_template(template)
     draw = lambda conv, tools: compiled.render(messages=conv, tools=tools, bos_token="", add_generation_prompt=True)  # noqa: E731
@@ -245,6 +299,11 @@ def test_mistral_template_gets_nine_character_ids():
     assert "[AVAILABLE_TOOLS]" in text and '"arguments": {"city": "Paris"}' in text
 
 
+def test_mistral_v11_template_gets_calls_by_name():
+    text = render(MISTRAL_V11, "mistral")
+    assert '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}</s>' in text and "[TOOL_RESULTS]21 C[/TOOL_RESULTS]" in text
+
+
 def test_a_template_without_tools_gets_them_in_the_system_message():
     text = render(CHATML, "hermes")
     system = text.split("<|im_end|>")[0]
@@ -261,17 +320,33 @@ def test_tool_choice_none_shows_no_tools():
 
 
 # -- forced calls -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+FORMATS = {"hermes": ("hermes", QWEN), "llama3_json": ("llama3_json", LLAMA3), "mistral": ("mistral", MISTRAL),
+           "mistral v11": ("mistral", MISTRAL_V11)}         # a format: its parser and a template in it
+
+
+@pytest.mark.parametrize("label", list(FORMATS))
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 @pytest.mark.parametrize("parallel", [True, False])
-def test_forced_calls_compile(parser, choice, parallel):
-    spec = T.grammar(request(tool_choice=choice, parallel_tool_calls=parallel), parser, None)
+def test_forced_calls_compile(label, choice, parallel):
+    parser, template = FORMATS[label]
+    spec = T.grammar(request(tool_choice=choice, parallel_tool_calls=parallel), parser, T.mistral_tags(None, template))
     assert LLMatcher.validate_grammar(grammar_text(spec)) == ""
     assert ("get_weather" in spec.grammar) is (choice == "required")
-    key = '"parameters"' if parser == "llama3_json" else '"arguments"'
+    key = {"llama3_json": '"parameters"', "mistral v11": '"get_time" "[ARGS]"'}.get(label, '"arguments"')
     assert key in spec.grammar
 
 
+def test_forced_mistral_calls_are_written_as_the_template_writes_calls():
+    """[ARGS] in the template: name[ARGS]{...}; the tags are the tokenizer's special tokens where it has them."""
+    assert T.mistral_tags(None, MISTRAL) == T.MistralTags('"[TOOL_CALLS]"', None)          # the JSON array
+    assert T.mistral_tags(None, None) == T.MistralTags('"[TOOL_CALLS]"', None)
+    assert T.mistral_tags(None, MISTRAL_V11) == T.MistralTags('"[TOOL_CALLS]"', '"[ARGS]"')
+    assert T.mistral_tags(None, {"default": CHATML, "tool_use": MISTRAL_V11}).args == '"[ARGS]"'
+    tokenizer = SimpleNamespace(added_tokens_decoder={9: SimpleNamespace(content="[TOOL_CALLS]", special=True),
+                                                      32: SimpleNamespace(content="[ARGS]", special=True)})
+    assert T.mistral_tags(tokenizer, MISTRAL_V11) == T.MistralTags("<[9]>", "<[32]>")
+
+
 def test_auto_and_none_force_nothing():
-    assert T.grammar(request(), "hermes", None) is None
-    assert T.grammar(request(tool_choice="none"), "hermes", None) is None
+    assert T.grammar(request(), "hermes") is None
+    assert T.grammar(request(tool_choice="none"), "hermes") is None

@@ -150,7 +150,9 @@ class OpenAIServer:
         # the server's default chat template (--chat-template), in place of the model's; checked here
         self.chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
         self.model_type = e.model_type
-        self.tool_marker = T.special_token(e.tokenizer, "[TOOL_CALLS]")     # mistral's, when a special token
+        # forced mistral calls are written as the server's template, else the model's, writes calls
+        template = self.chat_template or getattr(e.tokenizer, "chat_template", None)
+        self.mistral_tags = T.mistral_tags(e.tokenizer, template)
         self.shows_tools: dict[str | None, bool] = {}      # the model's or the server's template: renders tools?
         self.created = int(time.time())
 
@@ -479,7 +481,7 @@ class OpenAIServer:
             name = T.choose_parser(self.config.tool_call_parser, self.model_type, native)
             conv = T.conversation(conv, messages, tools, native, name)
             if tools:
-                use = T.ToolUse(parser_for(name), T.grammar(req, name, self.tool_marker))
+                use = T.ToolUse(parser_for(name), T.grammar(req, name, self.mistral_tags))
             tools = tools if native else None
         try:
             ids = await self.work.run(self.work.chat_template, conv, template if own else self.chat_template, kwargs,

@@ -6,11 +6,15 @@ Formats (``--tool-call-parser``):
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call, after optional text;
 - ``llama3_json`` (Llama 3.1 to 3.3): the whole answer is ``{"name": ..., "parameters": {...}}``, optionally after
   ``<|python_tag|>``; several calls are separated by ``;``;
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. ``[TOOL_CALLS]`` is a special token that
-  the answer's text leaves out, so an answer that starts with the JSON array is taken too.
+- ``mistral``, by the tokenizer's version: before v11 (Mistral 7B v0.3, Nemo),
+  ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``; from v11 (Mistral Small 3.1 and later, Magistral,
+  Devstral), one call per marker, ``[TOOL_CALLS]name[ARGS]{...}``, or ``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}``.
+  The tags are special tokens that the answer's text leaves out, so an answer that starts with the JSON array, or
+  with a function name and its arguments (``name{...}``, several in a row), is taken too.
 
 ``arguments`` and ``parameters`` are taken in every format. Text that is not a well-formed call stays the
-answer's content.
+answer's content; in the formats of one block per call (hermes, mistral's ``name[ARGS]{...}``) the calls before
+such a block stand, since a stream has sent them by then.
 """
 
 from __future__ import annotations
@@ -35,28 +39,47 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+class Reader:
+    """A stream's reader of its calls' text, piece by piece from where they begin: :attr:`calls` holds those
+    complete so far. This one completes none: in the JSON formats the calls are known once the answer is."""
+
+    def __init__(self):
+        self.calls: list[ToolCall] = []
+
+    def read(self, text: str) -> None:
+        """Take ``text``, the next piece of the calls' text."""
+
+
 class Parser:
     """One output format. ``markers`` open the calls anywhere in the answer; ``leading`` only at its start (after
-    whitespace); ``block``: the (opening, closing) tags around each call, which let a stream send a call as soon
-    as its block closes (None: the calls are known only once the answer is complete). Tags begin with, and hold,
-    no whitespace."""
+    whitespace). Tags begin with, and hold, no whitespace."""
 
     markers: tuple[str, ...] = ()
     leading: tuple[str, ...] = ()
-    block: tuple[str, str] | None = None
 
     def start(self, text: str) -> int | None:
         """Where the calls begin in ``text``, or None if they have not begun."""
         body = text.lstrip()
-        if self.leading and body.startswith(self.leading):
+        if self.leads(body):
             return len(text) - len(body)
         at = _first(text, self.markers)
         return None if at < 0 else at
+
+    def leads(self, text: str) -> bool | None:
+        """Whether the calls begin at the start of ``text`` (an answer from its first non-whitespace character):
+        None while ``text`` is too short to tell."""
+        if text.startswith(self.leading):
+            return True
+        return None if any(t.startswith(text) for t in self.leading) else False
 
     def calls(self, region: str) -> list[ToolCall] | None:
         """The calls in ``region`` (the whole answer from :meth:`start` on), or None if it is not a sequence of
         well-formed calls."""
         raise NotImplementedError
+
+    def reader(self) -> Reader:
+        """What reads a stream's calls as they come, to send each once it is complete."""
+        return Reader()
 
 
 class HermesParser(Parser):
@@ -72,6 +95,9 @@ class HermesParser(Parser):
                 return calls or None
             calls.append(call)
         return calls
+
+    def reader(self) -> Reader:
+        return Blocks(*self.block)
 
 
 class JSONParser(Parser):
@@ -108,10 +134,27 @@ class Llama3JSONParser(JSONParser):
 
 
 class MistralParser(JSONParser):
+    """Mistral's two formats, told apart by what follows the first marker: a JSON array of calls (known once the
+    answer is complete), or calls written ``name[ARGS]{...}`` (:class:`NamedCalls`: each streamed once its
+    arguments close). With the tags left out of the text, the calls begin at the answer's start only; a call id
+    then runs into the name before it, which cannot be told apart."""
+
     tag = "[TOOL_CALLS]"
     markers = (tag,)
     leading = (tag, "[")
     array = True
+
+    def leads(self, text: str) -> bool | None:
+        found = (super().leads(text), _leads_named(text))
+        return True if True in found else None if None in found else False
+
+    def calls(self, region: str) -> list[ToolCall] | None:
+        body = region.lstrip()
+        body = body[len(self.tag):].lstrip() if body.startswith(self.tag) else body
+        return super().calls(region) if body.startswith("[") else _named_calls(region)
+
+    def reader(self) -> Reader:
+        return NamedCalls()
 
 
 _PARSERS: dict[str, type[Parser]] = {"llama3_json": Llama3JSONParser, "hermes": HermesParser,
@@ -139,8 +182,8 @@ class ToolStream:
 
     A delta costs work in proportion to its length and to the few characters before it that a tag may begin in:
     the answer's text is kept in pieces and joined once, by :meth:`finish`; until the calls begin, what is held
-    back is whitespace (in pieces) and, after it, the start of a tag; inside a block, its text so far (in
-    pieces)."""
+    back is whitespace (in pieces) and, after it, the start of a tag (or of a leading function name); after, the
+    parser's :class:`Reader` keeps what it needs."""
 
     def __init__(self, p: Parser):
         self.p = p
@@ -151,11 +194,7 @@ class ToolStream:
         self.tag = ""                       # held text after it: the start of a marker or of a leading tag
         self.leading = bool(p.leading)      # a leading tag may still begin the answer
         self.start: int | None = None       # where the calls begin
-        self.tail = ""                      # calls begun (block formats): the text's end, where a tag may begin
-        self.body: list[str] | None = None  # the open block's text so far; None between blocks
-        self.body_size = 0                  # its length
-        self.calls: list[ToolCall] = []     # the calls complete so far
-        self.stopped = False                # a block was not a call: no more calls go out before the end
+        self.reader = p.reader()            # the calls' text, once they begin
         self.done = 0                       # calls sent
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
@@ -163,9 +202,9 @@ class ToolStream:
         self.pieces.append(delta)
         self.size += len(delta)
         if self.start is not None:
-            self._blocks(delta)
-            return "", self._new(self.calls)
-        return self._before(delta), self._new(self.calls)
+            self.reader.read(delta)
+            return "", self._new(self.reader.calls)
+        return self._before(delta), self._new(self.reader.calls)
 
     def finish(self) -> tuple[str, list[ToolCall], bool]:
         """(content to send, calls not sent yet, whether the answer made calls) once the answer is complete."""
@@ -189,9 +228,10 @@ class ToolStream:
                 self.space.append(delta[:len(delta) - len(text)])
             if not text:
                 return ""
-            if text.startswith(self.p.leading):
+            leads = self.p.leads(text)
+            if leads:
                 return self._begin(text, 0)
-            if any(m.startswith(text) for m in self.p.leading) and _first(text, self.p.markers) < 0:
+            if leads is None and _first(text, self.p.markers) < 0:
                 self.tag = text
                 return ""
             self.leading, self.tag, delta = False, "", text     # no leading tag: the text read for markers
@@ -217,15 +257,30 @@ class ToolStream:
         if self.sent or window[:at].strip():
             content, self.sent = "".join(self.space) + window[:at], self.start
         self.space, self.tag = [], ""
-        self._blocks(window[at:])
+        self.reader.read(window[at:])
         return content
 
-    def _blocks(self, text: str) -> None:
-        """Read ``text``, the next of the calls' text, for the blocks it closes; their calls join :attr:`calls`
-        until a block is not a call (formats with blocks; in the others the calls are known at the end)."""
-        if self.p.block is None:
-            return
-        opening, closing = self.p.block
+    def _new(self, calls: list[ToolCall]) -> list[ToolCall]:
+        new = calls[self.done:]
+        self.done = max(self.done, len(calls))
+        return new
+
+
+class Blocks(Reader):
+    """Calls in blocks between an ``opening`` and a ``closing`` tag (hermes): each is decoded once its block
+    closes, until one is not a call. Kept: the text's end, where a tag may begin, and the open block's text (in
+    pieces)."""
+
+    def __init__(self, opening: str, closing: str):
+        super().__init__()
+        self.tags = (opening, closing)
+        self.tail = ""                      # the text's end, where a tag may begin
+        self.body: list[str] | None = None  # the open block's text so far; None between blocks
+        self.body_size = 0                  # its length
+        self.stopped = False                # a block was not a call: no more calls go out before the end
+
+    def read(self, text: str) -> None:
+        opening, closing = self.tags
         while not self.stopped:
             tag = opening if self.body is None else closing
             window = self.tail + text
@@ -246,10 +301,106 @@ class ToolStream:
                     self.calls.append(call)
             self.tail, text = "", window[at + len(tag):]
 
-    def _new(self, calls: list[ToolCall]) -> list[ToolCall]:
-        new = calls[self.done:]
-        self.done = max(self.done, len(calls))
-        return new
+
+class NamedCalls(Reader):
+    """Mistral's calls written ``name[ARGS]{...}`` (v11 on): each is decoded once its arguments' object closes,
+    until one is not a call. Kept: the text since the last call (its head) until an object opens, then the
+    object's text (in pieces) and where the scan of its braces stands."""
+
+    def __init__(self):
+        super().__init__()
+        self.head: list[str] = []           # the text since the last call, no object open
+        self.name: str | None = None        # the open call's name
+        self.body: list[str] = []           # its arguments' text so far
+        self.braces = _Braces()             # the scan of its braces
+        self.stopped = False                # a call was malformed: no more calls go out before the end
+
+    def read(self, text: str) -> None:
+        while text and not self.stopped:
+            if self.name is None:
+                at = text.find("{")
+                if at < 0:
+                    self.head.append(text)
+                    return
+                head = _HEAD.fullmatch("".join(self.head) + text[:at])
+                self.head, self.stopped = [], head is None
+                if head is None:
+                    return
+                self.name, self.braces, text = head[1], _Braces(), text[at:]
+            end = self.braces.end(text)
+            if end < 0:
+                self.body.append(text)
+                return
+            call = _named(self.name, _load("".join(self.body) + text[:end]))
+            self.name, self.body, self.stopped, text = None, [], call is None, text[end:]
+            if call is not None:
+                self.calls.append(call)
+
+
+class _Braces:
+    """A scan of a JSON object's text, piece by piece, for where it ends: the depth of its braces outside
+    strings."""
+
+    # a backslash and the character it escapes (in the next piece when it ends this one), a brace, a quote
+    _SYNTAX = re.compile(r'\\.?|[{}"]', re.DOTALL)
+
+    def __init__(self):
+        self.depth = 0
+        self.quoted = False                 # inside a string
+        self.escaped = False                # the last piece ended in a backslash: it escapes the next character
+
+    def end(self, text: str) -> int:
+        """Where the object ends in ``text``, its next piece (just after its closing brace), or -1."""
+        pos, self.escaped = int(self.escaped), False
+        for m in self._SYNTAX.finditer(text, pos):
+            c = m.group()
+            if c[0] == "\\":
+                self.escaped = len(c) == 1
+            elif c == '"':
+                self.quoted = not self.quoted
+            elif not self.quoted:
+                self.depth += 1 if c == "{" else -1
+                if self.depth == 0:
+                    return m.end()
+        return -1
+
+
+_NAME = "[A-Za-z0-9_-]{1,64}"       # a function name as tools' names are checked
+_NAME_AT = re.compile(_NAME)
+# what comes before a call's arguments in mistral's v11 format, each tag optional (left out of the text)
+_HEAD = re.compile(rf"\s*(?:\[TOOL_CALLS\]\s*)?({_NAME})(?:\[CALL_ID\][A-Za-z0-9]+)?(?:\[ARGS\])?")
+_AFTER_NAME = ("{", "[ARGS]", "[CALL_ID]")
+
+
+def _leads_named(text: str) -> bool | None:
+    """Whether ``text`` starts with a call written ``name[ARGS]{...}``, its marker left out (None: it may yet)."""
+    name = _NAME_AT.match(text)
+    if name is None:
+        return False
+    rest = text[name.end():]
+    if rest.startswith(_AFTER_NAME):
+        return True
+    return None if any(t.startswith(rest) for t in _AFTER_NAME) else False      # rest "": the name may go on
+
+
+def _named_calls(region: str) -> list[ToolCall] | None:
+    """The calls written ``name[ARGS]{...}`` in ``region``, up to the first that is not one (None: no call)."""
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while (brace := region.find("{", pos)) >= 0 and (head := _HEAD.fullmatch(region, pos, brace)):
+        try:
+            args, pos = decoder.raw_decode(region, brace)
+        except ValueError:
+            break
+        call = _named(head[1], args)
+        if call is None:
+            break
+        calls.append(call)
+    return calls or None
+
+
+def _named(name: str, args) -> ToolCall | None:
+    """A call of ``name`` with ``args`` (a decoded JSON value), if they are an object."""
+    return ToolCall(name, json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
 def _first(text: str, tags: tuple[str, ...]) -> int:

@@ -9,7 +9,9 @@
   fallback is in use; ``--tool-call-parser`` overrides it.
 - **Enforced** for ``tool_choice`` ``required`` or a named function: a grammar of the format's calls, each an
   object whose name is one of the tools' (the named one) and whose arguments match that tool's parameters, is the
-  request's structured output, so every call parses and validates.
+  request's structured output, so every call parses and validates. Mistral's calls are written the way the
+  model's template writes them (:func:`mistral_tags`): ``[TOOL_CALLS]name[ARGS]{...}`` when it writes ``[ARGS]``
+  (tokenizers v11 on), else the JSON array.
 """
 
 from __future__ import annotations
@@ -166,37 +168,69 @@ def conversation(conv: list[dict], messages: list[P.ChatMessage], tools: list[di
     return out
 
 
-def grammar(req: P.ChatCompletionRequest, parser: str, marker_token: int | None) -> GuidedSpec | None:
+@dataclass(frozen=True)
+class MistralTags:
+    """The tags of a Mistral model's forced calls, as grammar terminals: the special token where the tokenizer has
+    one, else the text. ``args`` (``[ARGS]``) None: the calls are one JSON array after ``marker``."""
+
+    marker: str = '"[TOOL_CALLS]"'
+    args: str | None = None
+
+
+def mistral_tags(tokenizer, template: str | dict[str, str] | None) -> MistralTags:
+    """The tags of a model whose chat template (or named templates) is ``template``: calls written
+    ``[TOOL_CALLS]name[ARGS]{...}`` when it writes ``[ARGS]`` (tokenizers v11 on), else the JSON array, so that
+    forced calls look like those the model was trained on and that its history shows."""
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    named = any("[ARGS]" in t for t in texts)
+    return MistralTags(_terminal(tokenizer, "[TOOL_CALLS]"), _terminal(tokenizer, "[ARGS]") if named else None)
+
+
+def grammar(req: P.ChatCompletionRequest, parser: str, tags: MistralTags = MistralTags()) -> GuidedSpec | None:
     """The structured output that makes the answer call the tools (``required``) or the named function, in
-    ``parser``'s format; None for auto and none. ``marker_token``: the id of the special token ``[TOOL_CALLS]``
-    (mistral), if the tokenizer has one."""
+    ``parser``'s format; None for auto and none. ``tags``: how the model writes mistral's calls."""
     mode = req.tool_mode()
     if mode not in ("required", "named"):
         return None
-    key = "parameters" if parser == "llama3_json" else "arguments"
     named = req.tool_choice.function.name if mode == "named" else None
+    tools = [t for t in req.tools if named in (None, t.function.name)]
+    several = req.parallel_tool_calls is not False
+    if parser == "mistral" and tags.args is not None:
+        return GuidedSpec(grammar=_named_calls(tools, tags, several))
+    key = "parameters" if parser == "llama3_json" else "arguments"
     schemas = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                  key: t.function.parameters or NO_PARAMETERS},
-                "required": ["name", key], "additionalProperties": False}
-               for t in req.tools if named in (None, t.function.name)]
+                "required": ["name", key], "additionalProperties": False} for t in tools]
     call = json.dumps({**(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "x-guidance": JSON_OPTIONS})
-    several = req.parallel_tool_calls is not False
     if parser == "hermes":
         start = 'block ("\\n" block)*' if several else "block"
         rules = f'start: {start}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\n'
     elif parser == "mistral":
-        marker = '"[TOOL_CALLS]"' if marker_token is None else f"<[{marker_token}]>"
         more = '(", " call)* ' if several else ""
-        rules = f'start: {marker} "[" call {more}"]"\n'
+        rules = f'start: {tags.marker} "[" call {more}"]"\n'
     else:                       # llama3_json: Llama 3 makes one call per answer
         rules = "start: call\n"
     return GuidedSpec(grammar=f"{rules}call: %json {call}")
+
+
+def _named_calls(tools: list[P.Tool], tags: MistralTags, several: bool) -> str:
+    """The grammar of Mistral's calls written ``[TOOL_CALLS]name[ARGS]{...}``, one per marker: the name is outside
+    the JSON, so each tool is an alternative of its own, its arguments matching its parameters."""
+    calls = [f"{tags.marker} {json.dumps(t.function.name)} {tags.args} %json "
+             f"{json.dumps({**(t.function.parameters or NO_PARAMETERS), 'x-guidance': JSON_OPTIONS})}" for t in tools]
+    return f"start: call{'+' if several else ''}\ncall: {' | '.join(calls)}\n"
 
 
 def special_token(tokenizer, text: str) -> int | None:
     """The id of ``text`` if the tokenizer has it as one special token, else None."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     return next((i for i, t in added.items() if t.content == text and t.special), None)
+
+
+def _terminal(tokenizer, text: str) -> str:
+    """A grammar's terminal for the tag ``text``: its special token, or the text where the tokenizer has none."""
+    token = special_token(tokenizer, text)
+    return json.dumps(text) if token is None else f"<[{token}]>"
 
 
 def _arguments(text: str):
