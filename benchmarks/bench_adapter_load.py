@@ -15,7 +15,9 @@ adapters loaded on request):
 
 Reported per configuration: the streams' gaps between chunks (inter-token latency, ITL) that overlap a load (from
 its request's sending to its answer), a control, or neither (median, p99, max); and what a load costs the streams.
-A window's delay is the time its gaps took beyond the median gap outside any window, summed over a stream's gaps
+A window's delay is the time its gaps took beyond the inter-token time around it (the median of the gaps in the
+``--spacing`` seconds before and after it that overlap no window: the streams' gaps grow with their contexts, so a
+configuration-wide median would count that growth as delay in the longest windows), summed over a stream's gaps
 and averaged over the streams. A load's own request is a new request like a control's (a prefill joins the
 decodes), so the pause the load itself adds is the mean delay of the loads less that of the controls; it is
 reported over the load's duration (how much slower the streams ran while it loaded: the target is at most 5 %),
@@ -103,12 +105,30 @@ def classify(times: list[list[float]], warm: int, windows: dict[str, list[tuple[
     return out
 
 
-def delays(times: list[list[float]], warm: int, spans: list[tuple[float, float]], itl: float) -> list[float]:
-    """Per window of ``spans``: the time the streams' gaps overlapping it took beyond ``itl`` each, summed over a
-    stream and averaged over the streams."""
+def local_itl(times: list[list[float]], warm: int, window: tuple[float, float], quiet: float,
+              windows: list[tuple[float, float]]) -> float | None:
+    """The inter-token time the streams had around ``window``: the mean of the median gap in the ``quiet`` seconds
+    before it and that in the ``quiet`` seconds after it (either alone where the other has none), among gaps that
+    overlap no window. The streams' gaps grow as their contexts do: a configuration-wide median would count that
+    growth as delay in the longest windows, and the mean of the two sides follows a steady growth."""
+    start, end = window
+    gaps = [(a, b) for t in times for a, b in zip(t[warm:], t[warm + 1:])
+            if not any(a < e and b > s for s, e in windows)]
+    sides = [[b - a for a, b in gaps if start - quiet <= a and b <= start],
+             [b - a for a, b in gaps if end <= a and b <= end + quiet]]
+    medians = [statistics.median(side) for side in sides if side]
+    return statistics.fmean(medians) if medians else None
+
+
+def delays(times: list[list[float]], warm: int, spans: list[tuple[float, float]], itl: float, quiet: float,
+           windows: list[tuple[float, float]]) -> list[float]:
+    """Per window of ``spans``: the time the streams' gaps overlapping it took beyond the inter-token time around
+    it (:func:`local_itl` over ``quiet`` seconds each side; ``itl`` where there is none), summed over a stream
+    and averaged over the streams."""
     out = []
     for start, end in spans:
-        per_stream = [sum(b - a - itl for a, b in zip(t[warm:], t[warm + 1:]) if a < end and b > start)
+        base = local_itl(times, warm, (start, end), quiet, windows) or itl
+        per_stream = [sum(b - a - base for a, b in zip(t[warm:], t[warm + 1:]) if a < end and b > start)
                       for t in times]
         out.append(statistics.fmean(per_stream))
     return out
@@ -170,7 +190,8 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     gaps = classify(times, args.warm, windows)
     stats = {kind: gap_stats(g) for kind, g in gaps.items()}
     itl = stats["outside"]["median_s"]
-    delay = {kind: delays(times, args.warm, spans, itl) for kind, spans in windows.items()}
+    every = [w for spans in windows.values() for w in spans]
+    delay = {kind: delays(times, args.warm, spans, itl, args.spacing, every) for kind, spans in windows.items()}
     pause = statistics.fmean(delay["load"]) - statistics.fmean(delay["control"])
     pause_se = standard_error(delay["load"], delay["control"])
     load_s = statistics.fmean(end - start for start, end in windows["load"])
@@ -199,7 +220,7 @@ def summary_lines(res: dict) -> list[str]:
              f"{res['streams']} streams on {res['running']} adapters given at start (rank {res['running_rank']}), "
              f"{res['loads']} loads per configuration. Gaps between a stream's chunks in ms, median / p99 / max, "
              f"outside any window, during a control request, during a load. Delay: what a window's gaps took beyond "
-             f"the median gap outside, per stream, mean over windows. Pause of a load: its delay less a control's, "
+             f"the median gap around it (outside windows), per stream, mean over windows. Pause of a load: its delay less a control's, "
              f"over the load's time (target <= {TARGET:.0%}; ± its standard error over the loads and controls) and in "
              f"inter-token times.", "",
              "| streams | load rank | gaps outside | gaps during controls | gaps during loads | delay: control / load (ms) "

@@ -4,10 +4,11 @@ One engine (random:llama-2-7b on CUDA, random:tiny-llama on the CPU) decodes 16 
 between stretches of steps, an adapter of rank 16 or 64 is read, validated and packed in the loader process and
 finished (its pool copy pinned) on a thread, as the server's loads are (``--loader process``; ``--loader thread``:
 all of it on a thread, ``AdapterRegistry.prepare``), while the engine steps on, then registered and given a
-4-token request (a load); or a like request goes to an adapter already registered (a control). The
-loader's phases and the engine's memory work are timed by wrapping them. Printed per load and control: its
-duration, its steps' longest and their time beyond the median step, and each step longer than twice the median
-with the phases it overlapped. A diagnosis for ``bench_adapter_load.py``'s figures, not a figure of its own.
+4-token request (a load); or a like request goes to an adapter already registered (a control). The loader's
+phases and the engine's memory work are timed by wrapping them. Printed per load and control: its duration, its
+steps' longest and their time beyond the steps around it (the mean of the median of the 30 steps before it and
+of the 30 after it: steps grow as the streams' contexts do), the mean step beside each phase, and each step
+longer than twice the median with the phases it overlapped. A diagnosis for ``bench_adapter_load.py``'s figures, not a figure of its own.
 
     python benchmarks/trace_adapter_load.py --device cuda > trace.log
 """
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import functools
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import lora_shape  # noqa: E402
 
 SPANS: list[tuple[str, str, float, float]] = []      # (phase, thread, start, end)
+ENGINE_PHASES = {"memory.prepare", "memory.after", "store.load", "registry.add", "graph.capture"}
 
 
 def timed(owner, attr: str, label: str | None = None) -> None:
@@ -55,6 +58,20 @@ def timed(owner, attr: str, label: str | None = None) -> None:
     setattr(owner, attr, wrapper)
 
 
+def siblings(cpus: set[int]) -> set[int]:
+    """The hyperthread siblings of ``cpus``."""
+    out = set()
+    for c in cpus:
+        try:
+            text = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            continue
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -63,6 +80,9 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="the interpreter's thread switch interval, seconds (default: Python's, 0.005)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engine is built")
+    ap.add_argument("--worker-cpus", type=lambda v: {int(c) for c in v.split(",")}, default=None,
+                    help="CPUs for the loader process (comma-separated); the engine's thread gets the others and "
+                         "their hyperthread siblings are left out")
     ap.add_argument("--loader", choices=("process", "thread"), default="process",
                     help="where adapters are read: the loader process, as the server reads them, or a thread")
     args = ap.parse_args()
@@ -86,6 +106,11 @@ def main() -> None:
     eng = llm.engine
     if args.loader == "process":
         loader_mod.LOADER.start()
+        if args.worker_cpus:
+            pid = loader_mod.LOADER._executor().submit(os.getpid).result()
+            os.sched_setaffinity(pid, args.worker_cpus)
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - args.worker_cpus - siblings(args.worker_cpus))
+            print(f"worker on CPUs {sorted(os.sched_getaffinity(pid))}, engine on {sorted(os.sched_getaffinity(0))}")
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -139,13 +164,26 @@ def main() -> None:
     median = statistics.median(b - a for a, b in steps[30:])
     print(f"{args.device}, loader {args.loader}: {len(steps)} steps, median {1e3 * median:.2f} ms (switch interval "
           f"{sys.getswitchinterval()} s, gc frozen: {args.gc_freeze})")
+    quiet = [(s0, s1) for s0, s1 in steps if not any(s0 < b and s1 > a for _, _, a, b in events)]
     for kind, name, a, b in events:
         inside = [(s0, s1) for s0, s1 in steps if s0 >= a and s1 <= b]
         durs = [s1 - s0 for s0, s1 in inside]
-        beyond = sum(max(0.0, d - median) for d in durs)
+        # the steps' own time around the event: they grow as the streams' contexts do
+        around = [statistics.median(side) for side in ([s1 - s0 for s0, s1 in quiet if s1 <= a][-30:],
+                                                      [s1 - s0 for s0, s1 in quiet if s0 >= b][:30]) if side]
+        base = statistics.fmean(around) if around else median
+        beyond = sum(d - base for d in durs)
         print(f"{kind} {name}: {1e3 * (b - a):.0f} ms, {len(durs)} steps, longest {1e3 * max(durs):.1f} ms, "
-              f"beyond the median {1e3 * beyond:.1f} ms, {1e3 * (beyond - max(durs) + median):.1f} ms but the "
-              f"longest")
+              f"beyond the steps around it ({1e3 * base:.2f} ms) {1e3 * beyond:.1f} ms, "
+              f"{1e3 * (beyond - max(durs) + base):.1f} ms but the longest")
+        phases = sorted({p for p, _, t0, t1 in SPANS if t0 < b and t1 > a and p not in ENGINE_PHASES})
+        beside = {p: [s1 - s0 for s0, s1 in inside if any(q == p and t0 < s1 and t1 > s0 for q, _, t0, t1 in SPANS)]
+                  for p in phases}
+        alone = [s1 - s0 for s0, s1 in inside if not any(q in phases and t0 < s1 and t1 > s0
+                                                         for q, _, t0, t1 in SPANS)]
+        print("   mean step (ms, steps) beside " + ", ".join(
+            f"{p}: {1e3 * statistics.fmean(d):.2f} ({len(d)})" for p, d in beside.items() if d)
+            + (f"; beside none: {1e3 * statistics.fmean(alone):.2f} ({len(alone)})" if alone else ""))
         for s0, s1 in inside:
             if s1 - s0 > 2 * median:
                 phases = [(p, th, round(1e3 * (t1 - t0), 1)) for p, th, t0, t1 in SPANS if t0 < s1 and t1 > s0]
