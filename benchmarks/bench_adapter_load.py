@@ -15,10 +15,11 @@ adapters loaded on request):
 
 Reported per configuration: the streams' gaps between chunks (inter-token latency, ITL) that overlap a load (from
 its request's sending to its answer), a control, or neither (median, p99, max); and what a load costs the streams.
-A window's delay is the time its gaps took beyond the inter-token time around it (the median of the gaps in the
-``--spacing`` seconds before and after it that overlap no window: the streams' gaps grow with their contexts, so a
-configuration-wide median would count that growth as delay in the longest windows), summed over a stream's gaps
-and averaged over the streams. A load's own request is a new request like a control's (a prefill joins the
+A window's delay is how far behind the streams fell during it: its length less the tokens a stream received in it
+times the streams' inter-token time then (a line fitted over the configuration to the quiet stretches between
+windows), averaged over the streams. (Measured against a configuration-wide median gap, or by summing the gaps
+that overlap a window, the streams' growing contexts and skewed gaps would count as delay in the longest
+windows.) A load's own request is a new request like a control's (a prefill joins the
 decodes), so the pause the load itself adds is the mean delay of the loads less that of the controls; it is
 reported over the load's duration (how much slower the streams ran while it loaded: the target is at most 5 %),
 with its standard error (the windows' delays vary by tens of ms: a figure needs enough ``--loads``), and over
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import datetime as dt
 import json
 import signal
@@ -105,33 +107,50 @@ def classify(times: list[list[float]], warm: int, windows: dict[str, list[tuple[
     return out
 
 
-def local_itl(times: list[list[float]], warm: int, window: tuple[float, float], quiet: float,
-              windows: list[tuple[float, float]]) -> float | None:
-    """The inter-token time the streams had around ``window``: the mean of the median gap in the ``quiet`` seconds
-    before it and that in the ``quiet`` seconds after it (either alone where the other has none), among gaps that
-    overlap no window. The streams' gaps grow as their contexts do: a configuration-wide median would count that
-    growth as delay in the longest windows, and the mean of the two sides follows a steady growth."""
-    start, end = window
-    gaps = [(a, b) for t in times for a, b in zip(t[warm:], t[warm + 1:])
-            if not any(a < e and b > s for s, e in windows)]
-    sides = [[b - a for a, b in gaps if start - quiet <= a and b <= start],
-             [b - a for a, b in gaps if end <= a and b <= end + quiet]]
-    medians = [statistics.median(side) for side in sides if side]
-    return statistics.fmean(medians) if medians else None
+def progress(t: list[float], at: float) -> float:
+    """How many tokens stream ``t`` (its chunks' arrival times) had at time ``at``, counting the token under way
+    in proportion to the part of its gap gone by: a window's tokens then do not jump by one as its edges move."""
+    i = bisect.bisect_right(t, at)
+    if i == 0 or i == len(t):
+        return float(i)
+    return i - 1 + (at - t[i - 1]) / (t[i] - t[i - 1])
 
 
-def delays(times: list[list[float]], warm: int, spans: list[tuple[float, float]], itl: float, quiet: float,
+def arrivals(times: list[list[float]], warm: int, start: float, end: float) -> float:
+    """Tokens the streams received in [start, end) (:func:`progress`), mean over the streams (those after each
+    one's first ``warm``)."""
+    return statistics.fmean(progress(t[warm:], end) - progress(t[warm:], start) for t in times)
+
+
+def itl_trend(times: list[list[float]], warm: int, windows: list[tuple[float, float]]):
+    """The streams' inter-token time as a line over time, fitted to the quiet stretches between consecutive
+    windows (each stretch's length over the tokens received in it, weighted by those tokens): a function of the
+    time, or None where fewer than two stretches received tokens. A line: the streams' gaps grow as their
+    contexts do; fitted to every stretch rather than to a window's neighbours alone, whose few tokens (a CPU
+    server's dozen a second) would leave the baseline uncertain by more than the pause it is to show."""
+    edges = sorted(windows)
+    stretches = [(e1, s2) for (_, e1), (s2, _) in zip(edges, edges[1:]) if s2 > e1]
+    points = [((lo + hi) / 2, (hi - lo) / n, n) for lo, hi in stretches if (n := arrivals(times, warm, lo, hi)) > 0]
+    if len(points) < 2:
+        return None
+    w = sum(n for _, _, n in points)
+    mx = sum(x * n for x, _, n in points) / w
+    my = sum(y * n for _, y, n in points) / w
+    var = sum(n * (x - mx) ** 2 for x, _, n in points)
+    slope = sum(n * (x - mx) * (y - my) for x, y, n in points) / var if var > 0 else 0.0
+    return lambda x: my + slope * (x - mx)
+
+
+def delays(times: list[list[float]], warm: int, spans: list[tuple[float, float]], itl: float,
            windows: list[tuple[float, float]]) -> list[float]:
-    """Per window of ``spans``: the time the streams' gaps overlapping it took beyond the inter-token time around
-    it (:func:`local_itl` over ``quiet`` seconds each side; ``itl`` where there is none), summed over a stream
-    and averaged over the streams."""
-    out = []
-    for start, end in spans:
-        base = local_itl(times, warm, (start, end), quiet, windows) or itl
-        per_stream = [sum(b - a - base for a, b in zip(t[warm:], t[warm + 1:]) if a < end and b > start)
-                      for t in times]
-        out.append(statistics.fmean(per_stream))
-    return out
+    """Per window of ``spans``: how far behind the streams fell during it, in seconds: its length less the
+    tokens they received in it times their inter-token time then (:func:`itl_trend` over every window; ``itl``
+    where it has no line), mean over the streams. Counting tokens in the window rather than summing the gaps
+    that overlap it: a gap that straddles a window's edge is more likely a long one, and gaps are skewed (a CPU
+    server's p99 is twice its median), so summed gaps would gather delay with no pause."""
+    trend = itl_trend(times, warm, windows)
+    return [(end - start) - arrivals(times, warm, start, end) * (trend((start + end) / 2) if trend else itl)
+            for start, end in spans]
 
 
 def server_load_seconds(text: str) -> tuple[float, float]:
@@ -191,7 +210,7 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     stats = {kind: gap_stats(g) for kind, g in gaps.items()}
     itl = stats["outside"]["median_s"]
     every = [w for spans in windows.values() for w in spans]
-    delay = {kind: delays(times, args.warm, spans, itl, args.spacing, every) for kind, spans in windows.items()}
+    delay = {kind: delays(times, args.warm, spans, itl, every) for kind, spans in windows.items()}
     pause = statistics.fmean(delay["load"]) - statistics.fmean(delay["control"])
     pause_se = standard_error(delay["load"], delay["control"])
     load_s = statistics.fmean(end - start for start, end in windows["load"])
@@ -219,8 +238,9 @@ def summary_lines(res: dict) -> list[str]:
     lines = [f"# Adapters loaded on first request: {res['device']}, {res['model']}", "",
              f"{res['streams']} streams on {res['running']} adapters given at start (rank {res['running_rank']}), "
              f"{res['loads']} loads per configuration. Gaps between a stream's chunks in ms, median / p99 / max, "
-             f"outside any window, during a control request, during a load. Delay: what a window's gaps took beyond "
-             f"the median gap around it (outside windows), per stream, mean over windows. Pause of a load: its delay less a control's, "
+             f"outside any window, during a control request, during a load. Delay: how far behind the streams fell "
+             f"during a window (its length less its tokens times the inter-token time then, fitted to the quiet "
+             f"stretches), mean over windows. Pause of a load: its delay less a control's, "
              f"over the load's time (target <= {TARGET:.0%}; ± its standard error over the loads and controls) and in "
              f"inter-token times.", "",
              "| streams | load rank | gaps outside | gaps during controls | gaps during loads | delay: control / load (ms) "
