@@ -195,6 +195,8 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
         await one_request(client, warm_name, short)
         await one_request(client, running[0], short)
         for name in names:
+            if any(t.done() for t in tasks):             # a stream ended (its limit): no more windows to measure
+                break
             await asyncio.sleep(args.spacing)
             windows["load"].append(await one_request(client, name, short))
             await asyncio.sleep(args.spacing)
@@ -206,6 +208,12 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     failed = [d for d in done if isinstance(d, BaseException)]
     if failed:
         raise RuntimeError(f"{len(failed)} streams failed, the first: {failed[0]!r}")
+    # a window counts while every stream runs on through the quiet stretch after it
+    alive = min(t[-1] for t in times)
+    dropped = sum(end + args.spacing > alive for spans in windows.values() for _, end in spans)
+    windows = {kind: [w for w in spans if w[1] + args.spacing <= alive] for kind, spans in windows.items()}
+    if not windows["load"] or not windows["control"]:
+        raise RuntimeError("the streams ended before a load and a control were measured: raise --max-stream-tokens")
     gaps = classify(times, args.warm, windows)
     stats = {kind: gap_stats(g) for kind, g in gaps.items()}
     itl = stats["outside"]["median_s"]
@@ -216,7 +224,8 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     load_s = statistics.fmean(end - start for start, end in windows["load"])
     after = server_load_seconds((await client.get("/metrics")).text)
     loads = after[1] - before[1]
-    res = {"setting": setting, "load_rank": rank, "loads": names, "gaps": stats, "delay_s": delay, "load_pause_s": pause,
+    res = {"setting": setting, "load_rank": rank, "loads": names, "windows_measured": {k: len(v) for k, v in
+           windows.items()}, "windows_dropped": dropped, "gaps": stats, "delay_s": delay, "load_pause_s": pause,
            "load_pause_over_load_time": pause / load_s, "load_pause_over_median_itl": pause / itl,
            "load_pause_se_s": pause_se, "load_pause_se_over_load_time": pause_se / load_s,
            "within_target": pause / load_s <= TARGET,
@@ -255,7 +264,7 @@ def summary_lines(res: dict) -> list[str]:
                      + " / ".join(f"{1e3 * statistics.fmean(c['delay_s'][k]):.1f}" for k in ("control", "load"))
                      + f" | {100 * c['load_pause_over_load_time']:.1f} ± "
                        f"{100 * c.get('load_pause_se_over_load_time', float('nan')):.1f} %, "
-                       f"{c['load_pause_over_median_itl']:.2f} "
+                       f"{c['load_pause_over_median_itl']:.2f} ({c.get('windows_measured', {}).get('load', '?')} loads) "
                      + f"| {1e3 * server if server is not None else float('nan'):.0f} ms "
                        f"({1e3 * statistics.fmean(c['load_latency_client_s']):.0f} ms) |")
     return lines
@@ -316,7 +325,9 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=8, help="tokens every stream has before the first load")
     ap.add_argument("--spacing", type=float, default=None,
                     help="seconds of quiet around each load and control (default 0.5 on CUDA, 1.0 on CPU)")
-    ap.add_argument("--max-stream-tokens", type=int, default=2000, help="a stream's limit (closed before it)")
+    ap.add_argument("--max-stream-tokens", type=int, default=3800,
+                    help="a stream's limit: loads stop once a stream reaches it, and windows after a stream ended "
+                         "are not measured (the context must hold --input-len plus this)")
     ap.add_argument("--serve-args", default="", help="extra `vlora serve` options")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
