@@ -9,8 +9,9 @@ adapters loaded on request):
    chunk's arrival time recorded;
 2. once every stream has ``--warm`` tokens, a load and a control not recorded (a batch size's first graph capture,
    the rank's first load), then one after another: a request naming an adapter of DIR not loaded yet
-   (a load: a 4-token prompt, 1 output token), ``--spacing`` seconds of quiet, a like request on an adapter
-   given at start (a control: what any new request costs the streams), ``--spacing`` seconds; ``--loads`` times;
+   (a load: a 4-token prompt, 1 output token), ``--spacing`` seconds of quiet, a like request on the adapter of
+   the same rank that the unrecorded load brought in (a control: what a new request on an adapter of that rank
+   costs the streams), ``--spacing`` seconds; ``--loads`` times;
 3. the streams are closed.
 
 Reported per configuration: the streams' gaps between chunks (inter-token latency, ITL) that overlap a load (from
@@ -193,14 +194,16 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
         # not recorded: the first new request among the streams (a batch size's first use captures its decode
         # graph), the first load of this rank
         await one_request(client, warm_name, short)
-        await one_request(client, running[0], short)
+        await one_request(client, warm_name, short)
         for name in names:
             if any(t.done() for t in tasks):             # a stream ended (its limit): no more windows to measure
                 break
             await asyncio.sleep(args.spacing)
             windows["load"].append(await one_request(client, name, short))
             await asyncio.sleep(args.spacing)
-            windows["control"].append(await one_request(client, running[0], short))
+            # the control: a like request on an adapter of the load's rank, loaded already (the configuration's
+            # first load), so that what the load's request costs beyond it is the load, not its adapter's rank
+            windows["control"].append(await one_request(client, warm_name, short))
         await asyncio.sleep(args.spacing)
     finally:
         stop.set()
