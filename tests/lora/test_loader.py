@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +137,29 @@ def test_a_worker_read_adapter_is_pinned_in_place_and_loads_into_the_pool(loader
         start = packed.placement.host["qkv"][0][0]               # a_off of layer 0's qkv group
         flat = prepared.host.flat
         assert torch.equal(pool.buf[start:start + flat.numel()].cpu(), flat)
+
+
+def test_the_worker_ends_when_its_parent_does(tmp_path):
+    """A serving process that ends without shutting the loader down (killed, or os._exit) leaves no worker."""
+    script = ("import os\nfrom pathlib import Path\nfrom vlora.lora.loader import LoaderProcess\n"
+              "pid = LoaderProcess()._executor().submit(os.getpid).result(120)\n"
+              "print(pid, Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19], flush=True)\n"
+              "os._exit(0)\n")
+    with open(tmp_path / "out", "w") as out:        # a file: the worker would hold a pipe open
+        subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.DEVNULL, timeout=180,
+                       cwd=Path(__file__).resolve().parents[2], check=True)
+    pid, started = (tmp_path / "out").read_text().split()[-2:]
+    deadline = time.monotonic() + 60
+    while alive(int(pid), started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(int(pid), started)
+
+
+def alive(pid: int, started: str) -> bool:
+    """Whether process ``pid``, started at ``started`` (clock ticks after boot: a pid may be reused), runs (a
+    zombie waiting for its new parent to reap it does not)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[19] == started and fields[0] not in ("Z", "X")

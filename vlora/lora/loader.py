@@ -27,6 +27,7 @@ import asyncio
 import multiprocessing
 import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -159,10 +160,16 @@ def landed(s: Shipped) -> ReadAdapter:
 
 # -- the worker -----------------------------------------------------------------------------------
 
+PARENT_CHECK_S = 1.0
+"""How often the worker looks whether its parent is still there."""
+
+
 def _worker_start() -> None:
     """The worker runs when a core is idle (SCHED_IDLE): beside an engine whose forward keeps every core busy (a
     CPU server) a worker at any normal priority takes a share of one core, and the forward's threads wait for the
-    one that lost it; between steps, and on a GPU host with cores to spare, it runs at full speed."""
+    one that lost it; between steps, and on a GPU host with cores to spare, it runs at full speed. It ends when
+    its parent does, however the parent ends (:func:`_end_with`)."""
+    threading.Thread(target=_end_with, args=(os.getppid(),), name="vlora-loader-parent", daemon=True).start()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):   # not on Linux: the lowest normal priority
@@ -171,6 +178,14 @@ def _worker_start() -> None:
         except OSError:
             pass
     torch.set_num_threads(1)
+
+
+def _end_with(parent: int, every: float = PARENT_CHECK_S) -> None:
+    """Exit once ``parent`` is gone (this process is handed to another parent then). A parent killed, or one
+    whose exit skips the pool's shutdown, would otherwise leave the worker waiting on its queue for good."""
+    while os.getppid() == parent:
+        time.sleep(every)
+    os._exit(0)
 
 
 def _read_shipped(spec: ReadSpec, name: str, path: str) -> Shipped:
