@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import functools
 import gc
-import os
 import statistics
 import sys
 import tempfile
@@ -58,20 +57,6 @@ def timed(owner, attr: str, label: str | None = None) -> None:
     setattr(owner, attr, wrapper)
 
 
-def siblings(cpus: set[int]) -> set[int]:
-    """The hyperthread siblings of ``cpus``."""
-    out = set()
-    for c in cpus:
-        try:
-            text = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
-        except OSError:
-            continue
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -80,9 +65,6 @@ def main() -> None:
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="the interpreter's thread switch interval, seconds (default: Python's, 0.005)")
     ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() once the engine is built")
-    ap.add_argument("--worker-cpus", type=lambda v: {int(c) for c in v.split(",")}, default=None,
-                    help="CPUs for the loader process (comma-separated); the engine's thread gets the others and "
-                         "their hyperthread siblings are left out")
     ap.add_argument("--loader", choices=("process", "thread"), default="process",
                     help="where adapters are read: the loader process, as the server reads them, or a thread")
     args = ap.parse_args()
@@ -106,11 +88,6 @@ def main() -> None:
     eng = llm.engine
     if args.loader == "process":
         loader_mod.LOADER.start()
-        if args.worker_cpus:
-            pid = loader_mod.LOADER._executor().submit(os.getpid).result()
-            os.sched_setaffinity(pid, args.worker_cpus)
-            os.sched_setaffinity(0, os.sched_getaffinity(0) - args.worker_cpus - siblings(args.worker_cpus))
-            print(f"worker on CPUs {sorted(os.sched_getaffinity(pid))}, engine on {sorted(os.sched_getaffinity(0))}")
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -124,6 +101,9 @@ def main() -> None:
     steps: list[tuple[float, float]] = []
 
     def step() -> None:
+        if not eng.has_unfinished():         # the streams ended (the CPU's are short): wait, record nothing
+            time.sleep(1e-3)
+            return
         t0 = time.perf_counter()
         eng.step()
         steps.append((t0, time.perf_counter()))

@@ -24,11 +24,12 @@ with :class:`~vlora.lora.adapter.AdapterError`; the next load starts a new worke
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import os
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,6 @@ from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapt
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
 from vlora.lora.device_store import HostAdapter, host_layout
 from vlora.lora.task_head import TaskHead, load_task_head
-
 
 
 @dataclass(frozen=True)
@@ -150,9 +150,7 @@ def landed(s: Shipped) -> ReadAdapter:
     """The :class:`ReadAdapter` that crossed as ``s``: its matrices are views of the shared buffer."""
     views, pos = [], 0
     for shape in s.shapes:
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         views.append(s.flat[pos:pos + n].view(shape))
         pos += n
     return replace(s.skeleton, packed=_with_matrices(s.skeleton.packed, views))
@@ -223,19 +221,25 @@ class LoaderProcess:
     async def read(self, spec: ReadSpec, name: str, path: str) -> ReadAdapter:
         """Read the adapter in ``path`` in the worker; raises AdapterError if it is refused or the worker died
         reading it."""
-        pool = self._executor()
+        # submitted off the event loop: a submission may start the worker (a process spawned)
+        pool, future = await asyncio.to_thread(self._submit, spec, name, str(path))
         try:
-            try:
-                future = pool.submit(_read_shipped, spec, name, str(path))
-            except BrokenProcessPool:            # died after its last load
-                self._broken(pool)
-                pool = self._executor()
-                future = pool.submit(_read_shipped, spec, name, str(path))
             return landed(await asyncio.wrap_future(future))
         except BrokenProcessPool:
             self._broken(pool)
             raise AdapterError(f"adapter {name!r}: the process reading {path} died (a file that crashes the "
                                f"reader, or memory exhausted)") from None
+
+    def _submit(self, spec: ReadSpec, name: str, path: str) -> tuple[ProcessPoolExecutor, Future]:
+        """(the pool, the future of the :class:`Shipped` adapter); a pool whose worker died since its last load
+        is replaced first."""
+        pool = self._executor()
+        try:
+            return pool, pool.submit(_read_shipped, spec, name, path)
+        except BrokenProcessPool:
+            self._broken(pool)
+            pool = self._executor()
+            return pool, pool.submit(_read_shipped, spec, name, path)
 
     def shutdown(self) -> None:
         with self._lock:
