@@ -24,12 +24,17 @@ paired.png to ``--out`` after every seed, so a run cut short still leaves its re
         --settings skew0.5,skew0.9,video --adapters 8 --seeds 4 --duration 6 --max-wall-s 520
     # CPU dry run on a tiny model (what the test runs)
     python benchmarks/bench_policies_paired.py --dry-run --out /tmp/paired
+    # one report of invocations that split the settings between GPUs (benchmarks/gpu_paired.sh)
+    python benchmarks/bench_policies_paired.py --merge results/a results/b --out results/paired
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +50,8 @@ from vlora.engine.orchestrator import Orchestrator
 
 GPU_DEFAULTS = dict(model="random:llama-2-7b", kv_cache_memory_gb=40.0, max_num_seqs=64, max_num_batched_tokens=8192,
                     max_lora_rank=64, policy="vlora")
+# what chat clients send (../shared/BENCHMARKS.md); greedy decoding is what no user runs
+SAMPLING = {"chat": {"temperature": 0.8, "top_p": 0.95, "top_k": 50}, "greedy": None}
 DRY_DEFAULTS = dict(model="random:tiny-llama", device="cpu", num_blocks=512, max_num_seqs=16, policy="vlora",
                     settings="skew0.9", adapters="4", seeds=2, duration=0.5, repeat=2, repeat_setting="skew0.9/4",
                     warmup_requests=4, input_range="4,24", output_range="2,6", ranks="8,16")
@@ -53,6 +60,11 @@ DRY_DEFAULTS = dict(model="random:tiny-llama", device="cpu", num_blocks=512, max
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="directory for results.json, report.md and paired.png")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="write one report to --out from the results.json of these directories (runs of one "
+                        "configuration whose settings were split between invocations), then stop")
+    p.add_argument("--sampling", choices=tuple(SAMPLING), default="chat",
+                   help="decoding of every request: chat (temperature 0.8, top_p 0.95, top_k 50) or greedy")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny random model on the CPU, short traces, two seeds: checks the pipeline, measures "
                         "nothing")
@@ -102,8 +114,39 @@ def _setting(text: str, default_adapters: int) -> Setting:
     return Setting(name, int(n) if n else default_adapters)
 
 
+def _commit() -> str | None:
+    """The commit measured: $VLORA_COMMIT where the checkout's history is not the code's (a copied tree), else git's."""
+    if os.environ.get("VLORA_COMMIT"):
+        return os.environ["VLORA_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def merge(dirs: list[str], out: Path) -> int:
+    """One report of several invocations of one configuration (the same policies and engine options)."""
+    parts = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
+    policies = tuple(parts[0]["meta"]["policies"])
+    if any(tuple(p["meta"]["policies"]) != policies for p in parts):
+        raise SystemExit("--merge: the invocations compared different policies")
+    meta = dict(parts[0]["meta"], parts=[{k: p["meta"].get(k) for k in ("argv", "device", "date", "warmup_s",
+                                                                         "stopped", "commit")} for p in parts])
+    meta.pop("stopped", None)
+    stopped = [p["meta"]["stopped"] for p in parts if p["meta"].get("stopped")]
+    if stopped:
+        meta["stopped"] = "; ".join(stopped)
+    write_report(out, meta, [c for p in parts for c in p["spread"]], [r for p in parts for r in p["runs"]], policies)
+    print(f"report: {out / 'report.md'}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    t_start = time.monotonic()
     args = parse(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     from vlora.builder import build_engine
 
     policies = tuple(args.policies.split(","))
@@ -126,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.runner.graphs.launch = engine.runner.lora_launch
     meta = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "model": args.model,
             "device": _device_name(engine), "policies": policies, "shape": asdict(shape), "argv": sys.argv[1:],
-            "kernel_build": getattr(engine, "kernel_build", None), "mixed_launch": engine.runner.lora_launch.mixed}
+            "kernel_build": getattr(engine, "kernel_build", None), "mixed_launch": engine.runner.lora_launch.mixed,
+            "commit": _commit(), "sampling": args.sampling, "merged_copy": engine.config.cache.merged_copy}
+    sampling = SAMPLING[args.sampling]
     max_wall = args.duration * 4 + 30
     with tempfile.TemporaryDirectory() as tmp:
         names = register_random_adapters(engine, SweepConfig(num_adapters=max(counts + [_setting(
@@ -138,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies:
             same_start(engine, names[:settings[0].adapters])
             engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs)
-            run_workload(engine, warm, seed=10_000)
+            run_workload(engine, warm, seed=10_000, sampling=sampling)
         same_start(engine, names)
         costs = engine.profile_modes()
         meta["warmup_s"] = round(time.monotonic() - t_warm, 1)
@@ -155,11 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"spread check: {args.repeat_policy} x{args.repeat} on {rs.label}, seed 0"
                     + (" (as runs were made before)" if legacy else ""))
                 spread.append(repeat_runs(engine, names[:rs.adapters], args.repeat_policy, make_trace(rs, 0, shape), 0,
-                                          costs, args.repeat, max_wall, log, legacy) | {"setting": rs.label})
+                                          costs, args.repeat, max_wall, log, legacy, sampling)
+                              | {"setting": rs.label})
                 write_report(out, meta, spread, [], policies)
         rows: list[dict] = []
         if not args.no_grid:
-            clock = Clock(args.seeds * len(settings) * len(policies))
+            clock = Clock(args.seeds * len(settings) * len(policies), t_start)
             for seed in range(args.seeds):
                 block = len(settings) * len(policies) * clock.next_run_s(args.duration * 1.5)
                 if args.max_wall_s is not None and seed and clock.elapsed() + block > args.max_wall_s:
@@ -170,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                     specs = make_trace(s, seed, shape)
                     for policy in rotation(policies, seed):
                         t0 = time.monotonic()
-                        m = run_policy(engine, names[:s.adapters], policy, specs, seed, costs, max_wall)
+                        m = run_policy(engine, names[:s.adapters], policy, specs, seed, costs, max_wall, sampling=sampling)
                         rows.append(m | {"setting": s.label})
                         log(f"{s.label:14s} seed {seed} {policy:12s} avg token latency "
                             f"{1e3 * (m['avg_token_latency_s'] or 0):7.2f} ms, modes {m['mode_share']}, "

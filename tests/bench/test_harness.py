@@ -133,3 +133,18 @@ def test_sweep_repeats_rotate_the_policy_order_and_pool_the_gaps(tmp_path):
     text = write_report(rows, cfg, tmp_path / "rep", default_meta(eng)).read_text()
     line = next(x for x in text.splitlines() if x.startswith("- skewness=0.9"))
     assert "vs unmerged" in line and line.count("%") == 3        # pooled gap, then each repeat's
+
+
+def test_harness_samples_when_asked():
+    """``sampling`` reaches every request (each with its own seed); without it every request is greedy."""
+    eng = tiny_engine()
+    sent = []
+    add = eng.add_request
+    eng.add_request = lambda prompt, adapter, sp, **kw: sent.append(sp) or add(prompt, adapter, sp, **kw)
+    specs = [W.RequestSpec(0.0, None, 8, 3) for _ in range(3)]
+    run_workload(eng, specs, sampling={"temperature": 0.8, "top_p": 0.95, "top_k": 50})
+    assert [(sp.temperature, sp.top_p, sp.top_k) for sp in sent] == [(0.8, 0.95, 50)] * 3
+    assert len({sp.seed for sp in sent}) == 3
+    sent.clear()
+    run_workload(eng, specs)
+    assert [sp.temperature for sp in sent] == [0.0] * 3

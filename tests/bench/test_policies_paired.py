@@ -57,6 +57,7 @@ def test_dry_run_replays_one_trace_per_seed_for_every_policy(tmp_path):
     main = runpy.run_path(str(SCRIPT))["main"]
     assert main(["--dry-run", "--out", str(tmp_path), "--policies", "vlora,unmerged", "--spread-before"]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
+    assert res["meta"]["sampling"] == "chat" and res["meta"]["merged_copy"] is False
     runs = res["runs"]
     assert len(runs) == 4 and {(r["seed"], r["policy"]) for r in runs} == {(s, p) for s in (0, 1)
                                                                           for p in ("vlora", "unmerged")}
@@ -102,3 +103,21 @@ def test_mixed_launch_costs_time_both_launch_kinds_and_restore_the_graphs_launch
     paired = [c for c in graphs.calls if any(s.pair is not None for s in c[2])]
     second = [c for c in graphs.calls if c[3]]
     assert paired and second and all(s.pair.name == "a0" for c in paired for s in c[2] if s.pair)   # largest rank
+
+
+def test_merge_joins_invocations_that_split_the_settings(tmp_path):
+    """Two invocations of one configuration, each with its own settings, make one report with both settings."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    common = ["--dry-run", "--policies", "vlora,unmerged", "--repeat", "0", "--warmup-requests", "1"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--settings", "skew0.9", "--repeat", "2"]) == 0
+    assert main(common + ["--out", str(tmp_path / "b"), "--settings", "retrieval"]) == 0
+    assert main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ab")]) == 0
+    res = json.loads((tmp_path / "ab" / "results.json").read_text())
+    assert [e["setting"] for e in res["paired"]] == ["skew0.9/4", "retrieval/4"]
+    assert len(res["runs"]) == 8 and len(res["spread"]) == 1 and len(res["meta"]["parts"]) == 2
+    assert "2 invocations merged" in (tmp_path / "ab" / "report.md").read_text()
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "results.json").write_text(json.dumps(dict(res, meta=dict(res["meta"], policies=["vlora", "dlora"]))))
+    with pytest.raises(SystemExit, match="different policies"):
+        main(["--merge", str(tmp_path / "a"), str(c), "--out", str(tmp_path / "x")])

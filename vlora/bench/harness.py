@@ -135,17 +135,19 @@ def _stats(name: str, xs: list[float]) -> dict:
 
 
 def run_workload(engine: Engine, specs: list[RequestSpec], seed: int = 0, slo: SLO | None = None,
-                 max_wall_s: float | None = None, progress: bool = False, freeze_gc: bool = True) -> RunResult:
+                 max_wall_s: float | None = None, progress: bool = False, freeze_gc: bool = True,
+                 sampling: dict | None = None) -> RunResult:
     """Serve ``specs`` on ``engine`` in real time; returns the records. ``slo`` applies to every request;
     ``max_wall_s`` stops sending and serving after that long (unfinished requests are counted as such);
-    ``freeze_gc``: collect and freeze the heap first (False: the collector as it is, to measure its effect)."""
+    ``freeze_gc``: collect and freeze the heap first (False: the collector as it is, to measure its effect);
+    ``sampling``: :class:`SamplingParams` fields of every request (temperature, top_p, top_k; None: greedy)."""
     if freeze_gc:
         gc.collect()
         gc.freeze()
     watch = _GCWatch()
     gc.callbacks.append(watch)
     try:
-        result = _serve(engine, specs, seed, slo, max_wall_s, progress)
+        result = _serve(engine, specs, seed, slo, max_wall_s, progress, sampling or {})
     finally:
         gc.callbacks.remove(watch)
         if freeze_gc:
@@ -169,7 +171,7 @@ class _GCWatch:
 
 
 def _serve(engine: Engine, specs: list[RequestSpec], seed: int, slo: SLO | None, max_wall_s: float | None,
-           progress: bool) -> RunResult:
+           progress: bool, sampling: dict) -> RunResult:
     rng = random.Random(seed)
     vocab = engine.model.cfg.vocab_size
     limit = engine.max_model_len - 1
@@ -198,7 +200,7 @@ def _serve(engine: Engine, specs: list[RequestSpec], seed: int, slo: SLO | None,
         n_in = max(1, min(spec.input_len, limit - spec.output_len))
         prompt = (prev + [rng.randrange(3, vocab) for _ in range(max(0, n_in - len(prev)))])[-n_in:]
         out_len = max(1, min(spec.output_len, limit - len(prompt)))
-        sp = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=rng.randrange(2**31))
+        sp = SamplingParams(max_tokens=out_len, ignore_eos=True, seed=rng.randrange(2**31), **sampling)
         rid = engine.add_request(prompt, spec.adapter, sp, slo=slo)
         records[rid] = RequestRecord(spec, rid, due, sent=now)
         if spec.session is not None:

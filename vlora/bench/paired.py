@@ -153,11 +153,11 @@ def mixed_launch_costs(engine, reps: int = 10) -> dict | None:
 
 
 def run_policy(engine, names: list[str], policy: str, specs: list[W.RequestSpec], seed: int, costs,
-               max_wall_s: float, legacy: bool = False) -> dict:
+               max_wall_s: float, legacy: bool = False, sampling: dict | None = None) -> dict:
     """One timed run of ``policy`` on ``specs`` from the same start as every other (nothing merged, no restore
     record kept, the setting's adapters in the pool); its metrics and what explains its spread. ``legacy``: as
     runs were made before (restore records kept from earlier runs, the collector not frozen), to measure the
-    difference."""
+    difference; ``sampling``: every request's sampling fields (None: greedy)."""
     sc = engine.config.scheduler
     if legacy:
         engine.unmerge_adapter()
@@ -167,7 +167,7 @@ def run_policy(engine, names: list[str], policy: str, specs: list[W.RequestSpec]
         same_start(engine, names)
     engine.orchestrator = Orchestrator(policy, sc.starvation_s, sc.max_num_seqs, costs)
     probe, mark = _Probe(engine), compiles.snapshot()
-    res = run_workload(engine, specs, seed=seed, max_wall_s=max_wall_s, freeze_gc=not legacy)
+    res = run_workload(engine, specs, seed=seed, max_wall_s=max_wall_s, freeze_gc=not legacy, sampling=sampling)
     m = res.metrics()
     built = compiles.since(mark)
     m |= {"policy": policy, "seed": seed, "trace": trace_digest(specs), "compiles": built["compiles"],
@@ -175,13 +175,14 @@ def run_policy(engine, names: list[str], policy: str, specs: list[W.RequestSpec]
     return m
 
 
-def repeat_runs(engine, names, policy, specs, seed, costs, k, max_wall_s, log=print, legacy: bool = False) -> dict:
+def repeat_runs(engine, names, policy, specs, seed, costs, k, max_wall_s, log=print, legacy: bool = False,
+                sampling: dict | None = None) -> dict:
     """``policy`` ``k`` times on one trace: each run's metrics and counters, and the spread of the average token
     latency (coefficient of variation, max/min), timed from when requests were due and from when they were sent.
     ``legacy``: runs as they were made before (:func:`run_policy`)."""
     runs = []
     for i in range(k):
-        runs.append(run_policy(engine, names, policy, specs, seed, costs, max_wall_s, legacy))
+        runs.append(run_policy(engine, names, policy, specs, seed, costs, max_wall_s, legacy, sampling))
         log(f"  repeat {i + 1}/{k}{' (legacy)' if legacy else ''}: {policy} avg token latency "
             f"{1e3 * (runs[-1]['avg_token_latency_s'] or 0):.2f} ms, GC {runs[-1]['gc_pause_s'] * 1e3:.1f} ms, "
             f"late p99 {1e3 * (runs[-1]['late_p99_s'] or 0):.1f} ms, builds {runs[-1]['compiles']}")
@@ -243,7 +244,11 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
                                                  indent=1, default=str))
     lines = [f"# Paired policy comparison ({meta.get('device')}, {meta.get('model')})", "",
              f"{meta.get('date')}; traces of {meta['shape']['duration_s']:g} s; policies {', '.join(policies)}, "
-             "interleaved (the order rotates with the seed); every policy replays the same trace per seed.", ""]
+             "interleaved (the order rotates with the seed); every policy replays the same trace per seed.", "",
+             f"Commit {meta.get('commit') or 'not recorded'}; decoding {_decoding(meta.get('sampling'))}; merged copies "
+             f"{'kept in free pool pages (--merged-copy)' if meta.get('merged_copy') else 'off (merges in place)'}"
+             + (f"; {len(meta['parts'])} invocations merged (the settings split between them)" if meta.get("parts")
+                else "") + ".", ""]
     costs = meta.get("mixed_launch_ms")
     if costs:
         sizes = sorted({int(b) for t in costs.values() for b in t})
@@ -304,6 +309,10 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
+def _decoding(sampling: str | None) -> str:
+    return {"chat": "sampled (temperature 0.8, top_p 0.95, top_k 50)", "greedy": "greedy"}.get(sampling, "greedy")
+
+
 def _fmt_n(x) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -341,8 +350,9 @@ def _plot(table: list[dict], bases: list[str], path: Path) -> bool:
 class Clock:
     """Elapsed time of the invocation and an estimate of what is left, from the runs so far."""
 
-    def __init__(self, total_runs: int):
-        self.t0 = time.monotonic()
+    def __init__(self, total_runs: int, t0: float | None = None):
+        """``t0``: when the invocation started (``time.monotonic()``; None: now)."""
+        self.t0 = time.monotonic() if t0 is None else t0
         self.total = total_runs
         self.done = 0
         self.run_s: list[float] = []
