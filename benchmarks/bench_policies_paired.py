@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", default="8,32", help="comma-separated adapter counts; each setting runs with each")
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated; vlora is compared to the others")
     p.add_argument("--seeds", type=int, default=5, help="seeds (traces) per setting; the t-interval needs 2 or more")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first seed: an invocation that adds seeds to an earlier one's (joined with --merge)")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per trace")
     p.add_argument("--rate", type=float, default=6.0, help="requests per second of the skew settings")
     p.add_argument("--retrieval-rate", type=float, default=4.0, help="requests per second of the retrieval setting")
@@ -206,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[dict] = []
         if not args.no_grid:
             clock = Clock(args.seeds * len(settings) * len(policies), t_start)
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 block = len(settings) * len(policies) * clock.next_run_s(args.duration * 1.5)
-                if args.max_wall_s is not None and seed and clock.elapsed() + block > args.max_wall_s:
-                    meta["stopped"] = f"after {seed} seeds, the next would pass --max-wall-s {args.max_wall_s:g}"
+                if args.max_wall_s is not None and seed > args.first_seed and clock.elapsed() + block > args.max_wall_s:
+                    meta["stopped"] = (f"after {seed - args.first_seed} seeds, the next would pass --max-wall-s "
+                                       f"{args.max_wall_s:g}")
                     log(meta["stopped"])
                     break
                 for s in settings:

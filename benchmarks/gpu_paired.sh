@@ -6,8 +6,11 @@
 #   plain: merges in place; GPU 0 also runs the spread check, as runs were made before and as now
 #   copy:  --merged-copy (a merged adapter's copy kept in free pool pages)
 # On one GPU the two halves run one after the other (twice as long).
-# Usage: [ADAPTERS=8] [DURATION=4] [SEEDS=5] [MAX_WALL_S=530] [VLORA_COMMIT=sha] benchmarks/gpu_paired.sh OUT PART
+# Usage: [ADAPTERS=8] [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [HALF=0|1] [MAX_WALL_S=530] [VLORA_COMMIT=sha] \
+#            benchmarks/gpu_paired.sh OUT PART
 # Writes OUT/PART/{report.md,results.json,paired.png}, each half's folder and log beside it; exits 1 on a failure.
+# HALF=i runs that half alone, on GPU 0, into OUT/PART-i (more seeds for an earlier run: FIRST_SEED; join the
+# folders with bench_policies_paired.py --merge).
 set -uo pipefail
 out=${1:?output dir}; part=${2:?part: plain or copy}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -17,17 +20,23 @@ case $part in
     copy)  extra=(--merged-copy); spread=() ;;
     *)     echo "unknown part $part (plain or copy)" >&2; exit 2 ;;
 esac
-common=(--adapters "${ADAPTERS:-8}" --duration "${DURATION:-4}" --seeds "${SEEDS:-5}" --sampling chat
+common=(--adapters "${ADAPTERS:-8}" --duration "${DURATION:-4}" --seeds "${SEEDS:-5}" --first-seed "${FIRST_SEED:-0}"
+        --sampling chat
         --max-wall-s "${MAX_WALL_S:-530}" "${extra[@]}" ${DRY:+--dry-run})
 halves=("skew0.3,skew0.5,retrieval" "skew0.7,skew0.9,video")
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 run_half() {   # index
     local i=$1 dev=$(( gpus > 1 ? $1 : 0 ))
-    local more=(); ((i == 0)) && more=("${spread[@]}")
+    local more=(); ((i == 0 && ${FIRST_SEED:-0} == 0)) && more=("${spread[@]}")
     CUDA_VISIBLE_DEVICES=$dev python3 benchmarks/bench_policies_paired.py --out "$out/$part-$i" \
         --settings "${halves[$i]}" "${common[@]}" "${more[@]}" > "$out/$part-$i.log" 2>&1
 }
 failed=0
+if [[ -n ${HALF:-} ]]; then
+    gpus=1; run_half "$HALF" || failed=1
+    grep -v Warning "$out/$part-$HALF.log" | tail -4
+    exit $failed
+fi
 if ((gpus > 1)); then
     run_half 0 & p0=$!
     run_half 1 & p1=$!
