@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                     specs = make_trace(s, seed, shape)
                     for policy in rotation(policies, seed):
                         t0 = time.monotonic()
-                        m = run_policy(engine, names[:s.adapters], policy, specs, seed, costs, max_wall, sampling=sampling)
+                        m = run_policy(engine, names[:s.adapters], policy, specs, seed, costs, max_wall,
+                                       sampling=sampling)
                         rows.append(m | {"setting": s.label})
                         log(f"{s.label:14s} seed {seed} {policy:12s} avg token latency "
                             f"{1e3 * (m['avg_token_latency_s'] or 0):7.2f} ms, modes {m['mode_share']}, "

@@ -29,6 +29,16 @@ def build_engine(config: EngineConfig | None = None, **kwargs) -> Engine:
     return Engine(config, executor=executor_for(config), **kwargs)
 
 
+def profile_policy(engine: Engine) -> None:
+    """Time the inference modes now, before serving, when the mode policy merges (vlora, dlora): the policy then
+    weighs each mode by its replay time on this GPU rather than by running means of the iterations it happened
+    to run (:meth:`Engine.profile_modes`; what the paired policy runs measured). Nothing on the CPU, under
+    tensor parallelism, or with fewer than two adapters registered (the policy then learns the costs as it
+    runs)."""
+    if engine.config.scheduler.policy in ("vlora", "dlora") and engine.config.model.tensor_parallel_size == 1:
+        engine.profile_modes()
+
+
 def warm_grammars(engine: Engine) -> None:
     """Build structured output's tokenizer now, before serving: it takes about a second per 50k tokens of
     vocabulary and holds the interpreter lock throughout, so built on the first structured request it would

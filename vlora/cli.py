@@ -166,7 +166,7 @@ def _serve_args(args):
 def serving_engine(args):
     """What ``vlora serve`` serves for ``args``: (engine with its adapters registered, server config, adapter
     name -> path). The arguments are checked before the model loads."""
-    from vlora.builder import build_engine, warm_grammars
+    from vlora.builder import build_engine, profile_policy, warm_grammars
     from vlora.models.loader import cache_root
 
     adapters, server_config = _serve_args(args)
@@ -176,6 +176,7 @@ def serving_engine(args):
         adapters, _ = _demo_adapters(engine, cache_root() / "demo-adapters")
     for name, path in adapters.items():
         engine.adapters.register(name, path)
+    profile_policy(engine)
     return engine, server_config, adapters
 
 

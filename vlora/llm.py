@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from vlora.builder import build_engine
+from vlora.builder import build_engine, profile_policy
 from vlora.engine.engine import RequestError
 from vlora.engine.sequence import RequestOutput
 from vlora.models.hub import resolve_adapter_dir
@@ -30,7 +30,7 @@ class LLM:
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, max_lora_rank: int = 128,
-                 check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
+                 check_base_model: bool = True, lora_kernel: str = "auto", policy: str | None = None,
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
@@ -67,6 +67,7 @@ class LLM:
         self.engine = build_engine(config)
         for name, path in items:
             self.register_adapter(name, path)
+        profile_policy(self.engine)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, or the replicas, if any."""

@@ -250,3 +250,38 @@ def test_cuda_async_scheduling_keeps_tokens(tmp_path):
         assert [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, sps)] == want
     assert llm.engine.num_overlapped > 0 and sync.engine.num_overlapped == 0
     assert llm.engine.pool.kv_pages == 0
+
+
+def test_merging_policy_queues_only_while_its_decision_keeps_every_row_unmerged():
+    """Under the vlora policy a decode is queued behind the one in flight while the policy keeps
+    everything unmerged and runs every row; a decision that leaves a running row out falls back to the synchronous loop
+    for that iteration. Tokens are the sync loop's either way."""
+    from vlora.engine.modes import Mode
+    from vlora.engine.orchestrator import Decision
+
+    prompts, sps = requests(6, 4)
+    want = [expected(p, sp) for p, sp in zip(prompts, sps)]
+    llm = stub_llm(True, policy="vlora")
+    assert [o.token_ids for o in llm.generate(prompts, None, sps)] == want
+    assert llm.engine.num_overlapped > 0
+
+    llm = stub_llm(True, policy="vlora")
+    eng = llm.engine
+    decide, lookahead = eng.orchestrator.plan, eng._lookahead
+    left_out = []
+
+    def first_row_waits(seqs, modes, registry):         # the first running request waits while others run
+        d = decide(seqs, modes, registry)
+        started = [s.request_id for s in seqs if s.output_token_ids]
+        first = min(started, default=None)
+        left_out.append(first is not None and len(seqs) > 1)
+        return Decision(Mode.UNMERGED, None, tuple(r for r in d.batch if r != first) if left_out[-1] else d.batch)
+
+    def queued(behind):
+        plan = lookahead(behind)
+        assert plan is None or not left_out[-1]          # queued only on a decision that runs every row
+        return plan
+
+    eng.orchestrator.plan, eng._lookahead = first_row_waits, queued
+    assert [o.token_ids for o in llm.generate(prompts, None, sps)] == want
+    assert any(left_out) and not eng.has_unfinished()

@@ -115,7 +115,8 @@ def test_gpu_mixed_mode_in_one_launch_gives_the_two_launch_and_unmerged_tokens(t
     from dataclasses import replace
 
     path, paths, _ = build(tmp_path)
-    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, device="cuda", dtype="float32")
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, device="cuda", dtype="float32",
+              policy="unmerged")                  # the modes switched by hand only
     eng = llm.engine
     unmerged = [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)]
     eng.merge_adapter("a8")

@@ -245,7 +245,8 @@ def write_report(out: Path, meta: dict, spread: list[dict], rows: list[dict], po
     lines = [f"# Paired policy comparison ({meta.get('device')}, {meta.get('model')})", "",
              f"{meta.get('date')}; traces of {meta['shape']['duration_s']:g} s; policies {', '.join(policies)}, "
              "interleaved (the order rotates with the seed); every policy replays the same trace per seed.", "",
-             f"Commit {meta.get('commit') or 'not recorded'}; decoding {_decoding(meta.get('sampling'))}; merged copies "
+             f"Commit {meta.get('commit') or 'not recorded'}; decoding {_decoding(meta.get('sampling'))}; "
+             "merged copies "
              f"{'kept in free pool pages (--merged-copy)' if meta.get('merged_copy') else 'off (merges in place)'}"
              + (f"; {len(meta['parts'])} invocations merged (the settings split between them)" if meta.get("parts")
                 else "") + ".", ""]

@@ -76,6 +76,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def default_policy(config: EngineConfig, device: torch.device) -> str:
+    """The inference-mode policy where none is asked for: V-LoRA's on one GPU, where paired runs found it never
+    slower than a fixed policy beyond the noise and faster at skewed popularity (docs/decisions.md); unmerged
+    on the CPU and under tensor parallelism, where merging is unmeasured."""
+    return "vlora" if device.type == "cuda" and config.model.tensor_parallel_size == 1 else "unmerged"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -100,9 +107,12 @@ class Engine:
         preempted for KV goes back to the cluster front (finish "migrate") to resume elsewhere by recompute,
         rather than wait here for pages this replica is short of. ``observers``: told of each forward and step
         (:mod:`vlora.engine.observer`)."""
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)
+        if config.scheduler.policy is None:
+            config = replace(config, scheduler=replace(config.scheduler, policy=default_policy(config, self.device)))
+        self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         # the model, loaded by what runs it (this rank's cut, under tensor parallelism)
         self.executor = ex = (executor or Executor)(config, self.dtype, self.device)
@@ -415,11 +425,12 @@ class Engine:
 
     def _may_overlap(self) -> bool:
         """Whether decode iterations may be queued behind one another (async scheduling): the engine's setting,
-        an executor that can, the unmerged policy with nothing merged, no swapper (its copies run on their own
-        stream), graphs to replay (with the LoRA kernels, when there are adapters)."""
+        an executor that can, nothing merged (a merging policy queues only while it keeps everything unmerged:
+        :meth:`_lookahead`), no swapper (its copies run on their own stream), graphs to replay (with the LoRA
+        kernels, when there are adapters)."""
         graphs = self.executor.graphs
         return (self.config.scheduler.async_scheduling and self.executor.may_queue and graphs is not None
-                and self.config.scheduler.policy == "unmerged" and self.executor.modes.merged is None
+                and self.executor.modes.merged is None
                 and self.swapper is None and (graphs.lora_setup is not None or not len(self.adapters)))
 
     def _submit(self, plan: StepPlan, behind: _Queued | None) -> _Queued:
@@ -510,7 +521,9 @@ class Engine:
         task head, or ``behind``'s sampling is not queued yet (structured output: it waits for the tokens before
         it). None falls back to the synchronous loop exactly (the tokens are read, then the next iteration is
         scheduled). A structured-output row's next forward goes ahead; its sampling waits for the pending token
-        (its mask depends on it: :meth:`Launched.sample <vlora.engine.runner.Launched.sample>`)."""
+        (its mask depends on it: :meth:`Launched.sample <vlora.engine.runner.Launched.sample>`). Under a merging
+        policy, None too where its decision for the next iteration merges or leaves out a row: a merge writes the
+        weights the iteration in flight reads, and the lookahead runs every row."""
         sched = self.scheduler
         if (behind.launched is None or behind.launched.sampled is None
                 or any(s.params.task_head for s in sched.running)):
@@ -521,20 +534,25 @@ class Engine:
         ids = sched.lookahead(ending, self.executor.graphs.max_batch)
         if ids is None:
             return None
-        plan = self._schedule(only=ids)
+        decision = self.orchestrator.plan(sched.unfinished(), self.executor.modes, self.adapters)
+        if decision is not None and (decision.merged is not None or not set(ids) <= set(decision.batch)):
+            return None
+        plan = self._schedule(only=ids, planned=True, decision=decision)
         if plan.preempted or plan.truncated or len(plan.scheduled) != len(ids):
             raise RuntimeError("async scheduling: the lookahead schedule is not the decode the scheduler promised")
         return plan
 
-    def _schedule(self, only: list[str] | None = None) -> StepPlan:
-        """SLO rejections, the mode policy's pick, the requests whose adapters can be resident, then the
-        scheduler's fit of them into the token budget and free pages; the policy's weights applied."""
+    def _schedule(self, only: list[str] | None = None, planned: bool = False, decision=None) -> StepPlan:
+        """SLO rejections, the mode policy's pick (``planned``: ``decision`` is one it made just now), the requests
+        whose adapters can be resident, then the scheduler's fit of them into the token budget and free pages;
+        the policy's weights applied."""
         for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator):
             self.scheduler.finish(seq, "rejected")
             self._seqs.pop(seq.request_id, None)
             self._pending.append(self._output(seq, [], error=reason))
         modes, sched = self.executor.modes, self.scheduler
-        decision = self.orchestrator.plan(sched.unfinished(), modes, self.adapters)
+        if not planned:
+            decision = self.orchestrator.plan(sched.unfinished(), modes, self.adapters)
         room = max(0, self.config.scheduler.max_num_seqs - len(sched.running))
         ready = self.memory.runnable(sched.running, list(sched.waiting), room, modes.merged)
         out = sched.schedule(_both(_both(None if decision is None else decision.batch, ready), only))
