@@ -12,7 +12,8 @@ on the device, before it reads the first one's tokens and finishes it, so the ho
 work of one iteration overlaps the forward of the next (``async_scheduling``,
 ``_step_in_flight``). That lookahead runs only where it is exact: every running
 sequence decodes, no waiting request could join, no page has to be reclaimed and no sequence
-preempted, one GPU, the unmerged policy. A sequence that turns out finished by
+preempted, one GPU, nothing merged and nothing about to be (a merging policy's decision for the next
+iteration checked first). A sequence that turns out finished by
 the tokens read back has a wasted row in the iteration queued behind; its output
 stops where the tokens did. Anything that changes the engine from outside the loop
 (abort, merges, unregistering) first lands the iteration in flight (``land_in_flight``).
@@ -76,13 +77,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def default_policy(config: EngineConfig, device: torch.device) -> str:
-    """The inference-mode policy where none is asked for: V-LoRA's on one GPU, where paired runs found it never
-    slower than a fixed policy beyond the noise and faster at skewed popularity (docs/decisions.md); unmerged
-    on the CPU and under tensor parallelism, where merging is unmeasured."""
-    return "vlora" if device.type == "cuda" and config.model.tensor_parallel_size == 1 else "unmerged"
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -107,12 +101,9 @@ class Engine:
         preempted for KV goes back to the cluster front (finish "migrate") to resume elsewhere by recompute,
         rather than wait here for pages this replica is short of. ``observers``: told of each forward and step
         (:mod:`vlora.engine.observer`)."""
-        config = config or EngineConfig()
+        self.config = config = config or EngineConfig()
         self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)
-        if config.scheduler.policy is None:
-            config = replace(config, scheduler=replace(config.scheduler, policy=default_policy(config, self.device)))
-        self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         # the model, loaded by what runs it (this rank's cut, under tensor parallelism)
         self.executor = ex = (executor or Executor)(config, self.dtype, self.device)
