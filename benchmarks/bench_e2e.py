@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 from vlora import LLM, SamplingParams  # noqa: E402
 from vlora.bench.baselines import PeftBaseline  # noqa: E402
 from vlora.bench.phases import PhaseTimer, format_summary  # noqa: E402
+from vlora.builder import profile_policy  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
@@ -334,7 +335,7 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
               max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory_gb=args.kv_gb,
               max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank or 128, check_base_model=False,
               lora_overlap=args.lora_overlap,
-              lora_pdl=args.lora_pdl, async_scheduling=args.async_scheduling)
+              lora_pdl=args.lora_pdl, async_scheduling=args.async_scheduling, policy=args.policy)
     eng = llm.engine
     res["engine"] = engine_settings(eng)
     log(f"vlora: {eng.model_name}, {eng.sizing.describe()}")
@@ -342,6 +343,7 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
     for n, p in adapter_dirs.items():
         llm.register_adapter(n, p)
     res["vlora_register_s"] = time.perf_counter() - t0
+    profile_policy(eng)                   # as `vlora serve` does once its adapters are registered
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     log("vlora warm-up (Triton compiles, CUDA graphs capture)")
@@ -474,7 +476,8 @@ def engine_settings(eng) -> dict:
     return dict(max_num_seqs=c.scheduler.max_num_seqs, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
                 max_model_len=eng.max_model_len, pool_gib=round(eng.sizing.pool_bytes / 2**30, 2),
                 pool_source=eng.sizing.source, lora_overlap=c.lora.lora_overlap, lora_pdl=c.lora.lora_pdl,
-                max_lora_rank=c.lora.max_lora_rank)
+                max_lora_rank=c.lora.max_lora_rank, policy=c.scheduler.policy,
+                mode_costs_timed=eng.mode_costs is not None)
 
 
 def hf_model(args, dev: torch.device, dtype: torch.dtype):
@@ -623,6 +626,8 @@ def main() -> None:
                     help="LoRA kernels beside the base projection (the engine's lora_overlap)")
     ap.add_argument("--lora-pdl", action=argparse.BooleanOptionalAction, default=True,
                     help="LoRA expand as a programmatic dependent of its shrink (the engine's lora_pdl)")
+    ap.add_argument("--policy", choices=("unmerged", "vlora", "merged-only", "dlora"), default="unmerged",
+                    help="the engine's inference-mode policy (vlora: the modes timed after the adapters register)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="queue each decode behind the one in flight (the engine's async_scheduling)")
     ap.add_argument("--also-sync", action="store_true",

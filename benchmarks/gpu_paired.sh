@@ -5,6 +5,8 @@
 # Every policy of a setting runs on the same GPU, so the paired differences never cross GPUs.
 #   plain: merges in place; GPU 0 also runs the spread check, as runs were made before and as now
 #   copy:  --merged-copy (a merged adapter's copy kept in free pool pages)
+#   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled), then
+#          bench_serve over HTTP, under unmerged on GPU 0 and vlora on GPU 1 at once (~8 min)
 # On one GPU the two halves run one after the other (twice as long).
 # Usage: [ADAPTERS=8] [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [HALF=0|1] [MAX_WALL_S=530] [VLORA_COMMIT=sha] \
 #            benchmarks/gpu_paired.sh OUT PART
@@ -12,13 +14,30 @@
 # HALF=i runs that half alone, on GPU 0, into OUT/PART-i (more seeds for an earlier run: FIRST_SEED; join the
 # folders with bench_policies_paired.py --merge).
 set -uo pipefail
-out=${1:?output dir}; part=${2:?part: plain or copy}
+out=${1:?output dir}; part=${2:?part: plain, copy or e2e}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
 case $part in
     plain) extra=(); spread=(--repeat 3 --spread-before) ;;
     copy)  extra=(--merged-copy); spread=() ;;
-    *)     echo "unknown part $part (plain or copy)" >&2; exit 2 ;;
+    e2e)
+        pids=()
+        for i in 0 1; do
+            pol=$( ((i)) && echo vlora || echo unmerged )
+            ( export CUDA_VISIBLE_DEVICES=$i
+              timeout 280 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled --policy "$pol" \
+                  --out "$out/e2e-$pol" > "$out/e2e-$pol.log" 2>&1 || echo "bench_e2e $pol exit $?"
+              timeout 200 python3 benchmarks/bench_serve.py --skip-offline --sampling greedy,sampled \
+                  --serve-args "--policy $pol" --out "$out/serve-$pol" > "$out/serve-$pol.log" 2>&1 \
+                  || echo "bench_serve $pol exit $?" ) & pids+=($!)
+        done
+        wait "${pids[@]}"
+        for pol in unmerged vlora; do
+            echo "== $pol"; grep -E "output tok/s|sampled|greedy" "$out/e2e-$pol.log" | tail -8
+            grep -E "tok/s|Error" "$out/serve-$pol.log" | tail -4
+        done
+        exit 0 ;;
+    *)     echo "unknown part $part (plain, copy or e2e)" >&2; exit 2 ;;
 esac
 common=(--adapters "${ADAPTERS:-8}" --duration "${DURATION:-4}" --seeds "${SEEDS:-5}" --first-seed "${FIRST_SEED:-0}"
         --sampling chat
