@@ -106,16 +106,26 @@ def test_mixed_launch_costs_time_both_launch_kinds_and_restore_the_graphs_launch
 
 
 def test_merge_joins_invocations_that_split_the_settings(tmp_path):
-    """Two invocations of one configuration, each with its own settings, make one report with both settings."""
+    """Two invocations of one configuration, each with its own settings, make one report with both settings;
+    invocations that compared other policies are refused."""
+    from vlora.bench.paired import write_report
+
     main = runpy.run_path(str(SCRIPT))["main"]
-    common = ["--dry-run", "--policies", "vlora,unmerged", "--repeat", "0", "--warmup-requests", "1"]
-    assert main(common + ["--out", str(tmp_path / "a"), "--settings", "skew0.9", "--repeat", "2"]) == 0
-    assert main(common + ["--out", str(tmp_path / "b"), "--settings", "retrieval"]) == 0
+    meta = {"date": "d", "model": "m", "device": "cpu", "policies": ["vlora", "unmerged"], "commit": "abc",
+            "sampling": "chat", "merged_copy": False, "shape": {"duration_s": 1.0}}
+    for part, setting in (("a", "skew0.9/4"), ("b", "retrieval/4")):
+        rows = [_row(setting, p, seed, 0.01 * (1 + seed) * (1.1 if p == "vlora" else 1.0))
+                for seed in range(3) for p in ("vlora", "unmerged")]
+        spread = [{"policy": "unmerged", "setting": setting, "runs": [], "spread": {}}] if part == "a" else []
+        write_report(tmp_path / part, dict(meta, stopped="after 3 seeds") if part == "b" else meta, spread, rows,
+                     ("vlora", "unmerged"))
     assert main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ab")]) == 0
     res = json.loads((tmp_path / "ab" / "results.json").read_text())
     assert [e["setting"] for e in res["paired"]] == ["skew0.9/4", "retrieval/4"]
-    assert len(res["runs"]) == 8 and len(res["spread"]) == 1 and len(res["meta"]["parts"]) == 2
-    assert "2 invocations merged" in (tmp_path / "ab" / "report.md").read_text()
+    assert all(e["seeds"] == 3 and e["vs"]["unmerged"]["verdict"] == "vlora worse" for e in res["paired"])
+    assert len(res["runs"]) == 12 and len(res["spread"]) == 1 and len(res["meta"]["parts"]) == 2
+    report = (tmp_path / "ab" / "report.md").read_text()
+    assert "2 invocations merged" in report and "Commit abc" in report and "Stopped early: after 3 seeds" in report
     c = tmp_path / "c"
     c.mkdir()
     (c / "results.json").write_text(json.dumps(dict(res, meta=dict(res["meta"], policies=["vlora", "dlora"]))))
