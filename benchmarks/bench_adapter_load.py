@@ -37,11 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import datetime as dt
 import json
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 from bench_e2e import log  # noqa: E402
-from bench_serve import free_port, start_server, wait_healthy  # noqa: E402
+from bench_serve import free_port, start_server, stop_server, stream_chunks, wait_healthy  # noqa: E402
 
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import lora_shape, resolve_model_dir  # noqa: E402
@@ -64,17 +63,10 @@ TARGET = 0.05          # the pause a load may add to the streams, as a fraction 
 
 async def stream(client, body: dict, times: list[float], stop: asyncio.Event) -> None:
     """One streaming completion; each chunk that carries tokens appends its arrival time, until ``stop``."""
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if any(c.get("token_ids") for c in chunk["choices"]):
-                times.append(time.perf_counter())
+    async with contextlib.aclosing(stream_chunks(client, body)) as chunks:    # closed when ``stop`` ends it early
+        async for now, n, _ in chunks:
+            if n:
+                times.append(now)
             if stop.is_set():
                 return
 
@@ -303,11 +295,7 @@ async def run(args, res: dict, path: Path, adapter_dir: Path, running: dict[str,
                     f"{1e3 * g['load']['max_s']:.1f} ms, controls {1e3 * g['control']['max_s']:.1f} ms, outside "
                     f"{1e3 * g['outside']['max_s']:.1f} ms; loads {c['load_seconds_server_mean']} s (server mean)")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def main() -> None:

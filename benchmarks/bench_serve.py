@@ -181,27 +181,43 @@ async def wait_healthy(client, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
 
 
-async def one_stream(client, body: dict, t0: float) -> tuple[float | None, float, int, int]:
-    """(time to first token, time of the last chunk, output tokens, tokens with a logprob) of one streaming
-    completion."""
-    first, tokens, logprobs = None, 0, 0
+def stop_server(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Ask the server to shut down (``sig``), killing it if it has not exited within a minute."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def stream_chunks(client, body: dict):
+    """The data chunks of one streaming ``/v1/completions``: yields (``time.perf_counter()`` when the chunk
+    arrived, tokens it carries, the chunk). Raises on an HTTP error or an error in the stream."""
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            now = time.perf_counter()       # before parsing: the JSON's cost is not the server's
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            n = sum(len(c.get("token_ids") or ()) for c in chunk["choices"])
-            if n and first is None:
-                first = time.perf_counter() - t0
-            tokens += n
-            for c in chunk["choices"]:       # completions' logprobs: {"tokens", "token_logprobs", ...} per chunk
-                lp = c.get("logprobs")
-                if isinstance(lp, dict):
-                    logprobs += len(lp.get("token_logprobs") or lp.get("content") or ())
+            yield now, sum(len(c.get("token_ids") or ()) for c in chunk["choices"]), chunk
+
+
+async def one_stream(client, body: dict, t0: float) -> tuple[float | None, float, int, int]:
+    """(time to first token, time of the last chunk, output tokens, tokens with a logprob) of one streaming
+    completion."""
+    first, tokens, logprobs = None, 0, 0
+    async for now, n, chunk in stream_chunks(client, body):
+        if n and first is None:
+            first = now - t0
+        tokens += n
+        for c in chunk["choices"]:       # completions' logprobs: {"tokens", "token_logprobs", ...} per chunk
+            lp = c.get("logprobs")
+            if isinstance(lp, dict):
+                logprobs += len(lp.get("token_logprobs") or lp.get("content") or ())
     return first, time.perf_counter() - t0, tokens, logprobs
 
 
@@ -263,11 +279,7 @@ async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
                         f"server CPU per output token: event loop {c['event_loop_us_per_token']:.0f} us, other "
                         f"threads {c['other_threads_us_per_token']:.0f} us")
     finally:      # profiled, SIGINT: uvicorn re-raises the signal after its shutdown, and cProfile writes its
-        proc.send_signal(signal.SIGINT if args.profile else signal.SIGTERM)   # stats on KeyboardInterrupt only
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc, signal.SIGINT if args.profile else signal.SIGTERM)   # stats on KeyboardInterrupt only
     return out
 
 

@@ -41,8 +41,6 @@ import contextlib
 import datetime as dt
 import json
 import math
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 from bench_e2e import write_adapters  # noqa: E402
-from bench_serve import free_port, openai_fields, start_server, wait_healthy  # noqa: E402
+from bench_serve import free_port, openai_fields, start_server, stop_server, stream_chunks, wait_healthy  # noqa: E402
 
 from vlora.bench.traffic import chunk_gaps, lognormal_sigma, percentile, traffic_trace  # noqa: E402
 from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
@@ -160,23 +158,13 @@ async def one_request(client, payload: dict) -> dict:
     sent = time.perf_counter()
     r = {"sent": sent, "ttft": None, "times": [], "counts": [], "tokens": 0, "error": None}
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as resp:
-            if resp.status_code != 200:
-                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()       # before parsing: the JSON's cost is not the server's
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                n = sum(len(c.get("token_ids") or ()) for c in chunk["choices"])
-                if n:
-                    if r["ttft"] is None:
-                        r["ttft"] = now - sent
-                    r["times"].append(now)
-                    r["counts"].append(n)
-                    r["tokens"] += n
+        async for now, n, _ in stream_chunks(client, payload):
+            if n:
+                if r["ttft"] is None:
+                    r["ttft"] = now - sent
+                r["times"].append(now)
+                r["counts"].append(n)
+                r["tokens"] += n
         if r["tokens"] != payload["max_tokens"]:
             raise RuntimeError(f"{r['tokens']} tokens, asked for {payload['max_tokens']} (ignore_eos)")
     except Exception as e:                  # recorded: the rate goes on, the request counts as failed
@@ -343,11 +331,7 @@ async def sweep(args, adapter_dirs: dict[str, str], names: list[str], res: dict,
                 if m["first_errors"]:
                     log(f"  first error: {m['first_errors'][0]}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -6,7 +6,7 @@
 #   plain: merges in place; GPU 0 also runs the spread check, as runs were made before and as now
 #   copy:  --merged-copy (a merged adapter's copy kept in free pool pages)
 #   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled), then
-#          bench_serve over HTTP, under unmerged on GPU 0 and vlora on GPU 1 at once (~8 min)
+#          bench_serve over HTTP, under unmerged on GPU 0 and vlora on GPU 1 at once (8 min at most: the timeouts)
 # On one GPU the two halves run one after the other (twice as long).
 # Usage: [ADAPTERS=8] [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [HALF=0|1] [MAX_WALL_S=530] [VLORA_COMMIT=sha] \
 #            benchmarks/gpu_paired.sh OUT PART
