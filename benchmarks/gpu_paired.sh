@@ -1,35 +1,45 @@
 #!/usr/bin/env bash
 # The inference-mode policy decision's GPU runs (bench_policies_paired.py), sampled decoding, one part per device
-# call of under 10 minutes. Each part runs two invocations at once, one per GPU, that split the settings
-# (skew 0.3, 0.5 and retrieval on GPU 0; skew 0.7, 0.9 and video on GPU 1), then merges them into one report.
-# Every policy of a setting runs on the same GPU, so the paired differences never cross GPUs.
-#   plain: merges in place; GPU 0 also runs the spread check, as runs were made before and as now
-#   copy:  --merged-copy (a merged adapter's copy kept in free pool pages)
+# call of under 10 minutes. A part runs one invocation per GPU at once, each on a group of settings, then merges
+# them into one report. Every policy of a setting runs on one GPU, so the paired differences never cross GPUs.
+#   groups: 4+ GPUs: skew0.3 | skew0.5 | retrieval | skew0.7,skew0.9,video
+#           2-3 GPUs: skew0.3,skew0.5,retrieval | skew0.7,skew0.9,video;  1 GPU: those two, one after the other
+#   plain: 8 adapters, merges in place; the first group also runs the spread check (as runs were made before and
+#          as now)
+#   copy:  8 adapters, --merged-copy (a merged adapter's copy kept in free pool pages)
+#   a32:   32 adapters, merges in place, skewness 0.3-0.9 (groups skew0.3,skew0.5 | skew0.7,skew0.9 on 2+ GPUs)
 #   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled), then
-#          bench_serve over HTTP, under unmerged on GPU 0 and vlora on GPU 1 at once (8 min at most: the timeouts)
-# On one GPU the two halves run one after the other (twice as long).
-# Usage: [ADAPTERS=8] [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [HALF=0|1] [MAX_WALL_S=530] [VLORA_COMMIT=sha] \
+#          bench_serve over HTTP, under unmerged on the first GPU and vlora on the second at once (8 min at most)
+# The GPUs are CUDA_VISIBLE_DEVICES's (all by default), so two parts can share a machine:
+#   CUDA_VISIBLE_DEVICES=0,1 benchmarks/gpu_paired.sh OUT e2e & CUDA_VISIBLE_DEVICES=2,3 benchmarks/gpu_paired.sh OUT a32
+# Usage: [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [GROUP=i] [MAX_WALL_S=530] [VLORA_COMMIT=sha] \
 #            benchmarks/gpu_paired.sh OUT PART
-# Writes OUT/PART/{report.md,results.json,paired.png}, each half's folder and log beside it; exits 1 on a failure.
-# HALF=i runs that half alone, on GPU 0, into OUT/PART-i (more seeds for an earlier run: FIRST_SEED; join the
-# folders with bench_policies_paired.py --merge).
+# Writes OUT/PART/{report.md,results.json,paired.png}, each group's folder and log beside it; exits 1 on a failure.
+# GROUP=i runs that group alone, on the first GPU, into OUT/PART-i (more seeds for an earlier run: FIRST_SEED;
+# join the folders with bench_policies_paired.py --merge).
 set -uo pipefail
-out=${1:?output dir}; part=${2:?part: plain, copy or e2e}
+out=${1:?output dir}; part=${2:?part: plain, copy, a32 or e2e}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+else visible=($(seq 0 $(( gpus > 0 ? gpus - 1 : 0 )))); fi
+adapters=8; extra=(); spread=()
 case $part in
-    plain) extra=(); spread=(--repeat 3 --spread-before) ;;
-    copy)  extra=(--merged-copy); spread=() ;;
+    plain) spread=(--repeat 3 --spread-before) ;;
+    copy)  extra=(--merged-copy) ;;
+    a32)   adapters=32 ;;
     e2e)
-        pids=()
-        for i in 0 1; do
-            pol=$( ((i)) && echo vlora || echo unmerged )
-            ( export CUDA_VISIBLE_DEVICES=$i
+        pids=(); n=0
+        for pol in unmerged vlora; do
+            ( export CUDA_VISIBLE_DEVICES=${visible[$(( gpus > 1 ? n : 0 ))]}
               timeout 280 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled --policy "$pol" \
                   --out "$out/e2e-$pol" > "$out/e2e-$pol.log" 2>&1 || echo "bench_e2e $pol exit $?"
               timeout 200 python3 benchmarks/bench_serve.py --skip-offline --sampling greedy,sampled \
                   --serve-args "--policy $pol" --out "$out/serve-$pol" > "$out/serve-$pol.log" 2>&1 \
                   || echo "bench_serve $pol exit $?" ) & pids+=($!)
+            ((gpus > 1)) || wait "${pids[@]}"
+            n=$((n + 1))
         done
         wait "${pids[@]}"
         for pol in unmerged vlora; do
@@ -37,35 +47,35 @@ case $part in
             grep -E "tok/s|Error" "$out/serve-$pol.log" | tail -4
         done
         exit 0 ;;
-    *)     echo "unknown part $part (plain, copy or e2e)" >&2; exit 2 ;;
+    *)     echo "unknown part $part (plain, copy, a32 or e2e)" >&2; exit 2 ;;
 esac
-common=(--adapters "${ADAPTERS:-8}" --duration "${DURATION:-4}" --seeds "${SEEDS:-5}" --first-seed "${FIRST_SEED:-0}"
-        --sampling chat
-        --max-wall-s "${MAX_WALL_S:-530}" "${extra[@]}" ${DRY:+--dry-run})
-halves=("skew0.3,skew0.5,retrieval" "skew0.7,skew0.9,video")
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-run_half() {   # index
-    local i=$1 dev=$(( gpus > 1 ? $1 : 0 ))
-    local more=(); ((i == 0 && ${FIRST_SEED:-0} == 0)) && more=("${spread[@]}")
-    CUDA_VISIBLE_DEVICES=$dev python3 benchmarks/bench_policies_paired.py --out "$out/$part-$i" \
-        --settings "${halves[$i]}" "${common[@]}" "${more[@]}" > "$out/$part-$i.log" 2>&1
+if [[ $part == a32 ]]; then
+    if ((gpus > 1)); then groups=("skew0.3,skew0.5" "skew0.7,skew0.9"); else groups=("skew0.3,skew0.5,skew0.7,skew0.9"); fi
+elif ((gpus >= 4)); then groups=("skew0.3" "skew0.5" "retrieval" "skew0.7,skew0.9,video")
+else groups=("skew0.3,skew0.5,retrieval" "skew0.7,skew0.9,video"); fi
+common=(--adapters "$adapters" --duration "${DURATION:-4}" --seeds "${SEEDS:-5}" --first-seed "${FIRST_SEED:-0}"
+        --sampling chat --max-wall-s "${MAX_WALL_S:-530}" "${extra[@]}" ${DRY:+--dry-run})
+run_group() {   # index, GPU slot
+    local i=$1 more=()
+    ((i == 0 && ${FIRST_SEED:-0} == 0)) && more=("${spread[@]}")
+    CUDA_VISIBLE_DEVICES=${visible[$2]:-0} python3 benchmarks/bench_policies_paired.py --out "$out/$part-$i" \
+        --settings "${groups[$i]}" "${common[@]}" "${more[@]}" > "$out/$part-$i.log" 2>&1
 }
 failed=0
-if [[ -n ${HALF:-} ]]; then
-    gpus=1; run_half "$HALF" || failed=1
-    grep -v Warning "$out/$part-$HALF.log" | tail -4
+if [[ -n ${GROUP:-} ]]; then
+    run_group "$GROUP" 0 || failed=1
+    grep -v Warning "$out/$part-$GROUP.log" | tail -4
     exit $failed
 fi
-if ((gpus > 1)); then
-    run_half 0 & p0=$!
-    run_half 1 & p1=$!
-    wait $p0 || failed=1
-    wait $p1 || failed=1
+dirs=()
+if ((gpus >= ${#groups[@]})); then
+    pids=()
+    for i in "${!groups[@]}"; do run_group "$i" "$i" & pids+=($!); done
+    for p in "${pids[@]}"; do wait "$p" || failed=1; done
 else
-    run_half 0 || failed=1
-    run_half 1 || failed=1
+    for i in "${!groups[@]}"; do run_group "$i" 0 || failed=1; done
 fi
-for i in 0 1; do echo "== half $i"; grep -v Warning "$out/$part-$i.log" | tail -4; done
-python3 benchmarks/bench_policies_paired.py --merge "$out/$part-0" "$out/$part-1" --out "$out/$part" || failed=1
+for i in "${!groups[@]}"; do echo "== group $i"; grep -v Warning "$out/$part-$i.log" | tail -4; dirs+=("$out/$part-$i"); done
+python3 benchmarks/bench_policies_paired.py --merge "${dirs[@]}" --out "$out/$part" || failed=1
 sed -n '/against each baseline/,$p' "$out/$part/report.md" 2>/dev/null
 exit $failed
