@@ -175,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             "commit": _commit(), "sampling": args.sampling, "merged_copy": engine.config.cache.merged_copy}
     sampling = SAMPLING[args.sampling]
     max_wall = args.duration * 4 + 30
+    log(f"engine built [{time.monotonic() - t_start:.0f} s]")
     with tempfile.TemporaryDirectory() as tmp:
         names = register_random_adapters(engine, SweepConfig(num_adapters=max(counts + [_setting(
             args.repeat_setting, 8).adapters]), ranks=tuple(int(r) for r in args.ranks.split(","))), Path(tmp))
+        log(f"{len(names)} adapters registered [{time.monotonic() - t_start:.0f} s]")
         t_warm = time.monotonic()
         engine.runner.capture_graphs(mixed=True)
         warm = [replace(s, arrival_s=0.0) for s in make_trace(settings[0], 10_000, shape)][:args.warmup_requests]

@@ -3,7 +3,10 @@
 # call of under 10 minutes. A part runs one invocation per GPU at once, each on a group of settings, then merges
 # them into one report. Every policy of a setting runs on one GPU, so the paired differences never cross GPUs.
 #   groups: 4+ GPUs: skew0.3 | skew0.5 | retrieval | skew0.7,skew0.9,video
-#           2-3 GPUs: skew0.3,skew0.5,retrieval | skew0.7,skew0.9,video;  1 GPU: those two, one after the other
+#           2-3 GPUs: skew0.3,skew0.5,skew0.9 | retrieval,skew0.7,video (about 290 and 340 s of runs at 5 seeds
+#           after a start of about 150 s);  1 GPU: those two, one after the other
+#   (four invocations at once on nvidia-h200-x4 took about 500 s from start to their first run, against 150 s for
+#   two on nvidia-h200-x2: on four GPUs the 5 seeds do not fit in one call)
 #   plain: 8 adapters, merges in place; the first group also runs the spread check (as runs were made before and
 #          as now)
 #   copy:  8 adapters, --merged-copy (a merged adapter's copy kept in free pool pages)
@@ -52,7 +55,7 @@ esac
 if [[ $part == a32 ]]; then
     if ((gpus > 1)); then groups=("skew0.3,skew0.5" "skew0.7,skew0.9"); else groups=("skew0.3,skew0.5,skew0.7,skew0.9"); fi
 elif ((gpus >= 4)); then groups=("skew0.3" "skew0.5" "retrieval" "skew0.7,skew0.9,video")
-else groups=("skew0.3,skew0.5,retrieval" "skew0.7,skew0.9,video"); fi
+else groups=("skew0.3,skew0.5,skew0.9" "retrieval,skew0.7,video"); fi
 common=(--adapters "$adapters" --duration "${DURATION:-4}" --seeds "${SEEDS:-5}" --first-seed "${FIRST_SEED:-0}"
         --sampling chat --max-wall-s "${MAX_WALL_S:-530}" "${extra[@]}" ${DRY:+--dry-run})
 run_group() {   # index, GPU slot
