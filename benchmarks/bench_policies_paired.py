@@ -127,16 +127,25 @@ def _commit() -> str | None:
         return None
 
 
+def _arg(argv: list[str] | None, flag: str) -> str:
+    argv = argv or []
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else "?"
+
+
 def merge(dirs: list[str], out: Path) -> int:
     """One report of several invocations of one configuration (the same policies and engine options)."""
     parts = [json.loads((Path(d) / "results.json").read_text()) for d in dirs]
     policies = tuple(parts[0]["meta"]["policies"])
     if any(tuple(p["meta"]["policies"]) != policies for p in parts):
         raise SystemExit("--merge: the invocations compared different policies")
-    meta = dict(parts[0]["meta"], parts=[{k: p["meta"].get(k) for k in ("argv", "device", "date", "warmup_s",
-                                                                         "stopped", "commit")} for p in parts])
+    # a part that is itself a merge brings its own parts
+    keys = ("argv", "device", "date", "warmup_s", "stopped", "commit")
+    meta = dict(parts[0]["meta"], parts=[q for p in parts for q in p["meta"].get("parts") or
+                                         [{k: p["meta"].get(k) for k in keys}]])
     meta.pop("stopped", None)
-    stopped = [p["meta"]["stopped"] for p in parts if p["meta"].get("stopped")]
+    # which invocation stopped: a later part may have added the seeds it left (the seeds column counts them all)
+    stopped = [f"{_arg(q['argv'], '--out')} ({_arg(q['argv'], '--settings')}): {q['stopped']}"
+               for q in meta["parts"] if q.get("stopped")]
     if stopped:
         meta["stopped"] = "; ".join(stopped)
     write_report(out, meta, [c for p in parts for c in p["spread"]], [r for p in parts for r in p["runs"]], policies)
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"engine built [{time.monotonic() - t_start:.0f} s]")
     with tempfile.TemporaryDirectory() as tmp:
         names = register_random_adapters(engine, SweepConfig(num_adapters=max(counts + [_setting(
-            args.repeat_setting, 8).adapters]), ranks=tuple(int(r) for r in args.ranks.split(","))), Path(tmp))
+            args.repeat_setting, 8).adapters]), ranks=tuple(int(r) for r in args.ranks.split(","))), Path(tmp), log)
         log(f"{len(names)} adapters registered [{time.monotonic() - t_start:.0f} s]")
         t_warm = time.monotonic()
         engine.runner.capture_graphs(mixed=True)

@@ -106,8 +106,9 @@ def test_mixed_launch_costs_time_both_launch_kinds_and_restore_the_graphs_launch
 
 
 def test_merge_joins_invocations_that_split_the_settings(tmp_path):
-    """Two invocations of one configuration, each with its own settings, make one report with both settings;
-    invocations that compared other policies are refused."""
+    """Two invocations of one configuration, each with its own settings, make one report with both settings (the
+    one that stopped early named); a merged report merges again with its parts kept; invocations that compared
+    other policies are refused."""
     from vlora.bench.paired import write_report
 
     main = runpy.run_path(str(SCRIPT))["main"]
@@ -117,7 +118,8 @@ def test_merge_joins_invocations_that_split_the_settings(tmp_path):
         rows = [_row(setting, p, seed, 0.01 * (1 + seed) * (1.1 if p == "vlora" else 1.0))
                 for seed in range(3) for p in ("vlora", "unmerged")]
         spread = [{"policy": "unmerged", "setting": setting, "runs": [], "spread": {}}] if part == "a" else []
-        write_report(tmp_path / part, dict(meta, stopped="after 3 seeds") if part == "b" else meta, spread, rows,
+        stopped = dict(stopped="after 3 seeds", argv=["--out", "out/b", "--settings", "retrieval"])
+        write_report(tmp_path / part, dict(meta, **stopped) if part == "b" else meta, spread, rows,
                      ("vlora", "unmerged"))
     assert main(["--merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ab")]) == 0
     res = json.loads((tmp_path / "ab" / "results.json").read_text())
@@ -125,7 +127,12 @@ def test_merge_joins_invocations_that_split_the_settings(tmp_path):
     assert all(e["seeds"] == 3 and e["vs"]["unmerged"]["verdict"] == "vlora worse" for e in res["paired"])
     assert len(res["runs"]) == 12 and len(res["spread"]) == 1 and len(res["meta"]["parts"]) == 2
     report = (tmp_path / "ab" / "report.md").read_text()
-    assert "2 invocations merged" in report and "Commit abc" in report and "Stopped early: after 3 seeds" in report
+    assert "2 invocations merged" in report and "Commit abc" in report
+    assert "Stopped early: out/b (retrieval): after 3 seeds." in report
+    assert main(["--merge", str(tmp_path / "ab"), str(tmp_path / "a"), "--out", str(tmp_path / "aba")]) == 0
+    again = json.loads((tmp_path / "aba" / "results.json").read_text())
+    assert len(again["meta"]["parts"]) == 3 and next(e for e in again["paired"] if e["setting"] == "skew0.9/4")[
+        "seeds"] == 3                  # the same seeds twice count once
     c = tmp_path / "c"
     c.mkdir()
     (c / "results.json").write_text(json.dumps(dict(res, meta=dict(res["meta"], policies=["vlora", "dlora"]))))

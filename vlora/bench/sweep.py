@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def make_workload(cfg: SweepConfig, point: float) -> list[W.RequestSpec]:
     raise ValueError(f"unknown workload {cfg.workload!r}")
 
 
-def register_random_adapters(engine, cfg: SweepConfig, tmp: Path) -> list[str]:
+def register_random_adapters(engine, cfg: SweepConfig, tmp: Path, log=None) -> list[str]:
+    """``cfg``'s random adapters written to ``tmp`` and registered (those not registered yet); their names.
+    ``log``: told how long writing and registering took."""
     from vlora.lora.adapter import ModelShape
     from vlora.lora.random_adapter import write_random_adapter
 
@@ -79,10 +82,15 @@ def register_random_adapters(engine, cfg: SweepConfig, tmp: Path) -> list[str]:
     ins, outs = mc.lora_in_out()
     shape = ModelShape(engine.model_name, mc.num_layers, ins, outs)
     names = W.adapter_names(cfg.num_adapters)
-    for i, name in enumerate(names):
-        if name not in engine.adapters.names():
-            engine.adapters.register(name, write_random_adapter(tmp / name, shape, cfg.ranks[i % len(cfg.ranks)],
-                                                                seed=cfg.seed + i, std=0.01))
+    new = [(i, n) for i, n in enumerate(names) if n not in engine.adapters.names()]
+    t0 = time.perf_counter()
+    paths = {n: write_random_adapter(tmp / n, shape, cfg.ranks[i % len(cfg.ranks)], seed=cfg.seed + i, std=0.01)
+             for i, n in new}
+    t1 = time.perf_counter()
+    for _, n in new:
+        engine.adapters.register(n, paths[n])
+    if log is not None and new:
+        log(f"{len(new)} random adapters written in {t1 - t0:.1f} s, registered in {time.perf_counter() - t1:.1f} s")
     return names
 
 
