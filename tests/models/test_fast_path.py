@@ -55,7 +55,8 @@ def check_graph_decode(path, paths, pm, **kw):
     merged = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[0::4], "a8", GRAPH_SPS[0::4])]
     assert merged == want[0::4]
     replays = g.num_replays             # mixed mode (a8 merged, the others add theirs and subtract it): its graphs
-    assert [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)] == want
+    mixed = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[:4], GRAPH_NAMES[:4], GRAPH_SPS[:4])]   # every name
+    assert mixed == want[:4]
     assert g.num_replays > replays and g.mixed_kind in {kind for _, kind in g.graphs}    # one launch by default
     assert llm.engine.runner.modes.merged is not None
     llm.engine.pool.check()
