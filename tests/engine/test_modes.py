@@ -9,7 +9,7 @@ from tests.models.test_parity import NAMES, PROMPTS, build, vlora_logits
 from vlora import LLM, SamplingParams
 from vlora.engine.modes import Mode
 
-SP = SamplingParams(max_tokens=10, min_tokens=10, ignore_eos=True)
+SP = SamplingParams(max_tokens=6, min_tokens=6, ignore_eos=True)
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
