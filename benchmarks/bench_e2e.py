@@ -298,9 +298,10 @@ def make_prompts(args) -> list[list[int]]:
     return torch.randint(3, preset["vocab_size"], (args.requests, args.input_len), generator=g).tolist()
 
 
-def write_adapters(args, root: Path) -> tuple[dict[str, str], list[str]]:
-    """``--adapters`` random PEFT adapters on every projection, ranks ``--ranks`` round-robin, under ``root``;
-    returns (name -> directory, the adapter of each request: every adapter used by as many requests)."""
+def write_adapters(args, root: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, str], list[str]]:
+    """``--adapters`` random PEFT adapters on every projection, ranks ``--ranks`` round-robin, under ``root``,
+    stored in ``dtype``; returns (name -> directory, the adapter of each request: every adapter used by as many
+    requests)."""
     preset = RANDOM_PRESETS[args.model.removeprefix("random:")]
     h, i = preset["hidden_size"], preset["intermediate_size"]
     q, kv = h, preset["num_key_value_heads"] * h // preset["num_attention_heads"]
@@ -311,7 +312,7 @@ def write_adapters(args, root: Path) -> tuple[dict[str, str], list[str]]:
                         "down_proj": h})
     log(f"writing {args.adapters} adapters (ranks {args.ranks}, all projections)")
     dirs = {f"a{j}": str(write_random_adapter(root / f"a{j}", shape, args.ranks[j % len(args.ranks)], seed=j,
-                                              std=0.01))
+                                              std=0.01, dtype=dtype))
             for j in range(args.adapters)}
     return dirs, [f"a{j % args.adapters}" for j in range(args.requests)]
 

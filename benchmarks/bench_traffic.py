@@ -7,11 +7,18 @@ lengths log-normal with median ``--output-median`` and p99 ``--output-p99`` (128
 server's context (``max_model_len`` from ``/v1/models``); each request asks for its drawn output length as
 ``max_tokens`` with ``ignore_eos``, so every request does its drawn work. ``--base-share`` of the requests
 (10%) go to the base model, the rest to ``--adapters`` random adapters (ranks ``--ranks`` round-robin, on all
-seven projections, written as ``bench_serve.py`` does) with Zipf-``--zipf`` popularity (1.0: adapter ``a0``
-the most popular). Prompts are random token ids. Decoding is sampled (temperature 0.8, top_p 0.95, top_k 50).
+seven projections, stored in bf16) with Zipf-``--zipf`` popularity (1.0: adapter ``a0`` the most popular).
+Prompts are random token ids. Decoding is sampled (temperature 0.8, top_p 0.95, top_k 50).
 
-``python -m vlora.cli serve --model M --adapter a0=... ...`` starts with no tuning flags (``--serve-args`` adds
-some), gets a few warm-up requests, then each rate runs in turn: every request is sent at its arrival time as a
+Thousands of adapters of a 7B model do not fit a disk (about 150 MB each in bf16 at ranks 8-64) nor host
+memory: ``--distinct N`` writes N weight sets (``a0`` .. ``a{N-1}``) and makes every later adapter ``a{j}`` a
+directory of links to the files of ``a{j mod N}`` (its rank too); the server still reads, packs and holds each
+adapter as its own. ``--on-demand`` gives the server no adapter at start: it serves the folder with
+``--adapter-dir`` and loads each adapter on its first request, keeping at most ``--max-loaded-adapters`` (least
+recently used unloaded first), as a server with more adapters than memory runs.
+
+``python -m vlora.cli serve --model M --adapter a0=... ...`` (or ``--adapter-dir DIR``) starts with no tuning
+flags (``--serve-args`` adds some), gets a few warm-up requests, then each rate runs in turn: every request is sent at its arrival time as a
 streaming ``/v1/completions`` with a token-id prompt, one HTTP connection each, and after the last arrival the
 rate waits up to ``--drain-timeout`` seconds for the requests in flight (those left then are cancelled and count
 as unfinished). Measured per request: the time to first token (send to the first chunk carrying a token), the
@@ -28,7 +35,8 @@ when none does). Writes ``traffic-<device>.json``, ``traffic-<device>.md`` (a ta
 what finished. Progress lines go to stderr.
 
     python benchmarks/bench_traffic.py --rates 2,4,6,8,10 --out benchmarks/results          # GPU, 100 adapters
-    python benchmarks/bench_traffic.py --adapters 1000 --rates 2,4,6,8,10 --out benchmarks/results/1000
+    python benchmarks/bench_traffic.py --adapters 1000 --distinct 100 --on-demand --max-loaded-adapters 200 \\
+        --rates 2,4,6,8,10 --out benchmarks/results/1000
     python benchmarks/bench_traffic.py --model random:tiny-llama --device cpu --adapters 4 --rates 1,2 \\
         --duration 2 --prompt-median 16 --prompt-p99 64 --output-median 8 --output-p99 32 --out /tmp/traffic  # CPU
 """
@@ -41,6 +49,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import shlex
 import sys
 import tempfile
 import time
@@ -106,6 +115,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--adapters", type=_positive(int), default=100)
     ap.add_argument("--ranks", type=_positive_list(int), default=[8, 16, 32, 64],
                     help="adapter ranks, round-robin over a0, a1, ... (default 8,16,32,64)")
+    ap.add_argument("--distinct", type=_positive(int), default=None,
+                    help="weight sets written (default: one per adapter); adapter a{j} links to a{j mod N}'s files")
+    ap.add_argument("--on-demand", action="store_true",
+                    help="no adapter at start: the server loads each from --adapter-dir on its first request")
+    ap.add_argument("--max-loaded-adapters", type=_positive(int), default=None,
+                    help="with --on-demand: the most adapters the server keeps loaded (default: no bound)")
     ap.add_argument("--rates", type=_positive_list(float), default=[2.0, 4.0, 6.0],
                     help="arrival rates to sweep, requests/s, comma-separated (default 2,4,6)")
     ap.add_argument("--duration", type=_positive(float), default=60.0, help="seconds of arrivals per rate")
@@ -132,6 +147,8 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
+    if args.max_loaded_adapters is not None and not args.on_demand:
+        ap.error("--max-loaded-adapters needs --on-demand (adapters given at start are never unloaded)")
     if args.model.removeprefix("random:") not in RANDOM_PRESETS or not args.model.startswith("random:"):
         ap.error(f"--model must be random:<preset> with a preset of {', '.join(RANDOM_PRESETS)}, got {args.model!r}")
     for name in ("prompt", "output"):
@@ -239,7 +256,11 @@ def write_md(res: dict, path: Path) -> None:
             f"{res['date']}; `vlora serve` {a['serve_args'] or 'defaults'}; seed {a['seed']}; {a['duration']:g} s of "
             f"Poisson arrivals per rate; prompts log-normal median {a['prompt_median']:g} / p99 {a['prompt_p99']:g}, "
             f"outputs median {a['output_median']:g} / p99 {a['output_p99']:g} tokens (context "
-            f"{res['max_model_len']}); adapters of ranks {','.join(map(str, a['ranks']))}, Zipf-{a['zipf']:g}, "
+            f"{res['max_model_len']}); adapters of ranks {','.join(map(str, a['ranks']))}"
+            + (f" over {a['distinct']} weight sets" if a.get("distinct") else "")
+            + (", loaded on first request" + (f" (at most {a['max_loaded_adapters']} kept)"
+                                              if a.get("max_loaded_adapters") else "") if a.get("on_demand") else
+               ", all given at start") + f", Zipf-{a['zipf']:g}, "
             f"{100 * a['base_share']:g}% base; sampled decoding.", "",
             *table(res), "",
             f"SLO (TTFT p99 <= {a['slo_ttft_s']:g} s, inter-token p99 <= {a['slo_itl_ms']:g} ms, none failed): "
@@ -285,6 +306,25 @@ def write_results(res: dict, out: Path, tag: str) -> None:
     (out / f"traffic-{tag}.json").write_text(json.dumps(res, indent=2))
     write_md(res, out / f"traffic-{tag}.md")
     plot(res, out / f"traffic-{tag}.png")
+
+
+def write_traffic_adapters(args, root: Path) -> dict[str, str]:
+    """``--adapters`` adapter directories under ``root`` (a0, a1, ...): the first ``--distinct`` with random
+    weights of their own in bf16, each later one links to the files of ``a{j mod distinct}``."""
+    import torch
+
+    n = min(args.distinct or args.adapters, args.adapters)
+    # write_adapters prints its progress line on stdout: kept on stderr with the others
+    with contextlib.redirect_stdout(sys.stderr):
+        dirs, _ = write_adapters(argparse.Namespace(**{**vars(args), "adapters": n, "requests": 0}), root,
+                                 torch.bfloat16)
+    for j in range(n, args.adapters):
+        src, d = Path(dirs[f"a{j % n}"]), root / f"a{j}"
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).symlink_to(f)
+        dirs[f"a{j}"] = str(d)
+    return dirs
 
 
 async def sweep(args, adapter_dirs: dict[str, str], names: list[str], res: dict, tag: str) -> None:
@@ -349,11 +389,15 @@ def main(argv: list[str] | None = None) -> dict:
                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "profile"},
                max_model_len=None, rates=[], slo_rate=None)
     with tempfile.TemporaryDirectory() as tmp:
-        # write_adapters prints its progress line on stdout: kept on stderr with the others
-        with contextlib.redirect_stdout(sys.stderr):
-            adapter_dirs, names = write_adapters(argparse.Namespace(**{**vars(args), "requests": 0}), Path(tmp))
+        adapter_dirs = write_traffic_adapters(args, Path(tmp))
         names = list(adapter_dirs)             # a0, a1, ...: the Zipf order, a0 the most popular
-        asyncio.run(sweep(args, adapter_dirs, names, res, tag))
+        if args.on_demand:                     # the server finds them in the folder, on first request
+            extra = f" --adapter-dir {shlex.quote(tmp)}" + (f" --max-loaded-adapters {args.max_loaded_adapters}"
+                                                            if args.max_loaded_adapters else "")
+            server = argparse.Namespace(**{**vars(args), "serve_args": args.serve_args + extra})
+            asyncio.run(sweep(server, {}, names, res, tag))
+        else:
+            asyncio.run(sweep(args, adapter_dirs, names, res, tag))
     for line in table(res):
         log(line)
     slo = res["slo_rate"]

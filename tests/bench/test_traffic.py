@@ -102,3 +102,32 @@ def test_a_small_sweep_on_the_cpu(tmp_path):
         assert r["sent"] > 0 and r["finished"] == r["sent"] and r["errors"] == r["cancelled"] == 0, r
         assert r["ttft_p99_ms"] is not None and r["output_tokens"] > 0
     assert "| 4 |" in (tmp_path / "traffic-cpu.md").read_text()
+
+
+def test_adapters_beyond_the_distinct_ones_link_to_their_files(tmp_path):
+    args = bench_traffic.parse_args(["--model", "random:tiny-llama", "--adapters", "5", "--distinct", "2",
+                                     "--ranks", "4,8", "--out", str(tmp_path)])
+    dirs = bench_traffic.write_traffic_adapters(args, tmp_path / "a")
+    assert list(dirs) == [f"a{j}" for j in range(5)]
+    for j in range(5):
+        files = sorted(p.name for p in Path(dirs[f"a{j}"]).iterdir())
+        assert files == ["adapter_config.json", "adapter_model.safetensors"]
+        linked = (Path(dirs[f"a{j}"]) / "adapter_model.safetensors").is_symlink()
+        assert linked == (j >= 2)
+        if linked:
+            assert (Path(dirs[f"a{j}"]) / "adapter_model.safetensors").resolve() == \
+                (Path(dirs[f"a{j % 2}"]) / "adapter_model.safetensors").resolve()
+    with pytest.raises(SystemExit):
+        bench_traffic.parse_args(["--max-loaded-adapters", "2", "--out", str(tmp_path)])   # needs --on-demand
+
+
+def test_a_small_sweep_loading_adapters_on_demand(tmp_path):
+    """Six adapters over two weight sets, none given at start, at most four kept loaded: every request finishes."""
+    bench_traffic.main(["--model", "random:tiny-llama", "--device", "cpu", "--adapters", "6", "--distinct", "2",
+                        "--on-demand", "--max-loaded-adapters", "4", "--zipf", "0.5", "--rates", "4",
+                        "--duration", "1.5", "--prompt-median", "8", "--prompt-p99", "32", "--output-median", "4",
+                        "--output-p99", "16", "--warmup", "2", "--seed", "5", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "traffic-cpu.json").read_text())
+    r = saved["rates"][0]
+    assert r["sent"] > 0 and r["finished"] == r["sent"] and r["errors"] == r["cancelled"] == 0, r
+    assert "loaded on first request (at most 4 kept)" in (tmp_path / "traffic-cpu.md").read_text()
