@@ -18,10 +18,10 @@ adapter as its own. ``--on-demand`` gives the server no adapter at start: it ser
 recently used unloaded first), as a server with more adapters than memory runs.
 
 ``python -m vlora.cli serve --model M --adapter a0=... ...`` (or ``--adapter-dir DIR``) starts with no tuning
-flags (``--serve-args`` adds some), gets a few warm-up requests, then each rate runs in turn: every request is sent at its arrival time as a
-streaming ``/v1/completions`` with a token-id prompt, one HTTP connection each, and after the last arrival the
-rate waits up to ``--drain-timeout`` seconds for the requests in flight (those left then are cancelled and count
-as unfinished). Measured per request: the time to first token (send to the first chunk carrying a token), the
+flags (``--serve-args`` adds some), gets a few warm-up requests, then each rate runs in turn: every request is
+sent at its arrival time as a streaming ``/v1/completions`` with a token-id prompt, one HTTP connection each,
+and after the last arrival the rate waits up to ``--drain-timeout`` seconds for the requests in flight (those
+left then are cancelled and count as unfinished). Measured per request: the time to first token (send to the first chunk carrying a token), the
 inter-token gaps (between successive token-bearing chunks; a chunk of k tokens counts as one gap and k - 1 gaps
 of zero, so a request of n tokens gives n - 1 gaps), output tokens, errors (an HTTP error, an error in the
 stream, or fewer tokens than asked).

@@ -195,6 +195,7 @@ def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
         return job.replica is victim and not out.finished and len(got[out.request_id]) >= 3
 
     async def kill(front, tracked):
+        assert any(t.replica is victim for t in tracked)
         ray.kill(victim.actor, no_restart=False)
     got = stream_tokens(client, jobs, kill, when=victim_mid_stream)
     assert got == [expected(one, j.prompt, j.adapter, 40) for j in jobs]

@@ -118,7 +118,8 @@ def _convert_in_child(path: Path, out: Path) -> None:
 
 def _parse_gguf_once() -> None:
     """transformers parses the file anew for the config, the tokenizer and the weights, and builds gguf's tensor
-    name map once per tensor (about two thirds of a conversion's time for the embedded model): here, in the
+    name map once per tensor (about half of a conversion's time: the embedded model's takes 13.6 s instead of 30 s
+    on a 2-core CPU): here, in the
     converting child only, each is made once. The reader is a read-only view of the file."""
     import functools
 
