@@ -310,10 +310,13 @@ def write_adapters(args, root: Path, dtype: torch.dtype = torch.float32) -> tupl
                         "down_proj": i},
                        {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
                         "down_proj": h})
-    log(f"writing {args.adapters} adapters (ranks {args.ranks}, all projections)")
+    log(f"writing {args.adapters} adapters (ranks {args.ranks}, all projections, {str(dtype).removeprefix('torch.')}) "
+        f"under {root}")
+    t0 = time.perf_counter()
     dirs = {f"a{j}": str(write_random_adapter(root / f"a{j}", shape, args.ranks[j % len(args.ranks)], seed=j,
                                               std=0.01, dtype=dtype))
             for j in range(args.adapters)}
+    log(f"{args.adapters} adapters written in {time.perf_counter() - t0:.1f} s")
     return dirs, [f"a{j % args.adapters}" for j in range(args.requests)]
 
 
@@ -344,6 +347,7 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
     for n, p in adapter_dirs.items():
         llm.register_adapter(n, p)
     res["vlora_register_s"] = time.perf_counter() - t0
+    log(f"{len(adapter_dirs)} adapters registered in {res['vlora_register_s']:.1f} s")
     profile_policy(eng)                   # as `vlora serve` does once its adapters are registered
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -652,7 +656,7 @@ def main() -> None:
 
     prompts = make_prompts(args)
     with tempfile.TemporaryDirectory() as tmp:
-        adapter_dirs, names = write_adapters(args, Path(tmp))
+        adapter_dirs, names = write_adapters(args, Path(tmp), dtype)     # the files in the model's dtype
         run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res)
         gc.collect()                          # the engine is unreachable now: give its memory back
         if dev.type == "cuda":

@@ -348,7 +348,8 @@ def main() -> None:
     prompts = make_prompts(args)
     base_name = "random-" + args.model.removeprefix("random:")
     with tempfile.TemporaryDirectory() as tmp:
-        adapter_dirs, names = write_adapters(args, Path(tmp))
+        # the files in the dtype the server loads them in (auto: bf16 on CUDA)
+        adapter_dirs, names = write_adapters(args, Path(tmp), torch.bfloat16 if cuda else torch.float32)
         offline_runs = None if args.skip_offline else offline(args, prompts, names, adapter_dirs)
         http = asyncio.run(over_http(args, prompts, names, adapter_dirs, base_name))
     res["sampling_settings"] = {s: openai_fields(s, args.output_len, 0) for s in args.sampling}

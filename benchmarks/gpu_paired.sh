@@ -12,10 +12,11 @@
 #   copy:  8 adapters, --merged-copy (a merged adapter's copy kept in free pool pages)
 #   a32:   32 adapters, merges in place, skewness 0.3-0.9 (groups skew0.3,skew0.5 | skew0.7,skew0.9 on 2+ GPUs)
 #   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled), then
-#          bench_serve over HTTP, under unmerged on the first GPU and vlora on the second at once (8 min at most)
+#          bench_serve over HTTP, under unmerged on the first GPU and vlora on the second at once (8 min at most);
+#          SWAP=1 puts vlora on the first GPU, so two calls cross the policies over the GPUs
 # The GPUs are CUDA_VISIBLE_DEVICES's (all by default), so two parts can share a machine:
 #   CUDA_VISIBLE_DEVICES=0,1 benchmarks/gpu_paired.sh OUT e2e & CUDA_VISIBLE_DEVICES=2,3 benchmarks/gpu_paired.sh OUT a32
-# Usage: [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [GROUP=i] [MAX_WALL_S=530] [VLORA_COMMIT=sha] \
+# Usage: [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [GROUP=i] [MAX_WALL_S=530] [VLORA_COMMIT=sha] [SWAP=1] \
 #            benchmarks/gpu_paired.sh OUT PART
 # Writes OUT/PART/{report.md,results.json,paired.png}, each group's folder and log beside it; exits 1 on a failure.
 # GROUP=i runs that group alone, on the first GPU, into OUT/PART-i (more seeds for an earlier run: FIRST_SEED;
@@ -24,6 +25,11 @@ set -uo pipefail
 out=${1:?output dir}; part=${2:?part: plain, copy, a32 or e2e}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
+# Random adapters are written to /dev/shm where it has room: on a GPU host where writing 32 adapters of a 7B
+# model to /tmp took 2-3 minutes, the files in memory take the disk out of start-up.
+shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+[[ -z ${TMPDIR:-} && ${shm:-0} -ge 48 ]] && export TMPDIR=/dev/shm
+echo "temporary files under ${TMPDIR:-/tmp} (/dev/shm: ${shm:-?} GiB free)"
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
 else visible=($(seq 0 $(( gpus > 0 ? gpus - 1 : 0 )))); fi
@@ -33,8 +39,8 @@ case $part in
     copy)  extra=(--merged-copy) ;;
     a32)   adapters=32 ;;
     e2e)
-        pids=(); n=0
-        for pol in unmerged vlora; do
+        pids=(); n=0; order=(unmerged vlora); [[ -n ${SWAP:-} ]] && order=(vlora unmerged)
+        for pol in "${order[@]}"; do
             ( export CUDA_VISIBLE_DEVICES=${visible[$(( gpus > 1 ? n : 0 ))]}
               timeout 280 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled --policy "$pol" \
                   --out "$out/e2e-$pol" > "$out/e2e-$pol.log" 2>&1 || echo "bench_e2e $pol exit $?"
