@@ -314,7 +314,8 @@ def write_adapters(args, root: Path, dtype: torch.dtype = torch.float32) -> tupl
         f"under {root}")
     t0 = time.perf_counter()
     dirs = {f"a{j}": str(write_random_adapter(root / f"a{j}", shape, args.ranks[j % len(args.ranks)], seed=j,
-                                              std=0.01, dtype=dtype))
+                                              std=0.01, dtype=dtype,
+                                              device="cuda" if args.device.startswith("cuda") else "cpu"))
             for j in range(args.adapters)}
     log(f"{args.adapters} adapters written in {time.perf_counter() - t0:.1f} s")
     return dirs, [f"a{j % args.adapters}" for j in range(args.requests)]

@@ -84,7 +84,8 @@ def register_random_adapters(engine, cfg: SweepConfig, tmp: Path, log=None) -> l
     names = W.adapter_names(cfg.num_adapters)
     new = [(i, n) for i, n in enumerate(names) if n not in engine.adapters.names()]
     t0 = time.perf_counter()
-    paths = {n: write_random_adapter(tmp / n, shape, cfg.ranks[i % len(cfg.ranks)], seed=cfg.seed + i, std=0.01)
+    paths = {n: write_random_adapter(tmp / n, shape, cfg.ranks[i % len(cfg.ranks)], seed=cfg.seed + i, std=0.01,
+                                      dtype=engine.dtype, device=engine.device)
              for i, n in new}
     t1 = time.perf_counter()
     for _, n in new:

@@ -20,17 +20,20 @@ _PARENT = {m: "self_attn" if m in LORA_TARGETS[:4] else "mlp" for m in LORA_TARG
 
 def write_random_adapter(path: str | Path, shape: ModelShape, rank: int, seed: int, std: float = 0.02,
                          alpha: float | None = None, targets: tuple[str, ...] = LORA_TARGETS,
-                         dtype: torch.dtype = torch.float32) -> Path:
-    """Save ``adapter_config.json`` + ``adapter_model.safetensors`` for ``shape``; returns the path."""
+                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Path:
+    """Save ``adapter_config.json`` + ``adapter_model.safetensors`` for ``shape``; returns the path. ``device``:
+    where the weights are drawn (a seed gives other weights on a GPU than on the CPU); on a GPU the draw of a 7B
+    model's adapter takes milliseconds where a host's CPU can take seconds."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     tensors = {}
     for layer in range(shape.num_layers):
         for m in targets:
             key = f"base_model.model.model.layers.{layer}.{_PARENT[m]}.{m}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, shape.in_features[m], generator=g) * std).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(shape.out_features[m], rank, generator=g) * std).to(dtype)
+            for part, rows, cols in (("A", rank, shape.in_features[m]), ("B", shape.out_features[m], rank)):
+                w = torch.randn(rows, cols, generator=g, device=device) * std
+                tensors[f"{key}.lora_{part}.weight"] = w.to(dtype).cpu()
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "target_modules": list(targets),
               "base_model_name_or_path": shape.name, "bias": "none", "use_rslora": False,
