@@ -12,7 +12,7 @@
 #   copy:  8 adapters, --merged-copy (a merged adapter's copy kept in free pool pages)
 #   a32:   32 adapters, merges in place, skewness 0.3-0.9 (groups skew0.3,skew0.5 | skew0.7,skew0.9 on 2+ GPUs)
 #   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled), then
-#          bench_serve over HTTP, under unmerged on the first GPU and vlora on the second at once (8 min at most);
+#          bench_serve over HTTP, under unmerged on the first GPU and vlora on the second at once (9 min at most);
 #          SWAP=1 puts vlora on the first GPU, so two calls cross the policies over the GPUs
 # The GPUs are CUDA_VISIBLE_DEVICES's (all by default), so two parts can share a machine:
 #   CUDA_VISIBLE_DEVICES=0,1 benchmarks/gpu_paired.sh OUT e2e & CUDA_VISIBLE_DEVICES=2,3 benchmarks/gpu_paired.sh OUT a32
@@ -30,6 +30,14 @@ mkdir -p "$out"
 shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 [[ -z ${TMPDIR:-} && ${shm:-0} -ge 48 ]] && export TMPDIR=/dev/shm
 echo "temporary files under ${TMPDIR:-/tmp} (/dev/shm: ${shm:-?} GiB free)"
+# Processes run side by side share the host's cores: each takes its share as torch's thread count. Two processes
+# of 32 threads each on 32 cores drew random adapters 13x slower than one alone (18 s against 1.4 s, H200 host,
+# 2026-11-28; with 16 threads each: 1.9 s): the many mid-size tensor ops of writing and registering adapters
+# each wait on a team of threads that the other process's team keeps off the cores.
+share_cores() {   # processes at once
+    local cores; cores=$(nproc)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / $1 > 0 ? cores / $1 : 1 ))}
+}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
 else visible=($(seq 0 $(( gpus > 0 ? gpus - 1 : 0 )))); fi
@@ -40,11 +48,12 @@ case $part in
     a32)   adapters=32 ;;
     e2e)
         pids=(); n=0; order=(unmerged vlora); [[ -n ${SWAP:-} ]] && order=(vlora unmerged)
+        share_cores $(( gpus > 1 ? 2 : 1 ))
         for pol in "${order[@]}"; do
             ( export CUDA_VISIBLE_DEVICES=${visible[$(( gpus > 1 ? n : 0 ))]}
-              timeout 280 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled --policy "$pol" \
+              timeout 330 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled --policy "$pol" \
                   --out "$out/e2e-$pol" > "$out/e2e-$pol.log" 2>&1 || echo "bench_e2e $pol exit $?"
-              timeout 200 python3 benchmarks/bench_serve.py --skip-offline --sampling greedy,sampled \
+              timeout 210 python3 benchmarks/bench_serve.py --skip-offline --sampling greedy,sampled \
                   --serve-args "--policy $pol" --out "$out/serve-$pol" > "$out/serve-$pol.log" 2>&1 \
                   || echo "bench_serve $pol exit $?" ) & pids+=($!)
             ((gpus > 1)) || wait "${pids[@]}"
@@ -78,6 +87,7 @@ if [[ -n ${GROUP:-} ]]; then
 fi
 dirs=()
 if ((gpus >= ${#groups[@]})); then
+    share_cores ${#groups[@]}
     pids=()
     for i in "${!groups[@]}"; do run_group "$i" "$i" & pids+=($!); done
     for p in "${pids[@]}"; do wait "$p" || failed=1; done
