@@ -11,18 +11,20 @@
 #          as now)
 #   copy:  8 adapters, --merged-copy (a merged adapter's copy kept in free pool pages)
 #   a32:   32 adapters, merges in place, skewness 0.3-0.9 (groups skew0.3,skew0.5 | skew0.7,skew0.9 on 2+ GPUs)
-#   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled), then
-#          bench_serve over HTTP, under unmerged on the first GPU and vlora on the second at once (9 min at most);
-#          SWAP=1 puts vlora on the first GPU, so two calls cross the policies over the GPUs
+#   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled) under
+#          unmerged and under vlora on each of two GPUs, in opposite orders (9 min at most: STEP_S=270 a run),
+#          then OUT/e2e-pairs.{md,json} (benchmarks/policy_pairs.py)
+#   serve: the same with bench_serve over HTTP
+#   (E2E_ARGS: more options for both scripts, e.g. a small model on the CPU)
 # The GPUs are CUDA_VISIBLE_DEVICES's (all by default), so two parts can share a machine:
 #   CUDA_VISIBLE_DEVICES=0,1 benchmarks/gpu_paired.sh OUT e2e & CUDA_VISIBLE_DEVICES=2,3 benchmarks/gpu_paired.sh OUT a32
-# Usage: [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [GROUP=i] [MAX_WALL_S=530] [VLORA_COMMIT=sha] [SWAP=1] \
+# Usage: [DURATION=4] [SEEDS=5] [FIRST_SEED=0] [GROUP=i] [MAX_WALL_S=530] [VLORA_COMMIT=sha] [STEP_S=270] \
 #            benchmarks/gpu_paired.sh OUT PART
 # Writes OUT/PART/{report.md,results.json,paired.png}, each group's folder and log beside it; exits 1 on a failure.
 # GROUP=i runs that group alone, on the first GPU, into OUT/PART-i (more seeds for an earlier run: FIRST_SEED;
 # join the folders with bench_policies_paired.py --merge).
 set -uo pipefail
-out=${1:?output dir}; part=${2:?part: plain, copy, a32 or e2e}
+out=${1:?output dir}; part=${2:?part: plain, copy, a32, e2e or serve}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
 # Random adapters are written to /dev/shm where it has room: on a GPU host where writing 32 adapters of a 7B
@@ -46,26 +48,31 @@ case $part in
     plain) spread=(--repeat 3 --spread-before) ;;
     copy)  extra=(--merged-copy) ;;
     a32)   adapters=32 ;;
-    e2e)
-        pids=(); n=0; order=(unmerged vlora); [[ -n ${SWAP:-} ]] && order=(vlora unmerged)
-        share_cores $(( gpus > 1 ? 2 : 1 ))
-        for pol in "${order[@]}"; do
-            ( export CUDA_VISIBLE_DEVICES=${visible[$(( gpus > 1 ? n : 0 ))]}
-              timeout 330 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled --policy "$pol" \
-                  --out "$out/e2e-$pol" > "$out/e2e-$pol.log" 2>&1 || echo "bench_e2e $pol exit $?"
-              timeout 210 python3 benchmarks/bench_serve.py --skip-offline --sampling greedy,sampled \
-                  --serve-args "--policy $pol" --out "$out/serve-$pol" > "$out/serve-$pol.log" 2>&1 \
-                  || echo "bench_serve $pol exit $?" ) & pids+=($!)
-            ((gpus > 1)) || wait "${pids[@]}"
-            n=$((n + 1))
+    e2e|serve)
+        # Each GPU runs both policies, one after the other, in opposite orders on alternate GPUs (GPU 0: unmerged
+        # first), so neither policy has a GPU or a place in the order to itself.
+        ngpu=$(( gpus > 1 ? 2 : 1 ))
+        share_cores "$ngpu"
+        run_policy() {   # policy, GPU slot
+            local tag=$part-$1-gpu$2
+            if [[ $part == e2e ]]; then
+                timeout "${STEP_S:-270}" python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled \
+                    --policy "$1" ${E2E_ARGS:-} --out "$out/$tag" > "$out/$tag.log" 2>&1
+            else
+                timeout "${STEP_S:-270}" python3 benchmarks/bench_serve.py --skip-offline --sampling greedy,sampled \
+                    --serve-args "--policy $1" ${E2E_ARGS:-} --out "$out/$tag" > "$out/$tag.log" 2>&1
+            fi || echo "$tag exit $?"
+        }
+        pids=()
+        for ((n = 0; n < ngpu; n++)); do
+            order=(unmerged vlora); ((n % 2)) && order=(vlora unmerged)
+            ( export CUDA_VISIBLE_DEVICES=${visible[$n]:-0}
+              for pol in "${order[@]}"; do run_policy "$pol" "$n"; done ) & pids+=($!)
         done
         wait "${pids[@]}"
-        for pol in unmerged vlora; do
-            echo "== $pol"; grep -E "output tok/s|sampled|greedy" "$out/e2e-$pol.log" | tail -8
-            grep -E "tok/s|Error" "$out/serve-$pol.log" | tail -4
-        done
-        exit 0 ;;
-    *)     echo "unknown part $part (plain, copy, a32 or e2e)" >&2; exit 2 ;;
+        python3 benchmarks/policy_pairs.py "$out" "$part"
+        exit $? ;;
+    *)     echo "unknown part $part (plain, copy, a32, e2e or serve)" >&2; exit 2 ;;
 esac
 if [[ $part == a32 ]]; then
     if ((gpus > 1)); then groups=("skew0.3,skew0.5" "skew0.7,skew0.9"); else groups=("skew0.3,skew0.5,skew0.7,skew0.9"); fi
