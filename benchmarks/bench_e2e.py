@@ -298,6 +298,12 @@ def make_prompts(args) -> list[list[int]]:
     return torch.randint(3, preset["vocab_size"], (args.requests, args.input_len), generator=g).tolist()
 
 
+def draw_device(device: str) -> str:
+    """Where random adapters are drawn: the GPU when the benchmark runs on one (seconds, against minutes on a
+    busy host's CPU), else the CPU."""
+    return "cuda" if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
 def write_adapters(args, root: Path, dtype: torch.dtype = torch.float32) -> tuple[dict[str, str], list[str]]:
     """``--adapters`` random PEFT adapters on every projection, ranks ``--ranks`` round-robin, under ``root``,
     stored in ``dtype``; returns (name -> directory, the adapter of each request: every adapter used by as many
@@ -315,7 +321,7 @@ def write_adapters(args, root: Path, dtype: torch.dtype = torch.float32) -> tupl
     t0 = time.perf_counter()
     dirs = {f"a{j}": str(write_random_adapter(root / f"a{j}", shape, args.ranks[j % len(args.ranks)], seed=j,
                                               std=0.01, dtype=dtype,
-                                              device="cuda" if args.device.startswith("cuda") else "cpu"))
+                                              device=draw_device(args.device)))
             for j in range(args.adapters)}
     log(f"{args.adapters} adapters written in {time.perf_counter() - t0:.1f} s")
     return dirs, [f"a{j % args.adapters}" for j in range(args.requests)]

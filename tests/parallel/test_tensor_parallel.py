@@ -251,3 +251,17 @@ def test_tp2_seeded_sampling_and_logprobs_equal_one_process(tiny_llama):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
+
+
+def test_tp2_random_preset_gives_the_tokens_of_one_process():
+    """A ``random:<preset>`` model's shards hold the whole seeded model's values (each weight drawn whole, in
+    pieces, and sliced), so TP=2 gives TP=1's greedy tokens, as a checkpoint does."""
+    kw = dict(num_blocks=BLOCKS * 4, block_size=4, max_model_len=128, dtype="float32", device="cpu", seed=5)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM("random:tiny-llama", **kw).generate(PROMPTS, None, sp)]
+    two = LLM("random:tiny-llama", tensor_parallel_size=2, **kw)
+    try:
+        got = [o.token_ids for o in two.generate(PROMPTS, None, sp)]
+    finally:
+        two.close()
+    assert got == want

@@ -126,7 +126,7 @@ class Replica:
                                     info.model_type),
                     is_lmm=e.vision is not None, shape=e.adapters.shape, device=str(e.device),
                     device_name=torch.cuda.get_device_name(e.device) if cuda else e.device.type,
-                    incarnation=self.incarnation)
+                    incarnation=self.incarnation, pids=[os.getpid(), *e.executor.worker_pids])
 
     async def status(self) -> ReplicaStatus:
         """The load report: read on the engine thread between two steps (the pool and the adapter store are

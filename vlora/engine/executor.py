@@ -139,5 +139,10 @@ class Executor:
     def capture_graphs(self, mixed: bool = False) -> None:
         self.runner.capture_graphs(mixed)
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The processes this executor started (tensor parallelism's workers); none here."""
+        return []
+
     def close(self) -> None:
         """Stop what this executor started (worker processes, under tensor parallelism)."""

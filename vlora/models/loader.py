@@ -355,23 +355,59 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DecoderLM(cfg, inv_freq.to("meta"), scaling, max_len)
-    fan_in = {n: p.shape[-1] for n, p in model.named_parameters()}
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if cut is not None:
         cut(model)
     model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
-    gen = torch.Generator(device).manual_seed(seed)
+    shard = getattr(model, "cut_to", None)
+    if shard is not None:
+        from vlora.parallel.partition import kept_indices
+
+        keep = kept_indices(cfg, shard)
     with torch.no_grad():
-        for pname, p in model.named_parameters():
+        for i, (pname, p) in enumerate(model.named_parameters()):
             if pname.endswith("norm.weight"):
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.zero_()
             else:                                  # std 1/sqrt(fan_in): activations keep their scale
-                p.normal_(0.0, fan_in[pname] ** -0.5, generator=gen)
+                part = keep.get(pname.split(".")[-2]) if shard is not None and pname.startswith("layers.") else None
+                _draw_part(p, whole[pname], ((seed * 1_000_003 + i) * 65_537) % 2**62, whole[pname][-1] ** -0.5,
+                           part)
     model = model.eval().requires_grad_(False)
     model.stack_projections()
     return model, max_len
+
+
+_PIECE = 1 << 24       # elements of the whole weight drawn at once
+
+
+def _draw_part(p: torch.Tensor, whole: tuple[int, int], seed: int, std: float,
+               part: tuple[str, torch.Tensor] | None) -> None:
+    """Fill ``p`` with its part (``part``: ("rows" or "cols", indices) of the whole; None: all of it) of a
+    seeded normal weight of shape ``whole``, drawn in pieces of whole rows, each from a generator of its own: a
+    shard holds exactly the values of the whole weight, whatever the number of shards, and memory holds one
+    piece at a time."""
+    rows, cols = whole
+    step = max(1, _PIECE // cols)
+    axis, index = part if part is not None else (None, None)
+    if axis == "rows":
+        index = index.to(p.device)
+    for n, lo in enumerate(range(0, rows, step)):
+        hi = min(lo + step, rows)
+        if axis == "rows":
+            mine = ((index >= lo) & (index < hi)).nonzero().flatten()
+            if not len(mine):
+                continue
+        gen = torch.Generator(p.device).manual_seed(seed + n)
+        piece = torch.empty(hi - lo, cols, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=gen)
+        if axis == "rows":
+            p[mine] = piece[index[mine] - lo]
+        elif axis == "cols":
+            p[lo:hi] = piece[:, index.to(p.device)]
+        else:
+            p[lo:hi] = piece
 
 
 def iter_safetensors(model_dir: Path):

@@ -68,6 +68,11 @@ class TensorParallelExecutor(Executor):
     def _modes(self, runner, copies) -> ModeSwitcher:
         return ShardModes(self.model)             # merges fold each rank's slices into its shard
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The workers' processes, rank 1 first."""
+        return [p.pid for p in self.model.group.procs]
+
     def close(self) -> None:
         self.model.close()
 

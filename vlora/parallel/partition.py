@@ -88,18 +88,24 @@ def shard_decoder(model, shard: Shard, reduce=None) -> None:
         return
     model.cut_to = shard
     cfg = model.cfg
-    q, kv, mlp = shard.q_cols(cfg), shard.kv_cols(cfg), shard.mlp_cols()
-    qkv_rows = torch.cat([q, cfg.q_size + kv, cfg.q_size + cfg.kv_size + kv])
-    gate_up_rows = torch.cat([mlp, cfg.intermediate_size + mlp])
     local = shard.local_config(cfg)
+    keep = kept_indices(cfg, shard)
     for layer in model.layers:
-        _keep(layer.qkv, rows=qkv_rows)
-        _keep(layer.gate_up, rows=gate_up_rows)
-        _keep(layer.o, cols=q, bias=shard.rank == 0)          # a row-parallel bias is added once
-        _keep(layer.down, cols=mlp, bias=shard.rank == 0)
+        for name, (axis, index) in keep.items():
+            # a row-parallel (cut by columns) bias is added once
+            _keep(getattr(layer, name), **{axis: index}, bias=axis == "rows" or shard.rank == 0)
         layer.cfg = local
     if getattr(model, "stacked", None) is not None:           # the stacked views follow the new weights
         model.stack_projections()
+
+
+def kept_indices(cfg, shard: Shard) -> dict[str, tuple[str, torch.Tensor]]:
+    """Per projection of a decoder layer, what ``shard`` keeps of the whole weight: ("rows" or "cols", their
+    indices)."""
+    q, kv, mlp = shard.q_cols(cfg), shard.kv_cols(cfg), shard.mlp_cols()
+    return {"qkv": ("rows", torch.cat([q, cfg.q_size + kv, cfg.q_size + cfg.kv_size + kv])),
+            "gate_up": ("rows", torch.cat([mlp, cfg.intermediate_size + mlp])),
+            "o": ("cols", q), "down": ("cols", mlp)}
 
 
 def _keep(linear: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None,
