@@ -1,7 +1,7 @@
 """Replicas of tensor-parallel engines on a local Ray cluster (2 CPUs): two replicas of tensor_parallel_size 2
 (gloo), as `vlora serve --replicas 2 --tensor-parallel-size 2` starts them, answer like one single-process
-engine; a replica killed mid-stream loses no request, its worker process goes with it, and the restarted
-replica starts a worker of its own and serves again."""
+engine; a replica killed mid-stream loses no request and its worker process goes with it (a restart is
+test_cluster.py's, on replicas of one process)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def pids_of(replica) -> list[int]:
     return ray.get(replica.actor.info.remote())["pids"]
 
 
-def test_tp_replicas_answer_like_one_engine_and_a_killed_one_takes_its_worker(tmp_path):
+def test_tp_replicas_answer_like_one_engine_and_a_killed_one_takes_its_worker_along(tmp_path):
     from vlora.cli import build_parser, serving_cluster
     from vlora.cluster.client import ClusterClient
 
@@ -55,7 +55,7 @@ def test_tp_replicas_answer_like_one_engine_and_a_killed_one_takes_its_worker(tm
             victim = front.replicas[0]
             actor_pid, worker_pid = pids_of(victim)          # the replica's process, then its rank-1 worker
             assert actor_pid != os.getpid() and alive(worker_pid)
-            incarnation, failovers = victim.incarnation, front.failovers
+            failovers = front.failovers
             jobs = [Job(PROMPTS[i], ("a", None)[i % 2], greedy(30), f"tp-kill-{i}") for i in range(4)]
 
             def victim_mid_stream(tracked, got, out):
@@ -63,18 +63,16 @@ def test_tp_replicas_answer_like_one_engine_and_a_killed_one_takes_its_worker(tm
                 return job.replica is victim and not out.finished and len(got[out.request_id]) >= 3
 
             async def kill(front, tracked):
-                ray.kill(victim.actor, no_restart=False)
+                ray.kill(victim.actor, no_restart=True)
             got = stream_tokens(client, jobs, kill, when=victim_mid_stream)
             assert got == [expected(one, j.prompt, j.adapter, 30) for j in jobs]
             assert front.failovers > failovers
-            deadline = time.monotonic() + 60
-            while alive(worker_pid) or not (victim.ready and victim.incarnation != incarnation):
-                assert time.monotonic() < deadline, (f"worker alive: {alive(worker_pid)}, "
-                                                     f"replica rejoined: {victim.ready}")
+            deadline = time.monotonic() + 30
+            while alive(worker_pid):                        # it polls for its parent once a second
+                assert time.monotonic() < deadline, "the killed replica's worker outlived it"
                 time.sleep(0.1)
-            _, new_worker = pids_of(victim)
-            assert new_worker != worker_pid and alive(new_worker)
-            assert on_replica(client, 0, PROMPTS[2], "a", 8) == expected(one, PROMPTS[2], "a", 8)
+            # the other replica serves on
+            assert on_replica(client, 1, PROMPTS[2], "a", 8) == expected(one, PROMPTS[2], "a", 8)
         finally:
             client.close()
     finally:

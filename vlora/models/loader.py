@@ -360,11 +360,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
         cut(model)
     model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
-    shard = getattr(model, "cut_to", None)
-    if shard is not None:
-        from vlora.parallel.partition import kept_indices
-
-        keep = kept_indices(cfg, shard)
+    keep = getattr(model, "kept", None) or {}    # a shard's part of each projection (parallel/partition.py)
     with torch.no_grad():
         for i, (pname, p) in enumerate(model.named_parameters()):
             if pname.endswith("norm.weight"):
@@ -372,7 +368,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
             elif p.dim() == 1:
                 p.zero_()
             else:                                  # std 1/sqrt(fan_in): activations keep their scale
-                part = keep.get(pname.split(".")[-2]) if shard is not None and pname.startswith("layers.") else None
+                part = keep.get(pname.split(".")[-2]) if pname.startswith("layers.") else None
                 _draw_part(p, whole[pname], ((seed * 1_000_003 + i) * 65_537) % 2**62, whole[pname][-1] ** -0.5,
                            part)
     model = model.eval().requires_grad_(False)

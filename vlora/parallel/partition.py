@@ -89,7 +89,7 @@ def shard_decoder(model, shard: Shard, reduce=None) -> None:
     model.cut_to = shard
     cfg = model.cfg
     local = shard.local_config(cfg)
-    keep = kept_indices(cfg, shard)
+    model.kept = keep = kept_indices(cfg, shard)        # read by a random model's build (models/loader.py)
     for layer in model.layers:
         for name, (axis, index) in keep.items():
             # a row-parallel (cut by columns) bias is added once
