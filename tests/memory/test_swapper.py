@@ -440,8 +440,8 @@ def test_engine_outputs_unchanged_through_swaps_and_fixed_pools(tmp_path):
     path, paths, _ = build(tmp_path)
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     base = chats(seed=5, n=4)
-    prompts = [base[i % 4] + [9 + i] * (i % 3) for i in range(10)]
-    names = [NAMES[1 + i % 3] for i in range(10)]
+    prompts = [base[i % 4] + [9 + i] * (i % 3) for i in range(8)]
+    names = [NAMES[1 + i % 3] for i in range(8)]
     want = [o.token_ids for o in LLM(str(path), adapters=paths, num_blocks=128, block_size=4)
             .generate(prompts, names, sp)]
     for policy in ("fastlibra", "unified", "lru-fixed"):

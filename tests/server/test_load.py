@@ -9,7 +9,7 @@ import json
 
 from tests.server.conftest import ADAPTERS, API_KEY, QUESTIONS
 
-REQUESTS, CLIENTS, N = 128, 32, 10
+REQUESTS, CLIENTS, N = 96, 32, 10
 
 
 def kind_of(i: int) -> str:
