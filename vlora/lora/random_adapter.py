@@ -22,8 +22,8 @@ def write_random_adapter(path: str | Path, shape: ModelShape, rank: int, seed: i
                          alpha: float | None = None, targets: tuple[str, ...] = LORA_TARGETS,
                          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Path:
     """Save ``adapter_config.json`` + ``adapter_model.safetensors`` for ``shape``; returns the path. ``device``:
-    where the weights are drawn (a seed gives other weights on a GPU than on the CPU); on a GPU the draw of a 7B
-    model's adapter takes milliseconds where a host's CPU can take seconds."""
+    where the weights are drawn (a seed gives other weights on a GPU than on the CPU); 32 adapters of a 7B model
+    were written in 5-6 s drawn on an H200, 197 s drawn on its busy host's CPU (2026-11-28)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device).manual_seed(seed)

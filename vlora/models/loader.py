@@ -388,7 +388,7 @@ def _draw_part(p: torch.Tensor, whole: tuple[int, int], seed: int, std: float,
     rows, cols = whole
     step = max(1, _PIECE // cols)
     axis, index = part if part is not None else (None, None)
-    if axis == "rows":
+    if index is not None:
         index = index.to(p.device)
     for n, lo in enumerate(range(0, rows, step)):
         hi = min(lo + step, rows)
@@ -401,7 +401,7 @@ def _draw_part(p: torch.Tensor, whole: tuple[int, int], seed: int, std: float,
         if axis == "rows":
             p[mine] = piece[index[mine] - lo]
         elif axis == "cols":
-            p[lo:hi] = piece[:, index.to(p.device)]
+            p[lo:hi] = piece[:, index]
         else:
             p[lo:hi] = piece
 
