@@ -13,7 +13,9 @@
 #   a32:   32 adapters, merges in place, skewness 0.3-0.9 (groups skew0.3,skew0.5 | skew0.7,skew0.9 on 2+ GPUs)
 #   e2e:   what a default of vlora would change on the uniform workload: bench_e2e (greedy and sampled) under
 #          unmerged and under vlora on each of two GPUs, in opposite orders (9 min at most: STEP_S=270 a run),
-#          then OUT/e2e-pairs.{md,json} (benchmarks/policy_pairs.py)
+#          then OUT/e2e-pairs.{md,json} (benchmarks/policy_pairs.py); FIRST=vlora starts GPU 0 with vlora and
+#          numbers its runs from 1 (gpu1, gpu2): on one GPU, calls with FIRST unset and FIRST=vlora into one OUT
+#          make the crossover
 #   serve: the same with bench_serve over HTTP
 #   (E2E_ARGS: more options for both scripts, e.g. a small model on the CPU)
 # The GPUs are CUDA_VISIBLE_DEVICES's (all by default), so two parts can share a machine:
@@ -63,11 +65,12 @@ case $part in
                     --serve-args "--policy $1" ${E2E_ARGS:-} --out "$out/$tag" > "$out/$tag.log" 2>&1
             fi || echo "$tag exit $?"
         }
+        first_swap=0; [[ ${FIRST:-unmerged} == vlora ]] && first_swap=1
         pids=()
         for ((n = 0; n < ngpu; n++)); do
-            order=(unmerged vlora); ((n % 2)) && order=(vlora unmerged)
+            order=(unmerged vlora); (( (n + ${first_swap}) % 2 )) && order=(vlora unmerged)
             ( export CUDA_VISIBLE_DEVICES=${visible[$n]:-0}
-              for pol in "${order[@]}"; do run_policy "$pol" "$n"; done ) & pids+=($!)
+              for pol in "${order[@]}"; do run_policy "$pol" $(( n + first_swap )); done ) & pids+=($!)
         done
         wait "${pids[@]}"
         python3 benchmarks/policy_pairs.py "$out" "$part"
