@@ -137,15 +137,15 @@ class SchedulerConfig:
     """Most sequences in one iteration's batch. Default: 64 on the CPU; on CUDA max_num_batched_tokens / 64 (256 with a 16,384-token budget)."""
     max_num_batched_tokens: int | None = None
     """Most tokens (prefill + decode) in one iteration; longer prompts are prefilled in chunks. Default: 2,048 on the CPU; on CUDA the largest of 16,384, 8,192, 4,096 and 2,048 whose activations take at most a tenth of the memory left after the weights."""
-    policy: str = "unmerged"
-    """Inference-mode policy, chosen each iteration. unmerged: every adapter through the LoRA kernels (S-LoRA/Punica), no switches; for traffic spread evenly over many adapters. vlora (V-LoRA's Algorithm 1): merges the adapter most of the batch uses into the base weights when that is cheaper than running it through the LoRA kernels, serves the other requests beside it (mixed) and unmerges when popularity spreads; the modes are timed at start-up on one GPU when two or more adapters are registered by then (else learnt from the iterations as they run); in three paired H200 grids it was 16-23% faster than unmerged when one adapter had 90% of the requests (resolved in two) and not slower beyond the noise anywhere (docs/benchmarks.md). merged-only: the most requested adapter merged, other requests wait; a deployment of one adapter. dlora: merges and unmerges without the mixed mode (dLoRA), for comparison."""
+    policy: str | None = None
+    """Inference-mode policy, chosen each iteration. Default: vlora on one GPU; unmerged on the CPU and under tensor parallelism, where merging is unmeasured. vlora (V-LoRA's Algorithm 1): merges the adapter most of the batch uses into the base weights when that is cheaper than running it through the LoRA kernels (skewed popularity), serves the other requests beside it (mixed) and unmerges when popularity spreads; the modes are timed at start-up on one GPU when two or more adapters are registered by then (else learnt from the iterations as they run). In three paired H200 grids it was 16-23% faster than unmerged when one adapter had 90% of the requests and not slower beyond the noise anywhere; on 32 adapters of even popularity its throughput was unmerged's within 3% (docs/benchmarks.md). unmerged: every adapter through the LoRA kernels (S-LoRA/Punica), no switches; rules merges out (e.g. to keep the base weights never written). merged-only: the most requested adapter merged, other requests wait; a deployment of one adapter. dlora: merges and unmerges without the mixed mode (dLoRA), for comparison."""
     starvation_s: float = 0.5
     """V-LoRA's θ: a request whose credit (waiting + iteration + switch time) passes it starves."""
     async_scheduling: bool = True
     """Queue each decode iteration replayed from a CUDA graph before reading the tokens of the one before it (its input tokens are taken on the GPU), so the host's work between iterations overlaps the forward. Applies to decode-only iterations when no waiting request could join (a full batch delays a waiting request by one iteration) while nothing is merged (a merging policy's iteration that would merge runs synchronously), on one GPU, without FastLibra's swapper (memory_policy fastlibra with prefix caching); outputs are the same either way."""
 
     def __post_init__(self) -> None:
-        if self.policy not in ("unmerged", "vlora", "merged-only", "dlora"):
+        if self.policy is not None and self.policy not in ("unmerged", "vlora", "merged-only", "dlora"):
             raise ConfigError(f"policy must be unmerged, vlora, merged-only or dlora, got {self.policy!r}")
         if not self.starvation_s > 0:
             raise ConfigError(f"starvation_s must be > 0, got {self.starvation_s}")

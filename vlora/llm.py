@@ -30,7 +30,7 @@ class LLM:
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, max_lora_rank: int = 128,
-                 check_base_model: bool = True, lora_kernel: str = "auto", policy: str = "unmerged",
+                 check_base_model: bool = True, lora_kernel: str = "auto", policy: str | None = None,
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,

@@ -108,6 +108,26 @@ def test_gpu_engine_profiles_its_modes_and_keeps_its_weights():
     assert res.metrics()["finished"] == 8
 
 
+def test_default_policy_merges_on_one_gpu_only():
+    """No policy asked for: V-LoRA's on one GPU (the paired runs' evidence), unmerged on the CPU and under
+    tensor parallelism; one asked for is kept."""
+    from dataclasses import replace
+
+    from vlora import LLM
+    from vlora.config import EngineConfig, ModelConfig
+    from vlora.engine.engine import default_policy
+
+    cfg = EngineConfig()
+    assert cfg.scheduler.policy is None
+    assert default_policy(cfg, torch.device("cuda")) == "vlora"
+    assert default_policy(cfg, torch.device("cpu")) == "unmerged"
+    tp = replace(cfg, model=ModelConfig(tensor_parallel_size=2))
+    assert default_policy(tp, torch.device("cuda")) == "unmerged"
+    assert LLM("random:tiny-llama", device="cpu", num_blocks=16).engine.config.scheduler.policy == "unmerged"
+    eng = LLM("random:tiny-llama", device="cpu", num_blocks=16, policy="dlora").engine
+    assert eng.config.scheduler.policy == "dlora" and eng.orchestrator.policy == "dlora"
+
+
 def test_profile_policy_times_the_modes_only_for_merging_policies():
     """``LLM`` and ``vlora serve`` time the modes before serving under vlora and dlora (one device); not under
     the policies that never weigh modes, nor under tensor parallelism."""
@@ -128,20 +148,21 @@ def test_profile_policy_times_the_modes_only_for_merging_policies():
 
 
 @pytest.mark.gpu
-def test_gpu_llm_profiles_the_modes_at_start_under_a_merging_policy(tmp_path):
-    """On a GPU, ``LLM`` with adapters under the vlora policy has the modes timed before its first request,
-    with nothing merged; under unmerged (the default) nothing is timed."""
+def test_gpu_llm_profiles_the_modes_at_start_under_the_default_policy(tmp_path):
+    """On a GPU, ``LLM`` with adapters and the default policy (vlora) has the modes timed before its first
+    request, with nothing merged; under unmerged nothing is timed."""
     from vlora import LLM
     from vlora.lora.adapter import ModelShape
     from vlora.lora.random_adapter import write_random_adapter
 
-    probe = LLM("random:tiny-llama", device="cuda", kv_cache_memory_gb=1, max_num_seqs=8, max_lora_rank=16,
-                policy="vlora")
+    probe = LLM("random:tiny-llama", device="cuda", kv_cache_memory_gb=1, max_num_seqs=8, max_lora_rank=16)
     shape = probe.engine.adapters.shape
     assert isinstance(shape, ModelShape) and probe.engine.mode_costs is None      # no adapters: nothing timed
     paths = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", shape, r, seed=i)) for i, r in enumerate((8, 16))}
     kw = dict(device="cuda", kv_cache_memory_gb=1, max_num_seqs=8, max_lora_rank=16, adapters=paths)
-    eng = LLM("random:tiny-llama", policy="vlora", **kw).engine
+    llm = LLM("random:tiny-llama", **kw)
+    eng = llm.engine
+    assert eng.config.scheduler.policy == "vlora"
     assert eng.mode_costs is not None and eng.orchestrator.profile is eng.mode_costs
     assert eng.runner.modes.merged is None
-    assert LLM("random:tiny-llama", **kw).engine.mode_costs is None
+    assert LLM("random:tiny-llama", policy="unmerged", **kw).engine.mode_costs is None

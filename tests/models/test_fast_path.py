@@ -43,6 +43,7 @@ def check_graph_decode(path, paths, pm, **kw):
     """Requests of different lengths and adapters join and leave (batch sizes between buckets, LoRA segments
     split into tile-high pieces): every token equal to PEFT's (which the eager engine's equal: test_parity)."""
     want = [peft_greedy(pm, p, a, sp.max_tokens) for p, a, sp in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
+    kw = {"policy": "unmerged", **kw}                    # the modes switched by hand only
     llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128, **kw)
     if llm.engine.runner.graphs is None:                 # CPU: the emulation (same buffers, re-run forward)
         llm.engine.runner.enable_graphs(8, llm.engine.max_model_len, columns=2)    # 3 adapters: tables grow

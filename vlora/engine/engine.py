@@ -77,6 +77,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def default_policy(config: EngineConfig, device: torch.device) -> str:
+    """The inference-mode policy where none is asked for: V-LoRA's on one GPU, where paired runs found it never
+    slower than a fixed policy beyond the noise and faster at skewed popularity, and within 3% of unmerged on
+    even popularity (docs/decisions.md); unmerged
+    on the CPU and under tensor parallelism, where merging is unmeasured."""
+    return "vlora" if device.type == "cuda" and config.model.tensor_parallel_size == 1 else "unmerged"
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -101,9 +109,12 @@ class Engine:
         preempted for KV goes back to the cluster front (finish "migrate") to resume elsewhere by recompute,
         rather than wait here for pages this replica is short of. ``observers``: told of each forward and step
         (:mod:`vlora.engine.observer`)."""
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
         self.observers: list[StepObserver] = list(observers)
         self.device = resolve_device(config.model.device)
+        if config.scheduler.policy is None:
+            config = replace(config, scheduler=replace(config.scheduler, policy=default_policy(config, self.device)))
+        self.config = config
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         # the model, loaded by what runs it (this rank's cut, under tensor parallelism)
         self.executor = ex = (executor or Executor)(config, self.dtype, self.device)
