@@ -356,6 +356,7 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
     res["vlora_register_s"] = time.perf_counter() - t0
     log(f"{len(adapter_dirs)} adapters registered in {res['vlora_register_s']:.1f} s")
     profile_policy(eng)                   # as `vlora serve` does once its adapters are registered
+    res["engine"]["mode_costs_timed"] = eng.mode_costs is not None
     sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     log("vlora warm-up (Triton compiles, CUDA graphs capture)")

@@ -1,7 +1,9 @@
 """What a default inference-mode policy of ``vlora`` changes on the uniform workload: the tok/s of bench_e2e or
 bench_serve under ``--policy vlora`` over those under ``--policy unmerged``, per GPU, sampling setting and
 workload (32 adapters, base only), from the folders ``gpu_paired.sh OUT e2e|serve`` writes
-(``PART-POLICY-gpuN/*.json``: each GPU ran both policies, in opposite orders on alternate GPUs).
+(``PART-POLICY-gpuN/*.json``: each GPU ran both policies, in opposite orders on alternate GPUs; on one GPU, N
+numbers the calls, FIRST=vlora's from 1), and per sampling setting and workload the mean ratio over the pairs
+with its 95% t-interval.
 
     python benchmarks/policy_pairs.py OUT e2e|serve     # writes OUT/PART-pairs.md and OUT/PART-pairs.json
 """
@@ -12,6 +14,8 @@ import argparse
 import json
 import re
 from pathlib import Path
+
+from vlora.bench.paired import t_interval
 
 POLICIES = ("unmerged", "vlora")
 
@@ -48,6 +52,14 @@ def pairs(runs: dict[int, dict[str, dict]], part: str) -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """(sampling setting, workload) -> the vlora / unmerged ratio of each pair that ran it."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        out.setdefault((r["setting"], r["workload"]), []).append(r["ratio"])
+    return out
+
+
 def report(rows: list[dict], part: str, runs: dict) -> str:
     lines = [f"# {part}: tok/s under --policy vlora over --policy unmerged (uniform workload)", "",
              "| GPU | sampling | workload | unmerged tok/s | vlora tok/s | vlora / unmerged |",
@@ -58,6 +70,11 @@ def report(rows: list[dict], part: str, runs: dict) -> str:
     if missing:
         lines += ["", f"Runs without a result file (cut or failed): {', '.join(missing)}."]
     if rows:
+        lines += ["", "| sampling | workload | pairs | vlora / unmerged, mean [95% t-interval] |", "|---|---|---|---|"]
+        for key, ratios in summary(rows).items():
+            ci = t_interval(ratios)
+            span = f" [{ci[1]:.3f}, {ci[2]:.3f}]" if ci else ""
+            lines.append(f"| {key[0]} | {key[1]} | {len(ratios)} | {sum(ratios) / len(ratios):.3f}{span} |")
         ratios = [r["ratio"] for r in rows]
         lines += ["", f"vlora / unmerged over {len(rows)} pairs: mean {sum(ratios) / len(ratios):.3f}, "
                       f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}."]

@@ -37,3 +37,15 @@ def test_serve_pairs_read_the_http_figures(tmp_path):
     rows = policy_pairs.pairs(policy_pairs.collect(tmp_path, "serve"), "serve")
     assert [(r["setting"], r["workload"], r["ratio"]) for r in rows] == [("sampled", "adapters", 0.9),
                                                                          ("sampled", "base", 1.0)]
+
+
+def test_pairs_summarised_per_setting_with_an_interval(tmp_path):
+    for gpu, (a, b) in enumerate(((100.0, 104.0), (100.0, 96.0), (100.0, 100.0))):
+        write(tmp_path, f"e2e-unmerged-gpu{gpu}", {"greedy": {"adapters": a, "base": 50.0}})
+        write(tmp_path, f"e2e-vlora-gpu{gpu}", {"greedy": {"adapters": b, "base": 50.0}})
+    runs = policy_pairs.collect(tmp_path, "e2e")
+    rows = policy_pairs.pairs(runs, "e2e")
+    assert policy_pairs.summary(rows) == {("greedy", "adapters"): [1.04, 0.96, 1.0], ("greedy", "base"): [1.0] * 3}
+    text = policy_pairs.report(rows, "e2e", runs)
+    assert "| greedy | adapters | 3 | 1.000 [0.901, 1.099] |" in text       # t(2) = 4.303, sd 0.04
+    assert "| greedy | base | 3 | 1.000 [1.000, 1.000] |" in text
