@@ -120,9 +120,8 @@ class LLM:
         if len(images_) != len(prompts):
             raise RequestError(f"images has {len(images_)} entries for {len(prompts)} prompts")
         if self.cluster is not None:
-            if any(images_):
-                raise RequestError("a cluster of replicas serves text models only")
-            return self.cluster.generate([self._job(p, a, s) for p, a, s in zip(prompts, adapters_, sampling_)])
+            return self.cluster.generate([self._job(p, a, s, im) for p, a, s, im
+                                          in zip(prompts, adapters_, sampling_, images_)])
         ids = []
         try:
             for p, a, s, im in zip(prompts, adapters_, sampling_, images_):
@@ -174,12 +173,13 @@ class LLM:
                 self.engine.abort(rid)
 
 
-    def _job(self, prompt: Prompt, adapter: str | None, sampling: SamplingParams | None):
+    def _job(self, prompt: Prompt, adapter: str | None, sampling: SamplingParams | None, images=None):
         from vlora.engine.client import Job
 
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(sampling).__name__}")
-        return Job(prompt, adapter, sampling or SamplingParams(), f"llm-{next(self._ids)}")
+        return Job(prompt, adapter, sampling or SamplingParams(), f"llm-{next(self._ids)}",
+                   tuple(images) if images else None)
 
 
 def apply_chat_template(tokenizer, messages: list[dict], *, chat_template: str | None = None,

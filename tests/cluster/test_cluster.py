@@ -93,15 +93,24 @@ def every_request_streamed_3(tracked, got, out):
     return all(len(v) >= 3 for v in got.values())
 
 
+def mid_stream_on(victim):
+    """A ``when`` for :func:`stream_tokens`: an output of a request running on replica ``victim`` that has more
+    to come and has streamed 3 tokens (however fast the other requests finish)."""
+    def when(tracked, got, out):
+        t = tracked.get(out.request_id)
+        return t is not None and t.replica is victim and not out.finished and len(got[out.request_id]) >= 3
+    return when
+
+
 def stream_tokens(client, jobs, during=None, when=every_request_streamed_3):
     """Submit ``jobs`` as one group; the delta tokens each request streamed. ``during(front, tracked)`` runs once,
-    on the first output after which ``when(tracked, got, out)`` holds."""
+    on the first output after which ``when(tracked, got, out)`` holds; ``tracked``: the front's requests not
+    finished yet, by id (one can finish before submit returns)."""
     front = client.front
 
     async def go():
         group = await front.submit(jobs)
-        # a short request can finish before submit returns: only the `during` callers need the tracked requests
-        tracked = [front.requests.tracked[j.request_id] for j in jobs] if during is not None else None
+        tracked = front.requests.tracked
         got = {j.request_id: [] for j in jobs}
         done = during is None
         async for out in group:
@@ -189,15 +198,10 @@ def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
     incarnation, failovers = victim.incarnation, front.failovers
     jobs = [Job(PROMPTS[i], ("a", "b", None, "a")[i], greedy(40), f"kill-{i}") for i in range(4)]
 
-    def victim_mid_stream(tracked, got, out):
-        # the kill lands while one of the victim's requests is still streaming, however fast the others finish
-        job = next(t for t in tracked if t.job.request_id == out.request_id)
-        return job.replica is victim and not out.finished and len(got[out.request_id]) >= 3
-
     async def kill(front, tracked):
-        assert any(t.replica is victim for t in tracked)
+        assert any(t.replica is victim for t in tracked.values())
         ray.kill(victim.actor, no_restart=False)
-    got = stream_tokens(client, jobs, kill, when=victim_mid_stream)
+    got = stream_tokens(client, jobs, kill, when=mid_stream_on(victim))
     assert got == [expected(one, j.prompt, j.adapter, 40) for j in jobs]
     assert front.failovers > failovers
     deadline = time.monotonic() + 60

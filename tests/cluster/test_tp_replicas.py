@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_cluster import ENGINE, PROMPTS, expected, greedy, on_replica, stream_tokens
+from tests.cluster.test_cluster import ENGINE, PROMPTS, expected, greedy, mid_stream_on, on_replica, stream_tokens
 from tests.helpers import make_peft_adapter, make_tiny_model
 from vlora import LLM
 from vlora.engine.client import Job
@@ -58,13 +58,9 @@ def test_tp_replicas_answer_like_one_engine_and_a_killed_one_takes_its_worker_al
             failovers = front.failovers
             jobs = [Job(PROMPTS[i], ("a", None)[i % 2], greedy(30), f"tp-kill-{i}") for i in range(4)]
 
-            def victim_mid_stream(tracked, got, out):
-                job = next(t for t in tracked if t.job.request_id == out.request_id)
-                return job.replica is victim and not out.finished and len(got[out.request_id]) >= 3
-
             async def kill(front, tracked):
                 ray.kill(victim.actor, no_restart=True)
-            got = stream_tokens(client, jobs, kill, when=victim_mid_stream)
+            got = stream_tokens(client, jobs, kill, when=mid_stream_on(victim))
             assert got == [expected(one, j.prompt, j.adapter, 30) for j in jobs]
             assert front.failovers > failovers
             deadline = time.monotonic() + 30

@@ -59,7 +59,7 @@ class ClusterFront:
             raise
         self._tasks: set[asyncio.Task] = set()
         self.requests = RequestTracker(self.replicas, make_policy(cluster.cluster_policy), self.info.tokenizer,
-                                       self._spawn, self.observers)
+                                       self._spawn, self.observers, self.info.vision)
         self.replicas.on_failure = self._failed
         self._accepting = True
 

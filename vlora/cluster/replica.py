@@ -32,7 +32,7 @@ from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
 from vlora.builder import build_engine, warm_grammars
 from vlora.engine.async_engine import AsyncEngine
-from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job, QueueFull, RequestFailed,
+from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineStats, Job, QueueFull, RequestFailed,
                                  ShuttingDown)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.observer import StepObserver, StepRecord
@@ -122,9 +122,7 @@ class Replica:
         e = self.engine.engine
         info = self.engine.info
         cuda = e.device.type == "cuda"
-        return dict(info=EngineInfo(info.model_name, info.tokenizer, info.context_len, info.vocab_size, None,
-                                    info.model_type),
-                    is_lmm=e.vision is not None, shape=e.adapters.shape, device=str(e.device),
+        return dict(info=info, shape=e.adapters.shape, device=str(e.device),
                     device_name=torch.cuda.get_device_name(e.device) if cuda else e.device.type,
                     incarnation=self.incarnation, pids=[os.getpid(), *e.executor.worker_pids])
 

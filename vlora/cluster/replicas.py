@@ -29,7 +29,7 @@ from vlora.cluster.config import ClusterConfig
 from vlora.cluster.observer import FrontObserver
 from vlora.cluster.policy import ReplicaReport
 from vlora.cluster.replica import Refusal, Replica, ReplicaStatus, raise_refusal
-from vlora.config import ConfigError, EngineConfig
+from vlora.config import EngineConfig
 from vlora.engine.client import AdapterNotFound, EngineFailed, EngineInfo, EngineStats
 from vlora.lora.adapter import AdapterError
 
@@ -91,8 +91,7 @@ class ReplicaSet(Sequence[ReplicaHandle]):
     @classmethod
     def launch(cls, config: EngineConfig, cluster: ClusterConfig, max_queued_requests: int,
                observers: list[FrontObserver] | None = None) -> ReplicaSet:
-        """Start (or join) Ray and start the replicas; blocks until they serve. Raises ConfigError for a model
-        the front cannot serve (an LMM)."""
+        """Start (or join) Ray and start the replicas; blocks until they serve."""
         import ray
 
         owns_ray = not ray.is_initialized()
@@ -115,9 +114,6 @@ class ReplicaSet(Sequence[ReplicaHandle]):
         replicas = cls(handles, cluster, observers)
         replicas.owns_ray, replicas.batch_cap = owns_ray, batch_cap
         infos = ray.get([r.actor.info.remote() for r in handles])
-        if infos[0]["is_lmm"]:
-            replicas.kill()
-            raise ConfigError("a cluster of replicas serves text models only (the front does not prepare images)")
         replicas.info = infos[0]["info"]
         replicas.adapter_shape = infos[0]["shape"]
         replicas.device = infos[0]["device"]

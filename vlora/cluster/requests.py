@@ -33,7 +33,7 @@ from vlora.cluster.policy import RequestInfo
 from vlora.cluster.replica import REFUSALS, Refusal
 from vlora.cluster.replicas import LOST, ReplicaHandle, ReplicaSet, fire
 from vlora.cluster.resumed_text import ResumedText
-from vlora.engine.client import EngineFailed, Job, RequestFailed, RequestGroup
+from vlora.engine.client import EngineFailed, Job, RequestFailed, RequestGroup, VisionInfo
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.engine import RequestError
 from vlora.engine.sequence import RequestOutput
@@ -61,16 +61,20 @@ class TrackedRequest:
     moved: bool = False                                  # its replica handed it back: place it again
     text: ResumedText | None = None                      # after a move: the text is decoded here
     inbox: asyncio.Queue | None = None                   # its replica's outputs (or LOST), while on one
+    image_tokens: int = 0                                # prompt tokens its images add once expanded (LMMs)
 
     def info(self) -> RequestInfo:
-        return RequestInfo(self.job.request_id, self.job.adapter, len(self.prompt_ids or ()),
+        return RequestInfo(self.job.request_id, self.job.adapter, len(self.prompt_ids or ()) + self.image_tokens,
                            self.job.params.max_tokens, len(self.tokens))
 
 
 class RequestTracker:
     def __init__(self, replicas: ReplicaSet, policy, tokenizer, spawn: Callable,
-                 observers: list[FrontObserver] | None = None):
-        """``spawn(coroutine)``: runs a task on the front's loop (the front cancels them on shutdown)."""
+                 observers: list[FrontObserver] | None = None, vision: VisionInfo | None = None):
+        """``spawn(coroutine)``: runs a task on the front's loop (the front cancels them on shutdown); ``vision``
+        (LMMs): what an image adds to a prompt, so placement counts the KV of the expanded prompt. A request
+        keeps its images wherever it runs: a replica it moves to encodes them again (resume by recompute)."""
+        self.vision = vision
         self.replicas = replicas
         self.policy = policy
         self.tokenizer = tokenizer
@@ -94,7 +98,9 @@ class RequestTracker:
         """Track and place ``group``'s requests; returns once each was accepted by a replica, all or none (a
         refusal is raised as one engine raises it)."""
         loop = asyncio.get_running_loop()
-        new = [TrackedRequest(job, group, self._prompt_ids(job.prompt), loop.create_future()) for job in group.jobs]
+        new = [TrackedRequest(job, group, self._prompt_ids(job.prompt), loop.create_future(),
+                              image_tokens=self.vision.prompt_tokens_added(job.images) if self.vision else 0)
+               for job in group.jobs]
         for t in new:
             if t.job.request_id in self.tracked:
                 raise RequestError(f"request id {t.job.request_id!r} is already in use")

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from vlora.engine.client import (AdapterExists, AdapterNotFound, EngineFailed, EngineInfo, EngineStats, Job,
-                                 QueueFull, RequestFailed, RequestGroup, ShuttingDown, Timing)
+                                 QueueFull, RequestFailed, RequestGroup, ShuttingDown, Timing, VisionInfo)
 from vlora.engine.engine import Engine
 from vlora.engine.observer import StepObserver
 from vlora.engine.sequence import RequestOutput
@@ -65,7 +65,7 @@ def _one_intra_op_thread() -> None:
 def _info_of(engine: Engine) -> EngineInfo:
     context = min(engine.max_model_len, engine.pool.num_pages * engine.block_size)
     cfg = engine.model.cfg
-    return EngineInfo(engine.model_name, engine.tokenizer, context, cfg.vocab_size, engine.vision,
+    return EngineInfo(engine.model_name, engine.tokenizer, context, cfg.vocab_size, VisionInfo.of(engine.vision),
                       getattr(cfg, "model_type", None))
 
 

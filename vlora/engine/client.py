@@ -81,6 +81,28 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class VisionInfo:
+    """What the server and a cluster front need of an LMM's vision tower: the prompt ids of one image
+    placeholder, and the tokens an image takes once expanded (None where they depend on its size: Qwen2-VL).
+    Small and picklable, so replicas send it instead of the tower."""
+
+    image_prompt_ids: tuple[int, ...]
+    tokens_per_image: int | None
+
+    @classmethod
+    def of(cls, tower) -> VisionInfo | None:
+        return None if tower is None else cls(tuple(tower.image_prompt_ids), tower.tokens_per_image)
+
+    def prompt_tokens_added(self, images) -> int:
+        """Prompt tokens ``images`` (one image, or a video's list of frames, per placeholder) add once their
+        placeholders are expanded; 0 where the count depends on the image's size."""
+        if not images or self.tokens_per_image is None:
+            return 0
+        frames = sum(len(im) if isinstance(im, (list, tuple)) else 1 for im in images)
+        return frames * self.tokens_per_image - len(images)
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What the server needs to know of the model served, alike for one engine and a cluster of replicas."""
 
@@ -88,7 +110,7 @@ class EngineInfo:
     tokenizer: object | None
     context_len: int             # longest prompt + output: the model's limit and what one sequence's KV can hold
     vocab_size: int
-    vision: object | None = None  # LMMs: the vision tower (image placeholders, tokens per image)
+    vision: VisionInfo | None = None  # LMMs: image placeholders, tokens per image
     model_type: str | None = None  # the language model's config.json model_type (its family: llama, qwen2, ...)
 
 

@@ -234,10 +234,8 @@ class OpenAIServer:
 
     def image_tokens(self, images: list) -> int:
         """Prompt tokens the images add once their placeholders are expanded (one placeholder per image)."""
-        vision = self.engine.info.vision
-        if vision is None or vision.tokens_per_image is None:   # Qwen2-VL: per image size, checked on admission
-            return 0
-        return len(images) * (vision.tokens_per_image - 1)
+        vision = self.engine.info.vision          # Qwen2-VL: 0, per image size, checked on admission
+        return 0 if vision is None else vision.prompt_tokens_added(images)
 
     def check_choices(self, req: P.SamplingRequest, prompts: int = 1) -> None:
         """A call's choices (``n`` or ``best_of`` per prompt) are queued all or none: they must fit the queue."""

@@ -1,0 +1,55 @@
+"""LMM replicas on a local Ray cluster (2 CPUs): two replicas of a tiny random LLaVA (fp32) answer image, video,
+text and adapter requests through the front with one engine's greedy tokens; a replica killed mid-stream loses
+none of them (each resumes on the other replica, which encodes its images again)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.test_cluster import greedy, mid_stream_on, stream_tokens
+from tests.models.test_vision import CASES, IMG, TPI, make_tiny_llava, with_adapters
+from vlora import LLM
+from vlora.engine.client import Job, VisionInfo
+
+ray = pytest.importorskip("ray")
+
+
+def test_vision_info_counts_the_tokens_images_add():
+    info = VisionInfo((IMG,), TPI)
+    assert info.prompt_tokens_added(None) == 0
+    assert info.prompt_tokens_added(["image"]) == TPI - 1
+    assert info.prompt_tokens_added(["image", ["f0", "f1", "f2"]]) == 4 * TPI - 2    # a video: a token run per frame
+    assert VisionInfo((IMG,), None).prompt_tokens_added(["image"]) == 0          # Qwen2-VL: by size, on admission
+
+
+def test_lmm_replicas_answer_like_one_engine_and_a_killed_one_loses_no_image_request(tmp_path):
+    path, hf = make_tiny_llava(tmp_path)
+    paths, _ = with_adapters(tmp_path, hf)
+    kw = dict(adapters={k: str(v) for k, v in paths.items()}, block_size=4, max_model_len=128, device="cpu",
+              dtype="float32")
+    one = LLM(str(path), num_blocks=256, **kw)
+    prompts, images, names = (list(x) for x in zip(*CASES))
+    want = [o.token_ids for o in one.generate(prompts, names, greedy(6), images=images)]
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        two = LLM(str(path), num_blocks=160, replicas=2, **kw)
+        try:
+            client = two.cluster
+            front = client.front
+            assert front.info.vision == VisionInfo((IMG,), TPI)
+            assert [o.token_ids for o in two.generate(prompts, names, greedy(6), images=images)] == want
+
+            victim = front.replicas[0]
+            failovers = front.failovers
+            jobs = [Job(p, a, greedy(30), f"lmm-kill-{i}", tuple(im) if im else None) for i, (p, im, a) in
+                    enumerate(CASES)]
+
+            async def kill(front, tracked):
+                ray.kill(victim.actor, no_restart=False)
+            got = stream_tokens(client, jobs, kill, when=mid_stream_on(victim))
+            assert got == [o.token_ids for o in one.generate(prompts, names, greedy(30), images=images)]
+            assert front.failovers > failovers
+        finally:
+            two.close()
+    finally:
+        ray.shutdown()
