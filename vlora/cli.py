@@ -191,7 +191,8 @@ def serving_cluster(args):
                          max_queued_requests=server_config.max_queued_requests)
     try:
         if not adapters:
-            adapters, _ = _demo_adapters_for(front.adapter_shape, front.info.vision is not None, cache_root() / "demo-adapters")
+            adapters, _ = _demo_adapters_for(front.adapter_shape, front.info.vision is not None,
+                                             cache_root() / "demo-adapters")
         front.set_adapters(adapters)
     except BaseException:
         front.close()
