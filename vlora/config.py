@@ -46,7 +46,7 @@ class ModelConfig:
     build_kernels: bool = True
     """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
     tensor_parallel_size: int = 1
-    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection; each rank's pool holds its slices of the adapters. Needs a memory policy other than fastlibra."""
+    """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection; each rank's pool holds its slices of the adapters and of the KV (and, under fastlibra, its host memory its slices of the cached KV swapped out: host_kv_gb per rank)."""
     all_reduce: str = "nccl"
     """Tensor parallelism: the all-reduce after each row-parallel projection: nccl (torch.distributed), or symm_mem (torch's symmetric-memory one-shot all-reduce over NVLink peer memory for messages up to 2 MiB, NCCL above)."""
 
@@ -78,7 +78,7 @@ class CacheConfig:
     memory_policy: str = "unified"
     """unified: KV and adapters share the pool; cached KV gives way (least recently used first) before idle adapters. fastlibra: unified, and with prefix caching FastLibra's cost model moves cached KV and adapters between GPU and host memory (for chats whose histories overflow the pool; docs/memory.md). lru-fixed (benchmark baseline): fixed separate pools for adapters and KV, LRU eviction, cached KV discarded."""
     host_kv_gb: float = 4.0
-    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA."""
+    """Host memory for cached KV blocks swapped out of the pool (fastlibra policy with prefix caching), GiB, pinned at start-up on CUDA; under tensor parallelism each rank holds this much for its slices."""
     adapter_pool_fraction: float = 0.1
     """lru-fixed: share of the pool's pages reserved for adapters."""
     gpu_memory_utilization: float = 0.9

@@ -152,6 +152,8 @@ class Engine:
         ex.attach(self.adapters)
         self.memory = MemoryManager(self.pool, self.adapters, cc)   # pool, adapter store, prefix tree, swapper
         self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
+        if self.swapper is not None:
+            self.swapper.mirror = ex.mirror_kv_swaps(self.swapper.host_slots)
         self.scheduler = Scheduler(sc, self.allocator, cc.block_size, self.prefix_cache)
         cuda = self.device.type == "cuda"
         graph_batch = sc.max_num_seqs if cuda and config.model.cuda_graphs and ex.use_kernels and ex.graph_safe \

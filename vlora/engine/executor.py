@@ -144,5 +144,10 @@ class Executor:
         """The processes this executor started (tensor parallelism's workers); none here."""
         return []
 
+    def mirror_kv_swaps(self, host_slots: int):
+        """What FastLibra's swapper tells of each KV copy between the pool and its ``host_slots`` host slots,
+        so that other processes holding slices of the pages copy theirs alike; None: nobody needs to know."""
+        return None
+
     def close(self) -> None:
         """Stop what this executor started (worker processes, under tensor parallelism)."""

@@ -58,6 +58,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -96,6 +97,9 @@ class CacheSwapper:
         self._outs: deque = deque()          # (token, node) of every swap-out not known to have landed, in order
         self._flights: deque = deque()       # (token, node, page, slot) of swap-ins not known to have landed, in order
         self._landing: set[int] = set()           # pages of those swap-ins
+        # told of every copy, in issue order: ("out", page, slot) or ("in", page, slot); tensor parallelism's
+        # workers make the same copies of their slices of the pages (Executor.mirror_kv_swaps)
+        self.mirror: Callable[[str, int, int], None] | None = None
 
     # -- the cost model -------------------------------------------------------------------------------
     def batch_size(self) -> float:
@@ -214,6 +218,8 @@ class CacheSwapper:
             self.dropped += 1
             return
         token = self.out_copier.copy(self.host_buf[slot], self.pool.kv[node.page].view(-1))
+        if self.mirror is not None:
+            self.mirror("out", node.page, slot)
         self.tree.lost_page(node)
         if token is None:
             self.pool.free([node.page])
@@ -238,6 +244,8 @@ class CacheSwapper:
         page = self.pool.allocate(1)[0]
         token = self.copier.copy(self.pool.kv[page].view(-1), self.host_buf[node.host],
                                  after=self._out_token.pop(node, None))
+        if self.mirror is not None:
+            self.mirror("in", page, node.host)
         node.page = page
         self.tree.gained_page(node)
         if token is None:

@@ -68,6 +68,12 @@ class TensorParallelExecutor(Executor):
     def _modes(self, runner, copies) -> ModeSwitcher:
         return ShardModes(self.model)             # merges fold each rank's slices into its shard
 
+    def mirror_kv_swaps(self, host_slots: int):
+        """The workers copy their slices of each page the swapper moves, into host slots of their own, in the
+        order rank 0 copied (with the next message, before its forward or placements)."""
+        self.model.host_slots = host_slots
+        return self.model.queue_swap
+
     @property
     def worker_pids(self) -> list[int]:
         """The workers' processes, rank 1 first."""
@@ -80,9 +86,6 @@ class TensorParallelExecutor(Executor):
 def _check(config: EngineConfig) -> None:
     """Refuse what the split does not cover yet, before any worker starts."""
     tp = config.model.tensor_parallel_size
-    if config.cache.memory_policy == "fastlibra":
-        raise ConfigError(f"tensor_parallel_size {tp} does not support memory_policy fastlibra (the swapper "
-                          f"copies rank 0's pages only)")
     if config.cache.merged_copy:
         raise ConfigError(f"tensor_parallel_size {tp} does not support merged_copy (merges fold each rank's "
                           f"slices into its shard in place)")

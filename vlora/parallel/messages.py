@@ -3,7 +3,8 @@
 A message carries everything a worker needs and nothing it would re-derive: the forward's tensors (on the
 CPU), the LoRA segments by adapter name (torch path) or the kernels' metadata (Triton path, offsets into the
 pool, which are the same on every rank), the adapters new to the workers, where adapters were placed in the
-pool or evicted since the last message, and which adapter is merged.
+pool or evicted since the last message, which adapter is merged, and the KV pages FastLibra's swapper copied
+to or from host memory since the last message.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class StepMessage:
     #                                           element in the pool) of each adapter loaded since; None: evicted
     dropped: tuple[str, ...] = ()             # adapters the engine no longer has
     merged: str | None = None                 # the adapter folded into the base weights (each rank: its slices)
+    swaps: tuple[tuple[str, int, int], ...] = ()   # FastLibra's KV copies since the last message, in order:
+    #                                           ("out", page, host slot) or ("in", page, host slot)
+    host_slots: int = 0                       # the host slots the swaps address (each rank: its slices)
 
 
 def tensors_to(obj, fn):

@@ -53,6 +53,8 @@ class TensorParallelModel(nn.Module):
         self._placed: dict[str, tuple[PackedAdapter, int]] = {}   # name -> (adapter, epoch) the workers placed
         self._failed: str | None = None
         self.graphs: ShardGraphs | None = None   # rank 0's decode graphs, released before the group goes
+        self.host_slots = 0                      # FastLibra's host slots for KV (each rank: its own)
+        self._swaps: list[tuple[str, int, int]] = []   # the swapper's copies the workers have yet to make
 
     @property
     def layers(self):
@@ -71,7 +73,7 @@ class TensorParallelModel(nn.Module):
     # -- messages ------------------------------------------------------------------------------------
     def _send(self, used: dict[str, PackedAdapter], kv_shape, **step) -> None:
         """Send one message: ``step``'s fields plus the adapters new to the workers, those the engine forgot,
-        the pool placements since the last message, and the merged adapter."""
+        the pool placements and the swapper's KV copies since the last message, and the merged adapter."""
         merged = None if self.modes is None else self.modes.merged
         if merged is not None:                   # the workers merge their slices of it
             used = {**used, merged.name: merged}
@@ -84,9 +86,16 @@ class TensorParallelModel(nn.Module):
                 self._parts.pop(n, None)
         placed = self._placements(new)
         shape = None if kv_shape is None else tuple(kv_shape)
+        swaps, self._swaps = tuple(self._swaps), []
         self.group.send(StepMessage(shape, adapters={n: _cpu(a) for n, a in new.items()}, placed=placed,
-                                    dropped=dropped, merged=None if merged is None else merged.name, **step))
+                                    dropped=dropped, merged=None if merged is None else merged.name,
+                                    swaps=swaps, host_slots=self.host_slots, **step))
         self._sent.update(new)
+
+    def queue_swap(self, op: str, page: int, slot: int) -> None:
+        """A KV copy the swapper made on rank 0 (``op`` "out": page to host slot, "in": back): the workers make
+        theirs with the next message."""
+        self._swaps.append((op, page, slot))
 
     def _placements(self, new: dict[str, PackedAdapter]) -> dict[str, tuple[int, int] | None]:
         """Adapters the store placed in the pool (epoch, first element) or evicted since the last message.

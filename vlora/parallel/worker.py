@@ -20,6 +20,7 @@ from vlora.engine.modes import ModeSwitcher, ShardWeights
 from vlora.engine.runner import lora_groups
 from vlora.lora.batch import PackedAdapter
 from vlora.lora.device_store import aligned, matrices, group_offsets
+from vlora.memory.pinned import pinned_empty
 from vlora.memory.pool import zeros
 from vlora.parallel.collectives import make_reduce, time_all_reduce
 from vlora.parallel.messages import (GraphSetup, Probe, Replay, StepMessage, lora_of, segments_of, tensors_to,
@@ -45,6 +46,7 @@ class Worker:
         self.local = shard.local_config(model.cfg)
         self.parts: dict[str, PackedAdapter] = {}       # this rank's slices of every adapter rank 0 has sent
         self.buf = self.kv = None                       # the pool: adapters (Triton path) and KV
+        self.host: torch.Tensor | None = None           # FastLibra's host slots of this rank's KV slices
         self.modes = ModeSwitcher(ShardWeights(self.local, model.stacked))
         self.graphs: WorkerGraphs | None = None
         # all-reduce kind -> its function; the model's own is reused by probes, as rank 0 does: a second
@@ -60,6 +62,8 @@ class Worker:
                 numel *= d
             self.buf = zeros(numel, self.dtype, self.device)
             self.kv = self.buf.view(msg.kv_shape)
+        if msg.swaps:               # before the placements: a page swapped out may hold an adapter placed since
+            self._swap(msg.swaps, msg.host_slots)
         for name, where in msg.placed.items():
             if where is None:
                 self.parts[name].placement.offsets = None
@@ -83,6 +87,19 @@ class Worker:
             else:
                 lora = lora_of(msg.lora, self.parts.__getitem__)
             self.model(dataclasses.replace(fb, lora=lora), self.kv)
+
+    def _swap(self, swaps, host_slots: int) -> None:
+        """Rank 0's swapper copies, made here in its order with this rank's slices of the pages (on this rank's
+        stream, before the message's forward: it may write a page just swapped out)."""
+        if self.host is None:
+            shape = (host_slots, self.kv[0].numel())
+            self.host = pinned_empty(shape, self.dtype) if self.device.type == "cuda" else \
+                torch.empty(shape, dtype=self.dtype)
+        for op, page, slot in swaps:
+            if op == "out":
+                self.host[slot].copy_(self.kv[page].view(-1))
+            else:
+                self.kv[page].view(-1).copy_(self.host[slot])
 
     def probe(self, p: Probe) -> None:
         """Time an all-reduce together with rank 0 (benchmarks; nothing else runs meanwhile)."""
