@@ -56,7 +56,7 @@ from bench_e2e import log  # noqa: E402
 from bench_serve import free_port, start_server, stop_server, stream_chunks, wait_healthy  # noqa: E402
 
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
-from vlora.models.loader import lora_shape, resolve_model_dir  # noqa: E402
+from vlora.models.loader import RANDOM_PRESETS, lora_shape, resolve_model_dir  # noqa: E402
 
 TARGET = 0.05          # the pause a load may add to the streams, as a fraction of the time it takes
 
@@ -208,7 +208,8 @@ async def configuration(args, client, setting: str, rank: int, prompts: list[lis
     dropped = sum(end + args.spacing > alive for spans in windows.values() for _, end in spans)
     windows = {kind: [w for w in spans if w[1] + args.spacing <= alive] for kind, spans in windows.items()}
     if not windows["load"] or not windows["control"]:
-        raise RuntimeError("the streams ended before a load and a control were measured: raise --max-stream-tokens")
+        raise RuntimeError(f"the streams ended before a load and a control were measured: raise --max-stream-tokens "
+                           f"({args.max_stream_tokens}; at most the model's context less --input-len)")
     gaps = classify(times, args.warm, windows)
     stats = {kind: gap_stats(g) for kind, g in gaps.items()}
     itl = stats["outside"]["median_s"]
@@ -272,7 +273,9 @@ async def run(args, res: dict, path: Path, adapter_dir: Path, running: dict[str,
     args.serve_args = f"--adapter-dir {adapter_dir} {args.serve_args}"
     proc = start_server(args, running, port)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, 1000, (args.streams, args.input_len), generator=g).tolist()
+    preset = RANDOM_PRESETS.get(args.model.removeprefix("random:")) if args.model.startswith("random:") else None
+    high = min(1000, preset["vocab_size"]) if preset else 1000     # ids every model's vocabulary holds
+    prompts = torch.randint(3, high, (args.streams, args.input_len), generator=g).tolist()
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=args.request_timeout,
                                      limits=httpx.Limits(max_connections=args.streams + 8)) as client:
@@ -280,6 +283,11 @@ async def run(args, res: dict, path: Path, adapter_dir: Path, running: dict[str,
             await wait_healthy(client, proc, args.start_timeout)
             res["start_s"] = time.perf_counter() - t
             log(f"server healthy after {res['start_s']:.1f} s")
+            context = (await client.get("/v1/models")).json()["data"][0]["max_model_len"]
+            if args.max_stream_tokens > context - args.input_len:      # a small model's context (CPU runs)
+                args.max_stream_tokens = context - args.input_len
+                log(f"streams of at most {args.max_stream_tokens} tokens (context {context})")
+            res["max_stream_tokens"] = args.max_stream_tokens
             await one_request(client, "warm-0", prompts[0][:4])              # the first load's one-time costs
             for name in running:
                 await one_request(client, name, prompts[0][:4])

@@ -25,14 +25,14 @@ def test_vision_info_counts_the_tokens_images_add():
 def test_lmm_replicas_answer_like_one_engine_and_a_killed_one_loses_no_image_request(tmp_path):
     path, hf = make_tiny_llava(tmp_path)
     paths, _ = with_adapters(tmp_path, hf)
-    kw = dict(adapters={k: str(v) for k, v in paths.items()}, block_size=4, max_model_len=128, device="cpu",
-              dtype="float32")
-    one = LLM(str(path), num_blocks=256, **kw)
+    kw = dict(adapters={k: str(v) for k, v in paths.items()}, block_size=4, max_model_len=192, num_blocks=256,
+              device="cpu", dtype="float32")
+    one = LLM(str(path), **kw)
     prompts, images, names = (list(x) for x in zip(*CASES))
     want = [o.token_ids for o in one.generate(prompts, names, greedy(6), images=images)]
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
-        two = LLM(str(path), num_blocks=160, replicas=2, **kw)
+        two = LLM(str(path), replicas=2, **kw)
         try:
             client = two.cluster
             front = client.front
@@ -41,14 +41,19 @@ def test_lmm_replicas_answer_like_one_engine_and_a_killed_one_loses_no_image_req
 
             victim = front.replicas[0]
             failovers = front.failovers
-            jobs = [Job(p, a, greedy(30), f"lmm-kill-{i}", tuple(im) if im else None) for i, (p, im, a) in
+            # long enough that the victim cannot finish its requests before the kill lands
+            jobs = [Job(p, a, greedy(120), f"lmm-kill-{i}", tuple(im) if im else None) for i, (p, im, a) in
                     enumerate(CASES)]
 
+            killed = []
+
             async def kill(front, tracked):
+                assert any(t.replica is victim for t in tracked.values())
                 ray.kill(victim.actor, no_restart=False)
+                killed.append(True)
             got = stream_tokens(client, jobs, kill, when=mid_stream_on(victim))
-            assert got == [o.token_ids for o in one.generate(prompts, names, greedy(30), images=images)]
-            assert front.failovers > failovers
+            assert got == [o.token_ids for o in one.generate(prompts, names, greedy(120), images=images)]
+            assert killed and front.failovers > failovers
         finally:
             two.close()
     finally:
