@@ -267,27 +267,43 @@ def test_tp2_random_preset_gives_the_tokens_of_one_process():
     assert got == want
 
 
-def test_tp2_fastlibra_swaps_keep_the_tokens_of_one_process(tiny_llama):
-    """FastLibra's swapper under TP=2 with a pool too small for four chats' cached KV: blocks go to host memory
-    and come back on every rank alike (the workers copy their slices in rank 0's order), so each chat's second
-    turn, its history found in host memory, gives one process's tokens."""
-    path, adapters = tiny_llama
+def fastlibra_chats(path, adapters, **kw):
+    """Four chats' first turns, then their second turns (history + answer + a new message), at TP=1 and under
+    TP=2 with FastLibra's swapper and a pool too small for the chats' cached KV: the tokens of both, and the
+    swapper's counts."""
     firsts = [[5, 17, 33, 2, 99, 120, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9],
               [250, 4, 4, 4, 9, 31, 77, 12, 13, 14, 200, 201], [42, 43, 44, 45, 46, 47, 48, 49]]
     names = [None, "a4", "a8", "a16"]
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def chats(llm):
-        """Every chat's first turn, then every chat's second (its history + the answer + a new message)."""
         answers = [llm.generate([p], [a], sp)[0].token_ids for p, a in zip(firsts, names)]
         follow = [p + list(o) + [60 + i, 61] for i, (p, o) in enumerate(zip(firsts, answers))]
         return answers + [llm.generate([p], [a], sp)[0].token_ids for p, a in zip(follow, names)]
-    want = chats(engine(path, adapters, 1))
-    two = engine(path, adapters, 2, prefix_caching=True, memory_policy="fastlibra")
+    want = chats(engine(path, adapters, 1, **kw))
+    two = engine(path, adapters, 2, prefix_caching=True, memory_policy="fastlibra", **kw)
     try:
         got = chats(two)
         sw = two.engine.swapper
-        assert got == want
-        assert sw.swapped_out > 0 and sw.swapped_in > 0 and two.engine.prefix_cache.hit_tokens > 0
+        return got, want, (sw.swapped_out, sw.swapped_in, two.engine.prefix_cache.hit_tokens)
     finally:
         two.close()
+
+
+def test_tp2_fastlibra_swaps_keep_the_tokens_of_one_process(tiny_llama):
+    """FastLibra's swapper under TP=2: blocks go to host memory and come back on every rank alike (the workers
+    copy their slices in rank 0's order), so each chat's second turn, its history found in host memory, gives
+    one process's tokens."""
+    got, want, (out, back, hits) = fastlibra_chats(*tiny_llama, device="cpu")
+    assert got == want
+    assert out > 0 and back > 0 and hits > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_fastlibra_swaps_on_two_gpus_keep_the_tokens_of_one(tiny_llama):
+    """The same on two GPUs: Triton kernels, adapters in each rank's pool, rank 0's copies on its copy streams
+    into pinned memory, the workers' on their own streams."""
+    got, want, (out, back, hits) = fastlibra_chats(*tiny_llama, device="cuda")
+    assert got == want
+    assert out > 0 and back > 0 and hits > 0
