@@ -284,6 +284,8 @@ async def run(args, res: dict, path: Path, adapter_dir: Path, running: dict[str,
             res["start_s"] = time.perf_counter() - t
             log(f"server healthy after {res['start_s']:.1f} s")
             context = (await client.get("/v1/models")).json()["data"][0]["max_model_len"]
+            if context <= args.input_len:
+                raise RuntimeError(f"--input-len {args.input_len} leaves no room in the served context {context}")
             if args.max_stream_tokens > context - args.input_len:      # a small model's context (CPU runs)
                 args.max_stream_tokens = context - args.input_len
                 log(f"streams of at most {args.max_stream_tokens} tokens (context {context})")

@@ -156,11 +156,12 @@ def log(msg: str) -> None:
 
 # -- set-up -----------------------------------------------------------------------------------------------
 def engine_config(args):
-    from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+    from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 
+    # unmerged, as the simulator's replicas (vlora/cluster/sim_replica.py) and the cost tables model them
     return EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed),
                         cache=CacheConfig(num_blocks=args.num_blocks),
-                        lora=LoRAConfig(max_lora_rank=max(args.ranks)))
+                        lora=LoRAConfig(max_lora_rank=max(args.ranks)), scheduler=SchedulerConfig(policy="unmerged"))
 
 
 def write_adapters(args, shape) -> dict[str, str]:

@@ -95,7 +95,8 @@ def sync(dev: torch.device) -> None:
 class Bench:
     def __init__(self, args):
         self.args = args
-        kw = dict(dtype=args.dtype, max_lora_rank=max(args.ranks), check_base_model=False,
+        # unmerged: the simulator's replicas (vlora/cluster/sim_replica.py) model every adapter through the kernels
+        kw = dict(dtype=args.dtype, max_lora_rank=max(args.ranks), check_base_model=False, policy="unmerged",
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_memory_gb=args.kv_cache_memory_gb)
         if args.dry_run:

@@ -178,6 +178,8 @@ class LLM:
 
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, got {type(sampling).__name__}")
+        if images is not None and not isinstance(images, (list, tuple)):     # as one engine refuses it
+            raise RequestError("images must be a list (one entry per image; a list of frames for a video)")
         return Job(prompt, adapter, sampling or SamplingParams(), f"llm-{next(self._ids)}",
                    tuple(images) if images else None)
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.cluster.test_cluster import greedy, mid_stream_on, stream_tokens
 from tests.models.test_vision import CASES, IMG, TPI, make_tiny_llava, with_adapters
-from vlora import LLM
+from vlora import LLM, SamplingParams
 from vlora.engine.client import Job, VisionInfo
 
 ray = pytest.importorskip("ray")
@@ -20,6 +20,29 @@ def test_vision_info_counts_the_tokens_images_add():
     assert info.prompt_tokens_added(["image"]) == TPI - 1
     assert info.prompt_tokens_added(["image", ["f0", "f1", "f2"]]) == 4 * TPI - 2    # a video: a token run per frame
     assert VisionInfo((IMG,), None).prompt_tokens_added(["image"]) == 0          # Qwen2-VL: by size, on admission
+
+
+def test_a_resumed_request_whose_output_holds_the_placeholder_id_is_not_read_as_images(tmp_path):
+    """A request the front moves resumes as prompt + output so far (``resumed``: how many tokens are output):
+    output tokens that happen to be the image placeholder id stay tokens, and the continuation is the one the
+    request would have had (a bias makes the placeholder id the model's pick)."""
+    from vlora.engine.engine import RequestError
+
+    path, _ = make_tiny_llava(tmp_path)
+    llm = LLM(str(path), block_size=4, max_model_len=192, num_blocks=256, device="cpu", dtype="float32")
+    prompt, images, _ = CASES[0]
+    sp = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, logit_bias={IMG: 0.5})   # noqa: E731
+    whole = llm.generate(prompt, None, sp(8), images=images)[0]
+    assert whole.token_ids[:3].count(IMG) == 3
+    eng = llm.engine
+    rid = eng.add_request(prompt + whole.token_ids[:3], None, sp(5), images=images, resumed=3)
+    out = {}
+    while eng.has_unfinished():
+        out.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert out[rid].token_ids == whole.token_ids[3:]
+    assert out[rid].prompt_token_ids == whole.prompt_token_ids + whole.token_ids[:3]
+    with pytest.raises(RequestError, match="placeholder"):         # not said to be output: read as placeholders
+        eng.add_request(prompt + whole.token_ids[:3], None, sp(5), images=images)
 
 
 def test_lmm_replicas_answer_like_one_engine_and_a_killed_one_loses_no_image_request(tmp_path):

@@ -30,7 +30,7 @@ import torch
 
 from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
-from vlora.builder import build_engine, warm_grammars
+from vlora.builder import build_engine, profile_policy, warm_grammars
 from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineStats, Job, QueueFull, RequestFailed,
                                  ShuttingDown)
@@ -223,11 +223,21 @@ class Replica:
             r = await self.load_adapter(name, path)
             if r is not None:
                 failed[name] = r
+        if self.engine.is_running:           # as `vlora serve` does once its adapters are registered
+            await self.engine.call(_profile_if_idle)
         self.adapters_version = version
         return failed
 
     async def shutdown(self, timeout: float | None = None) -> bool:
         return await self.engine.shutdown(timeout)
+
+
+def _profile_if_idle(engine: Engine) -> None:
+    """Time the inference modes for a merging policy (:func:`vlora.builder.profile_policy`) once, while no
+    request is in flight (the timed replays and merges hold the device): the first adapter sync, at start or
+    after a restart, before the front places any request here."""
+    if engine.mode_costs is None and not engine.has_unfinished():
+        profile_policy(engine)
 
 
 def _load(engine: Engine) -> tuple[int, int, int, frozenset[str]]:

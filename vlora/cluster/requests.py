@@ -197,7 +197,7 @@ class RequestTracker:
         p = t.job.params
         params = replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n), prompt_logprobs=None)
         self._text_here(t)
-        return replace(t.job, request_id=engine_id, prompt=t.prompt_ids + t.tokens, params=params)
+        return replace(t.job, request_id=engine_id, prompt=t.prompt_ids + t.tokens, params=params, resumed=n)
 
     async def _attempt(self, t: TrackedRequest, r: ReplicaHandle) -> None:
         """Run ``t`` on replica ``r`` until it finishes, is handed back, or ``r`` dies. Its outputs come from

@@ -311,7 +311,7 @@ class AsyncEngine:
         try:
             for job in group.jobs:
                 added.append(self.engine.add_request(job.prompt, job.adapter, job.params, job.request_id,
-                                                     images=job.images))
+                                                     images=job.images, resumed=job.resumed))
         except Exception:
             for rid in added:
                 self.engine.abort(rid)

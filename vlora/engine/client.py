@@ -65,6 +65,7 @@ class Job:
     params: SamplingParams
     request_id: str
     images: tuple | None = None         # LMMs: one decoded image (or a list of frames) per placeholder
+    resumed: int = 0                    # the prompt's last tokens are the output so far of a request moved here
 
 
 @dataclass(frozen=True)

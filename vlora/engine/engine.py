@@ -192,10 +192,12 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], adapter: str | None = None,
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    slo: SLO | None = None, images=None) -> str:
+                    slo: SLO | None = None, images=None, resumed: int = 0) -> str:
         """Queue a request; ``slo`` overrides its adapter's latency targets (see :meth:`set_slo`).
         ``images`` (LMMs): one entry per image placeholder of the prompt, an image (PIL image, encoded bytes,
-        a path or a preprocessed [C, H, W] tensor) or a video (a list of frames); see ``models/lmm.py``."""
+        a path or a preprocessed [C, H, W] tensor) or a video (a list of frames); see ``models/lmm.py``.
+        ``resumed``: the prompt's last tokens are a moved request's output so far (the cluster front resumes it
+        here by recompute), never read as image placeholders, whatever ids the model sampled."""
         params = params or SamplingParams()
         if slo is not None and not isinstance(slo, SLO):
             raise RequestError(f"slo must be an SLO, got {type(slo).__name__}")
@@ -214,7 +216,11 @@ class Engine:
         if any(t >= vocab for t, _ in params.logit_bias):
             raise RequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab})", param="logit_bias")
         ids = self._tokenize(prompt)
-        ids, spans = self._images(ids, images)
+        if not 0 <= resumed <= len(ids):
+            raise RequestError(f"resumed must be between 0 and the prompt's {len(ids)} tokens, got {resumed}")
+        tail = ids[len(ids) - resumed:]
+        ids, spans = self._images(ids[:len(ids) - resumed], images)
+        ids = ids + tail
         self._check_fits(ids, packed)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs:

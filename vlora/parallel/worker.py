@@ -62,8 +62,10 @@ class Worker:
                 numel *= d
             self.buf = zeros(numel, self.dtype, self.device)
             self.kv = self.buf.view(msg.kv_shape)
+        if self.host is None and msg.host_slots and self.kv is not None:
+            self._host_slots(msg.host_slots)     # with the first message, at start-up: pinning takes seconds
         if msg.swaps:               # before the placements: a page swapped out may hold an adapter placed since
-            self._swap(msg.swaps, msg.host_slots)
+            self._swap(msg.swaps)
         for name, where in msg.placed.items():
             if where is None:
                 self.parts[name].placement.offsets = None
@@ -88,13 +90,15 @@ class Worker:
                 lora = lora_of(msg.lora, self.parts.__getitem__)
             self.model(dataclasses.replace(fb, lora=lora), self.kv)
 
-    def _swap(self, swaps, host_slots: int) -> None:
+    def _host_slots(self, slots: int) -> None:
+        """FastLibra's host slots for this rank's slices of the pages (rank 0's count; pinned on CUDA)."""
+        shape = (slots, self.kv[0].numel())
+        cuda = self.device.type == "cuda"
+        self.host = pinned_empty(shape, self.dtype) if cuda else torch.empty(shape, dtype=self.dtype)
+
+    def _swap(self, swaps) -> None:
         """Rank 0's swapper copies, made here in its order with this rank's slices of the pages (on this rank's
         stream, before the message's forward: it may write a page just swapped out)."""
-        if self.host is None:
-            shape = (host_slots, self.kv[0].numel())
-            self.host = pinned_empty(shape, self.dtype) if self.device.type == "cuda" else \
-                torch.empty(shape, dtype=self.dtype)
         for op, page, slot in swaps:
             if op == "out":
                 self.host[slot].copy_(self.kv[page].view(-1))
