@@ -72,9 +72,9 @@ def report(rows: list[dict], part: str, runs: dict) -> str:
     if rows:
         lines += ["", "| sampling | workload | pairs | vlora / unmerged, mean [95% t-interval] |", "|---|---|---|---|"]
         for key, ratios in summary(rows).items():
-            ci = t_interval(ratios)
-            span = f" [{ci[1]:.3f}, {ci[2]:.3f}]" if ci else ""
-            lines.append(f"| {key[0]} | {key[1]} | {len(ratios)} | {sum(ratios) / len(ratios):.3f}{span} |")
+            ci = t_interval(ratios)          # (mean, low, high); None for one pair
+            cell = f"{ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}]" if ci else f"{ratios[0]:.3f}"
+            lines.append(f"| {key[0]} | {key[1]} | {len(ratios)} | {cell} |")
         ratios = [r["ratio"] for r in rows]
         lines += ["", f"vlora / unmerged over {len(rows)} pairs: mean {sum(ratios) / len(ratios):.3f}, "
                       f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}."]

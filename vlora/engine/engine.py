@@ -79,9 +79,9 @@ def resolve_device(name: str) -> torch.device:
 
 def default_policy(config: EngineConfig, device: torch.device) -> str:
     """The inference-mode policy where none is asked for: V-LoRA's on one GPU, where paired runs found it never
-    slower than a fixed policy beyond the noise and faster at skewed popularity, and within 3% of unmerged on
-    even popularity (docs/decisions.md); unmerged
-    on the CPU and under tensor parallelism, where merging is unmeasured."""
+    slower than a fixed policy beyond the noise, faster at skewed popularity, and offline within 3% of unmerged
+    on even popularity (docs/decisions.md); unmerged on the CPU and under tensor parallelism, where merging is
+    unmeasured."""
     return "vlora" if device.type == "cuda" and config.model.tensor_parallel_size == 1 else "unmerged"
 
 

@@ -66,6 +66,13 @@ from vlora.memory.copier import StreamCopier, SyncCopier
 from vlora.memory.pinned import pinned_empty
 
 
+def host_slot_buffer(slots: int, page_elems: int, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+    """Host memory for ``slots`` swapped-out KV pages of ``page_elems`` each: page-locked where the pool is on a
+    GPU (the copies are asynchronous), plain on the CPU."""
+    shape = (slots, page_elems)
+    return pinned_empty(shape, dtype) if cuda else torch.empty(shape, dtype=dtype)
+
+
 class CacheSwapper:
     def __init__(self, pool, tree, store, lookup, *, high: float = 0.95, low: float = 0.70, interval_s: float = 0.1,
                  decay_s: float = 1.0, host_kv_bytes: int = 4 << 30, link_bytes_per_s: float = 25e9,
@@ -183,8 +190,8 @@ class CacheSwapper:
     @property
     def host_buf(self) -> torch.Tensor:
         if self._host_buf is None:
-            shape, dtype = (self.host_slots, self.pool.page_elems), self.pool.buf.dtype
-            self._host_buf = pinned_empty(shape, dtype) if self.pool.buf.is_cuda else torch.empty(shape, dtype=dtype)
+            self._host_buf = host_slot_buffer(self.host_slots, self.pool.page_elems, self.pool.buf.dtype,
+                                              self.pool.buf.is_cuda)
         return self._host_buf
 
     def _slot(self, protect, worth: float | None = None) -> int | None:

@@ -20,8 +20,8 @@ from vlora.engine.modes import ModeSwitcher, ShardWeights
 from vlora.engine.runner import lora_groups
 from vlora.lora.batch import PackedAdapter
 from vlora.lora.device_store import aligned, matrices, group_offsets
-from vlora.memory.pinned import pinned_empty
 from vlora.memory.pool import zeros
+from vlora.memory.swapper import host_slot_buffer
 from vlora.parallel.collectives import make_reduce, time_all_reduce
 from vlora.parallel.messages import (GraphSetup, Probe, Replay, StepMessage, lora_of, segments_of, tensors_to,
                                      with_buffer)
@@ -92,9 +92,7 @@ class Worker:
 
     def _host_slots(self, slots: int) -> None:
         """FastLibra's host slots for this rank's slices of the pages (rank 0's count; pinned on CUDA)."""
-        shape = (slots, self.kv[0].numel())
-        cuda = self.device.type == "cuda"
-        self.host = pinned_empty(shape, self.dtype) if cuda else torch.empty(shape, dtype=self.dtype)
+        self.host = host_slot_buffer(slots, self.kv[0].numel(), self.dtype, self.device.type == "cuda")
 
     def _swap(self, swaps) -> None:
         """Rank 0's swapper copies, made here in its order with this rank's slices of the pages (on this rank's
