@@ -191,23 +191,35 @@ def test_adapter_loaded_at_run_time_reaches_every_replica(setup):
     assert [on_replica(client, i, PROMPTS[3], "b", 8) for i in (0, 1)] == [want, want]
 
 
-def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
-    client, one, _ = setup
+def kill_until_a_request_moves(client, victim, jobs_of, want, attempts=4):
+    """Kill replica ``victim`` while a request of it streams; every request of ``jobs_of(attempt)`` must give
+    ``want``, and the victim must rejoin. A victim that streamed its requests to the end before the kill landed
+    (a loaded host) is killed again once it rejoins, until a request of it was rerun elsewhere."""
     front = client.front
-    victim = front.replicas[0]
-    incarnation, failovers = victim.incarnation, front.failovers
-    jobs = [Job(PROMPTS[i], ("a", "b", None, "a")[i], greedy(40), f"kill-{i}") for i in range(4)]
+    failovers = front.failovers
 
     async def kill(front, tracked):
         assert any(t.replica is victim for t in tracked.values())
         ray.kill(victim.actor, no_restart=False)
-    got = stream_tokens(client, jobs, kill, when=mid_stream_on(victim))
-    assert got == [expected(one, j.prompt, j.adapter, 40) for j in jobs]
+    for attempt in range(attempts):
+        incarnation = victim.incarnation
+        assert stream_tokens(client, jobs_of(attempt), kill, when=mid_stream_on(victim)) == want
+        deadline = time.monotonic() + 60
+        while not (victim.ready and victim.incarnation != incarnation):
+            assert time.monotonic() < deadline, "the killed replica did not rejoin"
+            time.sleep(0.1)
+        if front.failovers > failovers:
+            break
     assert front.failovers > failovers
-    deadline = time.monotonic() + 60
-    while not (victim.ready and victim.incarnation != incarnation):
-        assert time.monotonic() < deadline, "the killed replica did not rejoin"
-        time.sleep(0.1)
+
+
+def test_killed_replica_loses_no_request_and_rejoins_with_adapters(setup):
+    client, one, _ = setup
+    names = ("a", "b", None, "a")
+    kill_until_a_request_moves(
+        client, client.front.replicas[0],
+        lambda attempt: [Job(PROMPTS[i], names[i], greedy(40), f"kill-{attempt}-{i}") for i in range(4)],
+        [expected(one, PROMPTS[i], names[i], 40) for i in range(4)])
     # the restarted replica serves the adapter given at start and the one loaded at run time
     assert on_replica(client, 0, PROMPTS[3], "b", 8) == expected(one, PROMPTS[3], "b", 8)
     assert on_replica(client, 0, PROMPTS[0], "a", 8) == expected(one, PROMPTS[0], "a", 8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_cluster import greedy, mid_stream_on, stream_tokens
+from tests.cluster.test_cluster import greedy, kill_until_a_request_moves
 from tests.models.test_vision import CASES, IMG, TPI, make_tiny_llava, with_adapters
 from vlora import LLM, SamplingParams
 from vlora.engine.client import Job, VisionInfo
@@ -62,21 +62,12 @@ def test_lmm_replicas_answer_like_one_engine_and_a_killed_one_loses_no_image_req
             assert front.info.vision == VisionInfo((IMG,), TPI)
             assert [o.token_ids for o in two.generate(prompts, names, greedy(6), images=images)] == want
 
-            victim = front.replicas[0]
-            failovers = front.failovers
-            # long enough that the victim cannot finish its requests before the kill lands
-            jobs = [Job(p, a, greedy(120), f"lmm-kill-{i}", tuple(im) if im else None) for i, (p, im, a) in
-                    enumerate(CASES)]
-
-            killed = []
-
-            async def kill(front, tracked):
-                assert any(t.replica is victim for t in tracked.values())
-                ray.kill(victim.actor, no_restart=False)
-                killed.append(True)
-            got = stream_tokens(client, jobs, kill, when=mid_stream_on(victim))
-            assert got == [o.token_ids for o in one.generate(prompts, names, greedy(120), images=images)]
-            assert killed and front.failovers > failovers
+            # long enough that the victim seldom finishes its requests before the kill lands
+            kill_until_a_request_moves(
+                client, front.replicas[0],
+                lambda attempt: [Job(p, a, greedy(120), f"lmm-kill-{attempt}-{i}", tuple(im) if im else None)
+                                 for i, (p, im, a) in enumerate(CASES)],
+                [o.token_ids for o in one.generate(prompts, names, greedy(120), images=images)])
         finally:
             two.close()
     finally:
