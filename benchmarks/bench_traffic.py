@@ -374,6 +374,21 @@ async def sweep(args, adapter_dirs: dict[str, str], names: list[str], res: dict,
         stop_server(proc)
 
 
+def commit() -> str | None:
+    """The commit measured: $VLORA_COMMIT where the checkout's history is not the code's (a copied tree), else
+    git's."""
+    import os
+    import subprocess
+
+    if os.environ.get("VLORA_COMMIT"):
+        return os.environ["VLORA_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -384,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         device = "cpu"
     tag = device.lower().replace(" ", "-")
-    res = dict(date=dt.date.today().isoformat(), device=device, model=args.model,
+    res = dict(date=dt.date.today().isoformat(), device=device, commit=commit(), model=args.model,
                sampling=openai_fields(SAMPLING, 1, 0),
                args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "profile"},
                max_model_len=None, rates=[], slo_rate=None)

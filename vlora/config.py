@@ -143,6 +143,8 @@ class SchedulerConfig:
     """V-LoRA's θ: a request whose credit (waiting + iteration + switch time) passes it starves."""
     async_scheduling: bool = True
     """Queue each decode iteration replayed from a CUDA graph before reading the tokens of the one before it (its input tokens are taken on the GPU), so the host's work between iterations overlaps the forward. Applies to decode-only iterations when no waiting request could join (a full batch delays a waiting request by one iteration) while nothing is merged (a merging policy's iteration that would merge runs synchronously), on one GPU, without FastLibra's swapper (memory_policy fastlibra with prefix caching); outputs are the same either way."""
+    max_prefill_tokens_with_decodes: int | None = None
+    """Most prompt tokens an iteration computes beside the decodes of running sequences (longer prompts, and several prompts, are prefilled in chunks of that many while they decode): the bound on how long a new request stalls the streams in flight. On CUDA with CUDA graphs such an iteration replays a graph of its own (decodes and prompt chunks together) instead of launching the forward kernel by kernel. Default: 1,024 on CUDA with CUDA graphs, else max_num_batched_tokens (no separate bound)."""
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in ("unmerged", "vlora", "merged-only", "dlora"):
@@ -151,6 +153,9 @@ class SchedulerConfig:
             raise ConfigError(f"starvation_s must be > 0, got {self.starvation_s}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_prefill_tokens_with_decodes is not None and self.max_prefill_tokens_with_decodes < 1:
+            raise ConfigError("max_prefill_tokens_with_decodes must be >= 1, "
+                              f"got {self.max_prefill_tokens_with_decodes}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None

@@ -29,7 +29,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, adapters: Sequence[AdapterRequest] | dict | None = None,
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory_gb: float | None = None,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, max_lora_rank: int = 128,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_prefill_tokens_with_decodes: int | None = None, max_lora_rank: int = 128,
                  check_base_model: bool = True, lora_kernel: str = "auto", policy: str | None = None,
                  starvation_s: float = 0.5, seed: int = 0, kernels: str = "auto", cuda_graphs: bool = True,
                  max_loras: int = 4, prefix_caching: bool = False, max_images_per_request: int = 16,
@@ -51,7 +52,7 @@ class LLM:
                               merged_copy=merged_copy),
             lora=LoRAConfig(max_lora_rank, check_base_model, lora_kernel, max_loras, lora_overlap, lora_pdl),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, policy, starvation_s,
-                                      async_scheduling))
+                                      async_scheduling, max_prefill_tokens_with_decodes))
         items = adapters.items() if isinstance(adapters, dict) else ((a.name, a.path) for a in adapters or ())
         self.cluster = None
         if replicas > 1 or ray_address is not None:

@@ -163,3 +163,38 @@ def test_a_sequence_outgrowing_the_whole_kv_cache_ends_with_length(tiny):
     assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 16 - 10 + 1   # last one needs no KV
     assert outs[1].finish_reason == "length"
     assert small.engine.allocator.num_free == 4 and not small.engine.has_unfinished()
+
+
+def test_prompts_beside_decodes_are_prefilled_in_chunks_of_their_bound(tiny):
+    """While a request decodes, a new prompt is prefilled at most ``max_prefill_tokens_with_decodes`` tokens an
+    iteration (a prompt with nothing decoding gets the whole token budget); the tokens are those of an engine
+    without the bound."""
+    path, adapters, _ = tiny
+    prompt_b = list(range(3, 23))
+    outs = {}
+    for bound in (None, 4):
+        llm = LLM(str(path), adapters=adapters, num_blocks=64, block_size=4, max_model_len=128,
+                  max_num_batched_tokens=64, max_prefill_tokens_with_decodes=bound)
+        eng = llm.engine
+        a = eng.add_request(PROMPT, "a", greedy(12))
+        done = {o.request_id: o for o in eng.step() if o.finished}
+        assert eng.scheduler.prompt_tokens_computed == len(PROMPT)       # nothing decoded: all of it at once
+        b = eng.add_request(prompt_b, None, greedy(4))
+        chunks = []
+        while eng.has_unfinished():
+            before = eng.scheduler.prompt_tokens_computed
+            done |= {o.request_id: o for o in eng.step() if o.finished}
+            chunks.append(eng.scheduler.prompt_tokens_computed - before)
+        outs[bound] = (done[a].token_ids, done[b].token_ids)
+        if bound == 4:
+            assert chunks[:5] == [4] * 5 and sum(chunks) == len(prompt_b)
+        else:
+            assert chunks[0] == len(prompt_b)
+    assert outs[4] == outs[None]
+
+
+def test_a_bound_on_prompt_tokens_beside_decodes_below_one_is_refused():
+    from vlora.config import ConfigError, SchedulerConfig
+
+    with pytest.raises(ConfigError, match="max_prefill_tokens_with_decodes must be >= 1"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=0)

@@ -126,7 +126,7 @@ def test_gpu_mixed_mode_in_one_launch_gives_the_two_launch_and_unmerged_tokens(t
         assert [o.token_ids for o in llm.generate(PROMPTS, NAMES, SP)] == unmerged, launches
     from vlora.engine.cuda_graphs import MIXED, PAIRED
 
-    assert {MIXED, PAIRED} <= {kind for _, kind in eng.runner.graphs.graphs}
+    assert {MIXED, PAIRED} <= {kind for _, kind, _ in eng.runner.graphs.graphs}
 
 
 def test_graph_replays_follow_a_change_of_mixed_launch(tmp_path):
@@ -151,5 +151,5 @@ def test_graph_replays_follow_a_change_of_mixed_launch(tmp_path):
         eng.runner.graphs.launch = eng.runner.lora_launch
         before = set(eng.runner.graphs.graphs)
         assert [o.token_ids for o in llm.generate(short, NAMES, sp)] == unmerged, launches
-        kinds.append({kind for _, kind in set(eng.runner.graphs.graphs) - before})
+        kinds.append({kind for _, kind, _ in set(eng.runner.graphs.graphs) - before})
     assert kinds == [{PAIRED}, {MIXED}]

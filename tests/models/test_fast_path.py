@@ -50,7 +50,7 @@ def check_graph_decode(path, paths, pm, **kw):
     got = [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
     g = llm.engine.runner.graphs
     assert g.num_replays > 0
-    assert {kind for _, kind in g.graphs} == {0, 1}                 # base-only and LoRA iterations replayed
+    assert {kind for _, kind, _ in g.graphs} == {0, 1}                 # base-only and LoRA iterations replayed
     assert got == want
     llm.engine.merge_adapter("a8")      # merged mode replays graphs too (no second pass); same tokens
     merged = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[0::4], "a8", GRAPH_SPS[0::4])]
@@ -58,7 +58,7 @@ def check_graph_decode(path, paths, pm, **kw):
     replays = g.num_replays             # mixed mode (a8 merged, the others add theirs and subtract it): its graphs
     mixed = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[:4], GRAPH_NAMES[:4], GRAPH_SPS[:4])]   # every name
     assert mixed == want[:4]
-    assert g.num_replays > replays and g.mixed_kind in {kind for _, kind in g.graphs}    # one launch by default
+    assert g.num_replays > replays and g.mixed_kind in {kind for _, kind, _ in g.graphs}    # one launch by default
     assert llm.engine.runner.modes.merged is not None
     llm.engine.pool.check()
     assert llm.engine.pool.kv_pages == 0                   # every KV block came back
@@ -69,6 +69,47 @@ def test_graph_decode_buffers_on_cpu(tmp_path):
     with the Triton kernels in the interpreter."""
     path, paths, pm = build(tmp_path)
     check_graph_decode(path, paths, pm, kernels="triton", lora_kernel="triton")
+
+
+def check_mixed_graphs(path, paths, pm, **kw):
+    """Prompts prefilled in chunks beside running decodes (a token budget of 8, at most 6 prompt tokens beside
+    decodes: every prompt is admitted while others decode, some in two chunks, several chunks in one iteration)
+    replay mixed graphs, base-only and with LoRA: every token equal to PEFT's. Prompt logprobs run eagerly."""
+    want = [peft_greedy(pm, p, a, sp.max_tokens) for p, a, sp in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
+    kw = {"policy": "unmerged", **kw}
+    llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128,
+              max_num_batched_tokens=8, max_prefill_tokens_with_decodes=6, **kw)
+    assert llm.engine.config.scheduler.max_prefill_tokens_with_decodes == 6
+    if llm.engine.runner.graphs is None:                 # CPU: the emulation
+        llm.engine.runner.enable_graphs(8, llm.engine.max_model_len, columns=2, mixed_tokens=6)
+    g = llm.engine.runner.graphs
+    assert g.mixed_buckets
+    got = [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
+    assert got == want
+    base = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[::3], None, GRAPH_SPS[::3])]    # no adapter at all
+    assert base == [peft_greedy(pm, p, None, sp.max_tokens) for p, sp in zip(GRAPH_PROMPTS[::3], GRAPH_SPS[::3])]
+    assert {(kind, mixed) for _, kind, mixed in g.graphs} >= {(0, True), (1, True)}
+    replays = g.num_replays
+    out = llm.generate(GRAPH_PROMPTS[:3], GRAPH_NAMES[:3],
+                       [SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True, prompt_logprobs=1)] * 3)
+    assert [o.token_ids for o in out] == [w[:3] for w in want[:3]]
+    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(out, GRAPH_PROMPTS[:3]))
+    assert g.num_replays > replays                          # their decodes still replay
+    llm.engine.pool.check()
+    assert llm.engine.pool.kv_pages == 0
+
+
+def test_mixed_graphs_on_cpu(tmp_path):
+    """Mixed graphs' static buffers (decode rows, chunk slots, padding, segments over both), emulated on a CPU
+    with the Triton kernels in the interpreter."""
+    path, paths, pm = build(tmp_path)
+    check_mixed_graphs(path, paths, pm, kernels="triton", lora_kernel="triton")
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_graphs_equal_peft(tmp_path):
+    path, paths, pm = build(tmp_path)
+    check_mixed_graphs(path, paths, pm, device="cuda", dtype="float32")
 
 
 @pytest.mark.gpu
@@ -92,7 +133,7 @@ def check_graph_columns(path, paths, columns, **kw):
     got = [llm.generate([p], [n], sp)[0].token_ids for p, n in zip(prompts, names)]
     assert got == want
     g = llm.engine.runner.graphs
-    assert g.num_replays > 0 and {lora for _, lora in g.graphs} == {True}
+    assert g.num_replays > 0 and {lora for _, lora, _ in g.graphs} == {True}
     return g, llm.engine.adapters.store
 
 

@@ -129,7 +129,7 @@ def test_tp2_triton_kernels_and_decode_graphs_match_one_process(one_layer_llama)
         ran, hits = eng.orchestrator.mode_iterations, eng.prefix_cache.hit_tokens
         assert greedy(two, 3, SHORT) == want_tokens and ran[Mode.MIXED] > 0
         assert eng.prefix_cache.hit_tokens > hits                 # the base-model prompt's blocks
-        assert any(kind == 2 for _, kind in graphs.graphs)
+        assert any(kind == 2 for _, kind, _ in graphs.graphs)
     finally:
         two.close()
 

@@ -36,6 +36,18 @@ is fixed at capture: one program row per segment, so segments are split into
 pieces of at most ``seg_cap`` rows (the tile height), which gives the same
 result; unused segment slots have length 0 and exit at once. An iteration with
 more rows than the largest bucket runs eagerly instead.
+
+Mixed graphs (``mixed_tokens`` > 0) replay an iteration that decodes running
+sequences while it prefills up to ``CHUNK_SLOTS`` prompt chunks: ``T`` rows (a
+bucket of :func:`mixed_sizes`), the decodes first, then the chunks' tokens end to
+end, then padding. Decode attention runs over the first ``min(T, max_batch)``
+rows (rows of chunks and padding have context length 0 there), prefill
+attention over the chunk slots (start row, new tokens, context, block table;
+unused slots have no tokens); the logits are those of the decode rows and of
+each chunk's last row. Without them such an iteration runs eagerly, and its
+host work (a Python call per kernel launch) stalls every running stream for
+tens of milliseconds (docs/decisions.md, 'Prefills beside decodes replayed
+from graphs').
 """
 
 from __future__ import annotations
@@ -45,10 +57,12 @@ import torch
 from vlora.kernels.segments import SegmentMeta
 from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
 from vlora.memory.capture import CAPTURE
-from vlora.models.forward_batch import ForwardBatch
+from vlora.models.forward_batch import ForwardBatch, PrefillMeta
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL, _SRC = range(9)
 BASE, LORA, MIXED, PAIRED = 0, 1, 2, 3    # graph kinds (0 and 1 also read as False / True: "with LoRA")
+CHUNK_SLOTS = 8                 # prompt chunks a mixed graph prefills at most (more: the iteration runs eagerly)
+_C_START, _C_LEN, _C_CTX, _C_ROW = range(4)       # rows of the chunk metadata
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -56,45 +70,61 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def mixed_sizes(top: int) -> list[int]:
+    """Row counts of the mixed graphs for iterations of up to ``top`` rows (decodes + prompt tokens): steps of
+    at most 1.5x, so that padding costs at most half of an iteration's rows."""
+    sizes = [s for s in (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192) if s < top]
+    return sizes + [top]
+
+
 class DecodeGraphs:
     capture_error_mode = "global"      # tensor parallelism: "thread_local" (NCCL's watchdog thread runs meanwhile)
 
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
-                 lora_setup=None, columns: int = 512, launch: LoRALaunch = LoRALaunch()):
+                 lora_setup=None, columns: int = 512, launch: LoRALaunch = LoRALaunch(), mixed_tokens: int = 0):
         """``lora_setup``: (a function returning the adapter buffer, which the store may reallocate; group widths,
         group in-features, tiling table, max rank) or None;
         ``launch``: how the captured LoRA kernels are launched;
         ``columns``: adapter columns of the offset tables to start with (about 5 KB each on a 32-layer model;
         outgrowing them recaptures every LoRA graph, so the default is sized past the adapters a pool holds at
-        once)."""
+        once); ``mixed_tokens`` > 0: mixed graphs too, for iterations that prefill up to that many prompt tokens
+        beside their decodes."""
         self.model = model
         self.kv_cache = kv_cache
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = b = self.buckets[-1]
+        self.mixed_buckets = mixed_sizes(b + mixed_tokens) if mixed_tokens > 0 else []
+        w = max([b] + self.mixed_buckets)            # the widest graph's rows
         self.scratch_slot = scratch_slot
         self.page = kv_cache.shape[3]
         self.device = dev = kv_cache.device
-        self.meta = torch.zeros(9, b, dtype=torch.long, device=dev)
+        self.meta = torch.zeros(9, w, dtype=torch.long, device=dev)
         self.meta[_SLOTS] = scratch_slot
         # host staging of meta, the scales and the block tables; rewritten only once their last copy has left
-        self.host_meta = _host_zeros((9, b), torch.long, dev)
-        self.host_scales = _host_zeros((b,), torch.float32, dev)
+        self.host_meta = _host_zeros((9, w), torch.long, dev)
+        self.host_scales = _host_zeros((w,), torch.float32, dev)
         self.host_tables = HostTables(b, max_blocks, dev)
+        # mixed graphs: each chunk slot's start row, new tokens, context and logits row; its block table
+        self.chunks = torch.zeros(4, CHUNK_SLOTS, dtype=torch.long, device=dev)
+        self.chunk_tables = torch.zeros(CHUNK_SLOTS, max_blocks, dtype=torch.int32, device=dev)
+        self.host_chunks = _host_zeros((4, CHUNK_SLOTS), torch.long, dev)
+        self.host_chunk_tables = HostTables(CHUNK_SLOTS, max_blocks, dev)
         self._meta_np, self._scales_np = self.host_meta.numpy(), self.host_scales.numpy()
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         self._seg_key = None             # (segments, columns, cap, bucket) whose rows the host buffers hold
-        self.scales = torch.zeros(b, dtype=torch.float32, device=dev)
+        self.scales = torch.zeros(w, dtype=torch.float32, device=dev)
         # mixed mode's second pass: start/len/rank/column; or, paired, rows 2-3: each slot's pair rank/column
         self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)
         self.scales2 = torch.zeros(b, dtype=torch.float32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
-        self.rows = torch.arange(b, device=dev)
+        self.rows = torch.arange(w, device=dev)
         self.lora_setup = lora_setup
         self.launch = launch
         self._columns: dict[str, tuple[PackedAdapter, int, int]] = {}     # name -> (adapter, column, epoch)
         if lora_setup is not None:
             self._alloc_columns(columns)
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor, int]] = {}     # (bucket, kind) ->
+        # (rows, kind, mixed) -> (graph, logits, segment piece height, segment slots)
+        self.graphs: dict[tuple[int, int, bool], tuple[object, torch.Tensor, int, int]] = {}
         self._weights = None        # the weights self.graphs were captured over (None: the base weights)
         self._other_sets: dict = {}     # weights key -> the graphs of the other weights (at most one set)
         self.pool = None
@@ -172,21 +202,28 @@ class DecodeGraphs:
         self._weights = key
 
     # -- capture -------------------------------------------------------------------------------
-    def _forward_batch(self, b: int, kind: int) -> tuple[ForwardBatch, int]:
+    def _decode_rows(self, b: int, mixed: bool) -> int:
+        """Rows of a graph of ``b`` rows that decode attention covers: all of a decode graph's, the first
+        ``max_batch`` of a mixed graph's (decodes come first, and there are never more)."""
+        return min(b, self.max_batch) if mixed else b
+
+    def _forward_batch(self, b: int, kind: int, mixed: bool = False) -> tuple[ForwardBatch, int]:
         """The forward's inputs as views of (and, for int32 and offsets, ops on) the static buffers: called
         inside the capture, so the graph recomputes the derived tensors on every replay."""
-        meta = self.meta[:, :b]
+        meta, d = self.meta[:, :b], self._decode_rows(b, mixed)
         lora, cap = None, b
         if kind:
             buffer, widths, group_in, table, max_rank = self.lora_setup
             paired = kind == PAIRED
+            segs = min(b, d + CHUNK_SLOTS) if mixed else b      # the tile configs of the most segments there
             configs = {}
             for g, modules in GROUPS.items():
                 r_max = len(modules) * max_rank * (2 if paired else 1)     # paired: the pair's columns of v too
-                shrink = table.get("shrink", b, b, group_in[g], r_max)
-                expand = table.get("expand", b, b, sum(widths[g]), max_rank)
+                shrink = table.get("shrink", b, segs, group_in[g], r_max)
+                expand = table.get("expand", b, segs, sum(widths[g]), max_rank)
                 cap = min(cap, shrink.block_m, expand.block_m * expand.m_loop)
                 configs[g] = (r_max, shrink, expand)
+            n = self._slots(b, mixed, cap)
 
             def offsets(g: str, cols: torch.Tensor) -> list[torch.Tensor]:
                 return [t.index_select(1, cols) for t in self.col_tables[g]]
@@ -194,50 +231,66 @@ class DecodeGraphs:
             def lora_pass(seg_rows: torch.Tensor, cols: torch.Tensor, scales: torch.Tensor, extra=None) -> LoRABatch:
                 kernel = {}
                 for g, (r_max, shrink, expand) in configs.items():
-                    pair = GroupOffsets(*offsets(g, self.meta2[3, :b])) if paired else None
+                    pair = GroupOffsets(*offsets(g, self.meta2[3, :n])) if paired else None
                     kernel[g] = KernelGroupMeta(*offsets(g, cols), r_max, widths[g], shrink, expand, pair=pair,
                                                 max_rank=max_rank)
                 seg = seg_rows.to(torch.int32)
-                pair_meta = (dict(pair_ranks=self.meta2[2, :b].to(torch.int32), pair_scales=self.scales2[:b])
+                pair_meta = (dict(pair_ranks=self.meta2[2, :n].to(torch.int32), pair_scales=self.scales2[:n])
                              if paired else {})
                 return LoRABatch((), SegmentMeta(seg[0], seg[1], seg[2], scales, max_len=cap, num_rows=b,
                                                  **pair_meta),
                                  kernel, buffer(), extra=extra, launch=self.launch)
 
-            minus = lora_pass(self.meta2[:3, :b], self.meta2[3, :b], self.scales2[:b]) if kind == MIXED else None
-            lora = lora_pass(meta[_SEG_START:_SEG_COL], meta[_SEG_COL], self.scales[:b], minus)
-        fb = ForwardBatch(meta[_IDS], meta[_POS], meta[_SLOTS], num_decodes=b,
-                          decode_block_tables=self.tables[:b], decode_lens=meta[_LENS].to(torch.int32),
+            minus = lora_pass(self.meta2[:3, :n], self.meta2[3, :n], self.scales2[:n]) if kind == MIXED else None
+            lora = lora_pass(meta[_SEG_START:_SEG_COL, :n], meta[_SEG_COL, :n], self.scales[:n], minus)
+        prefill, rows = None, self.rows[:b]
+        if mixed:
+            c = self.chunks.to(torch.int32)
+            prefill = PrefillMeta(self.chunk_tables, c[_C_START], c[_C_LEN], c[_C_CTX], b)
+            rows = torch.cat((self.rows[:d], self.chunks[_C_ROW]))
+        fb = ForwardBatch(meta[_IDS], meta[_POS], meta[_SLOTS], num_decodes=d,
+                          decode_block_tables=self.tables[:d], decode_lens=meta[_LENS, :d].to(torch.int32),
                           decode_max_len=self.tables.shape[1] * self.page, decode_mask=None,
-                          prefills=(), prefill_meta=None, logits_rows=self.rows[:b], lora=lora, use_kernels=True)
+                          prefills=(), prefill_meta=prefill, logits_rows=rows, lora=lora, use_kernels=True)
         return fb, cap
 
-    def _run_forward(self, b: int, kind: int) -> tuple[torch.Tensor, int]:
-        fb, cap = self._forward_batch(b, kind)
-        return self.model.compute_logits(self.model(fb, self.kv_cache), fast=True), cap
+    def _slots(self, b: int, mixed: bool, cap: int) -> int:
+        """Segment slots of a graph of ``b`` rows whose pieces are at most ``cap`` rows: one per row of a decode
+        graph; a mixed graph's pieces are at most one per decode row and chunk plus one per ``cap`` rows."""
+        return min(b, self._decode_rows(b, mixed) + CHUNK_SLOTS + -(-b // cap)) if mixed else b
 
-    def capture(self, b: int, kind: int) -> None:
+    def _run_forward(self, b: int, kind: int, mixed: bool = False) -> tuple[torch.Tensor, int]:
+        fb, cap = self._forward_batch(b, kind, mixed)
+        hidden = self.model(fb, self.kv_cache)
+        if mixed:                                   # the decode rows' and each chunk's last row's
+            hidden = hidden.index_select(0, fb.logits_rows)
+        return self.model.compute_logits(hidden, fast=True), cap
+
+    def capture(self, b: int, kind: int, mixed: bool = False) -> None:
         self.meta[_LENS].zero_()
         self.meta[_SEG_LEN].zero_()
         self.meta[_SEG_COL].zero_()
         self.meta2[1:].zero_()
         self.meta[_SLOTS].fill_(self.scratch_slot)
+        self.chunks.zero_()
+        key = (b, kind, mixed)
         if self.device.type != "cuda":
-            graph = _Rerun(lambda: self._run_forward(b, kind)[0])
-            self.graphs[(b, kind)] = (graph, graph.out, self._forward_batch(b, kind)[1])
+            graph = _Rerun(lambda: self._run_forward(b, kind, mixed)[0])
+            cap = self._forward_batch(b, kind, mixed)[1]
+            self.graphs[key] = (graph, graph.out, cap, self._slots(b, mixed, cap))
             return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):             # warm-up: Triton compiles, caches fill
             for _ in range(2):
-                self._run_forward(b, kind)
+                self._run_forward(b, kind, mixed)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # no other thread's CUDA call may land inside a global capture (vlora/memory/capture.py)
         with CAPTURE, torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.capture_error_mode):
-            logits, cap = self._run_forward(b, kind)
+            logits, cap = self._run_forward(b, kind, mixed)
         self.pool = graph.pool()
-        self.graphs[(b, kind)] = (graph, logits, cap)
+        self.graphs[key] = (graph, logits, cap, self._slots(b, mixed, cap))
 
     @property
     def mixed_kind(self) -> int:
@@ -245,17 +298,91 @@ class DecodeGraphs:
         return PAIRED if self.launch.mixed == "one" else MIXED
 
     def capture_all(self, with_lora: bool = True, mixed: bool = False) -> None:
-        kinds = (BASE,) + ((LORA,) + ((self.mixed_kind,) if mixed else ())
-                           if with_lora and self.lora_setup is not None else ())
-        for b in reversed(self.buckets):           # largest first: smaller graphs reuse its pool memory
-            for kind in kinds:
-                if (b, kind) not in self.graphs:
-                    self.capture(b, kind)
+        """Capture every graph not captured yet: decode graphs of the base kind, with LoRA (``with_lora``) and of
+        mixed mode (``mixed``); the mixed graphs (prefills beside decodes) of the first two."""
+        lora = with_lora and self.lora_setup is not None
+        kinds = (BASE,) + ((LORA,) + ((self.mixed_kind,) if mixed else ()) if lora else ())
+        todo = [(b, kind, True) for b in self.mixed_buckets for kind in kinds[:2]]
+        todo += [(b, kind, False) for b in self.buckets for kind in kinds]
+        for key in sorted(todo, key=lambda k: -k[0]):   # largest first: smaller graphs reuse its pool memory
+            if key not in self.graphs:
+                self.capture(*key)
 
     # -- replay --------------------------------------------------------------------------------
     def fits(self, n: int, lora: bool) -> bool:
         """Whether a decode iteration of ``n`` rows (with LoRA segments or not) can replay a graph."""
         return self.bucket(n) is not None and (not lora or self.lora_setup is not None)
+
+    def mixed_bucket(self, decodes: int, tokens: int, chunks: int) -> int | None:
+        """Rows of the mixed graph an iteration of ``decodes`` decodes and ``chunks`` prompt chunks of
+        ``tokens`` tokens in all replays; None: there is none (it runs eagerly)."""
+        if decodes > self.max_batch or chunks > CHUNK_SLOTS:
+            return None
+        return next((b for b in self.mixed_buckets if b >= decodes + tokens), None)
+
+    def _kind(self, segments, minus) -> int:
+        paired = any(seg.pair is not None for seg in segments)
+        return MIXED if minus else PAIRED if paired else LORA if segments else BASE
+
+    def _prepare(self, kind: int, segments, minus) -> tuple | None:
+        """The adapters' offset-table columns of a replay of ``kind`` (segments, minus, pairs); None: no graph
+        of that kind here."""
+        if kind and self.lora_setup is None:
+            return None
+        if not kind:
+            return (), (), None
+        if self.lora_setup[0]().data_ptr() != self._buf_ptr:        # the adapter buffer grew
+            self._drop_lora_graphs()
+            self._buf_ptr = self.lora_setup[0]().data_ptr()
+        cols = [self._column(seg.adapter) for seg in segments]      # before the lookup: may drop graphs
+        cols2 = [self._column(seg.adapter) for seg in minus]       # resident adapters' columns never recycle
+        pair_cols = [0 if seg.pair is None else self._column(seg.pair) for seg in segments] \
+            if kind == PAIRED else None
+        return cols, cols2, pair_cols
+
+    def _fill(self, key: tuple[int, int, bool], ids, positions, slots, lens, tables, counts, segments, minus,
+              cols, src=None) -> tuple:
+        """Write a replay's rows into the host buffers and copy them to the static ones; returns the graph and
+        its logits."""
+        b, kind, mixed = key
+        if key not in self.graphs:
+            self.capture(*key)
+        graph, logits, cap, nslots = self.graphs[key]
+        cols, cols2, pair_cols = cols
+        if self._copied is not None:
+            self._copied.synchronize()        # the last step's copies have left the host buffers (long since)
+        m, n, d = self._meta_np, len(ids), len(lens)
+        m[_IDS, :n], m[_POS, :n], m[_SLOTS, :n], m[_LENS, :d] = ids, positions, slots, lens
+        m[_IDS:_SLOTS + 1, n:b] = 0
+        m[_SLOTS, n:b] = self.scratch_slot
+        m[_LENS, d:b] = 0
+        if src is not None:
+            m[_SRC, :n] = src
+        if kind:
+            seg_key = (segments, cols, cap, nslots)
+            if self._seg_key is None or not _same(self._seg_key, seg_key):     # else the rows are still there
+                seg_rows, scales = self._pieces(segments, cols, cap, nslots)
+                m[_SEG_START:_SEG_COL + 1, :nslots] = seg_rows
+                self._scales_np[:nslots] = scales
+                self._seg_key = seg_key
+        self.meta.copy_(self.host_meta, non_blocking=True)
+        if kind:
+            self.scales.copy_(self.host_scales, non_blocking=True)
+        if kind == MIXED:
+            seg_rows, scales = self._pieces(minus, cols2, cap, nslots)
+            self.meta2[:, :nslots].copy_(torch.tensor(seg_rows, dtype=torch.long), non_blocking=True)
+            self.scales2[:nslots].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
+        elif kind == PAIRED:                    # the pieces' pairs: rank (0: none), column, scale
+            pairs = [(0, 0, 0.0) if seg.pair is None else (seg.pair.rank, c, seg.pair_scale)
+                     for seg, c in zip(segments, pair_cols) for _ in range(seg.start, seg.end, cap)]
+            pairs += [(0, 0, 0.0)] * (nslots - len(pairs))
+            self.meta2[2:, :nslots].copy_(torch.tensor([[p[0] for p in pairs], [p[1] for p in pairs]],
+                                                       dtype=torch.long), non_blocking=True)
+            self.scales2[:nslots].copy_(torch.tensor([p[2] for p in pairs], dtype=torch.float32),
+                                        non_blocking=True)
+        self.host_tables.fill(tables, counts)
+        self.tables[:d].copy_(self.host_tables.tensor[:d], non_blocking=True)
+        return graph, logits
 
     def run(self, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
             tables: list[list[int]], counts: list[int], segments: list[LoRASegment],
@@ -268,52 +395,12 @@ class DecodeGraphs:
         device; row ``i`` takes ``prev_tokens[src[i]]`` as its input token where ``src[i] >= 0``."""
         self._use_weights(getattr(self.model, "weights_key", None))
         n = len(ids)
-        b = self.bucket(n)
-        paired = any(seg.pair is not None for seg in segments)
-        kind = MIXED if minus else PAIRED if paired else LORA if segments else BASE
-        if b is None or (kind and self.lora_setup is None):
+        b, kind = self.bucket(n), self._kind(segments, minus)
+        cols = None if b is None else self._prepare(kind, segments, minus)
+        if cols is None:
             return None
-        if kind:
-            if self.lora_setup[0]().data_ptr() != self._buf_ptr:        # the adapter buffer grew
-                self._drop_lora_graphs()
-                self._buf_ptr = self.lora_setup[0]().data_ptr()
-            cols = [self._column(seg.adapter) for seg in segments]      # before the lookup: may drop graphs
-            cols2 = [self._column(seg.adapter) for seg in minus]       # resident adapters' columns never recycle
-            pair_cols = [0 if seg.pair is None else self._column(seg.pair) for seg in segments] if paired else None
-        if (b, kind) not in self.graphs:
-            self.capture(b, kind)
-        graph, logits, cap = self.graphs[(b, kind)]
-        if self._copied is not None:
-            self._copied.synchronize()        # the last step's copies have left the host buffers (long since)
-        m = self._meta_np
-        m[_IDS, :n], m[_POS, :n], m[_SLOTS, :n], m[_LENS, :n] = ids, positions, slots, lens
-        m[_IDS:_LENS + 1, n:b] = 0
-        m[_SLOTS, n:b] = self.scratch_slot
-        if kind:
-            key = (segments, cols, cap, b)
-            if self._seg_key is None or not _same(self._seg_key, key):     # else the rows are still there
-                seg_rows, scales = self._pieces(segments, cols, cap, b)
-                m[_SEG_START:_SEG_COL + 1, :b] = seg_rows
-                self._scales_np[:b] = scales
-                self._seg_key = key
-        if src is not None:
-            m[_SRC, :n] = src
-        self.meta.copy_(self.host_meta, non_blocking=True)
-        if kind:
-            self.scales.copy_(self.host_scales, non_blocking=True)
-        if kind == MIXED:
-            seg_rows, scales = self._pieces(minus, cols2, cap, b)
-            self.meta2[:, :b].copy_(torch.tensor(seg_rows, dtype=torch.long), non_blocking=True)
-            self.scales2[:b].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=True)
-        elif kind == PAIRED:                    # the pieces' pairs: rank (0: none), column, scale
-            pairs = [(0, 0, 0.0) if seg.pair is None else (seg.pair.rank, c, seg.pair_scale)
-                     for seg, c in zip(segments, pair_cols) for _ in range(seg.start, seg.end, cap)]
-            pairs += [(0, 0, 0.0)] * (b - len(pairs))
-            self.meta2[2:, :b].copy_(torch.tensor([[p[0] for p in pairs], [p[1] for p in pairs]],
-                                                  dtype=torch.long), non_blocking=True)
-            self.scales2[:b].copy_(torch.tensor([p[2] for p in pairs], dtype=torch.float32), non_blocking=True)
-        self.host_tables.fill(tables, counts)
-        self.tables[:n].copy_(self.host_tables.tensor[:n], non_blocking=True)
+        graph, logits = self._fill((b, kind, False), ids, positions, slots, lens, tables, counts, segments, minus,
+                                   cols, src)
         if self._copied is not None:
             self._copied.record()
         if prev_tokens is not None:           # input tokens sampled by the step before, still on the device
@@ -323,6 +410,37 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return logits[:n]
+
+    def run_mixed(self, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
+                  tables: list[list[int]], counts: list[int], chunks: list[tuple[int, int, list[int], int]],
+                  segments: list[LoRASegment]) -> torch.Tensor | None:
+        """Logits of an iteration that decodes ``len(lens)`` rows (the first rows of ``ids``, as :meth:`run`'s)
+        and prefills ``chunks`` (new tokens, context after them, block list, pages read), whose tokens follow in
+        ``ids`` in that order; row ``i`` of the result is decode row ``i``'s, row ``len(lens) + j`` chunk ``j``'s
+        last token's. None when no mixed graph fits (mixed mode's kinds have none)."""
+        self._use_weights(getattr(self.model, "weights_key", None))
+        d, tokens = len(lens), sum(c[0] for c in chunks)
+        b, kind = self.mixed_bucket(d, tokens, len(chunks)), self._kind(segments, ())
+        cols = None if b is None or kind not in (BASE, LORA) else self._prepare(kind, segments, ())
+        if cols is None:
+            return None
+        graph, logits = self._fill((b, kind, True), ids, positions, slots, lens, tables, counts, segments, (),
+                                   cols)
+        c, row = self.host_chunks.numpy(), d
+        c[:] = 0
+        for j, (q_len, ctx, _, _) in enumerate(chunks):
+            c[_C_START, j], c[_C_LEN, j], c[_C_CTX, j], c[_C_ROW, j] = row, q_len, ctx, row + q_len - 1
+            row += q_len
+        self.host_chunk_tables.fill([ch[2] for ch in chunks], [ch[3] for ch in chunks])
+        self.chunks.copy_(self.host_chunks, non_blocking=True)
+        k = len(chunks)
+        self.chunk_tables[:k].copy_(self.host_chunk_tables.tensor[:k], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        graph.replay()
+        self.num_replays += 1
+        top = self._decode_rows(b, True)
+        return torch.cat((logits[:d], logits[top:top + k]))
 
     @staticmethod
     def _pieces(segments: list[LoRASegment], cols: list[int], cap: int, b: int):

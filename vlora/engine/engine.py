@@ -140,6 +140,14 @@ class Engine:
                          max_num_batched_tokens=self.sizing.max_num_batched_tokens)
             self.config = config = replace(config, scheduler=sc)
             ex.config = config
+        cuda = self.device.type == "cuda"
+        graphed = cuda and config.model.cuda_graphs and ex.use_kernels and ex.graph_safe
+        mixed_graphs = graphed and config.model.tensor_parallel_size == 1    # TP's workers replay decodes only
+        if sc.max_prefill_tokens_with_decodes is None:   # a bound of its own where such iterations replay graphs
+            bound = min(1024, sc.max_num_batched_tokens) if mixed_graphs else sc.max_num_batched_tokens
+            sc = replace(sc, max_prefill_tokens_with_decodes=bound)
+            self.config = config = replace(config, scheduler=sc)
+            ex.config = config
         pages = self.sizing.num_pages
         fixed = cc.memory_policy == "lru-fixed"
         self.pool = UnifiedPool(pages, cfg.num_layers, cc.block_size, ex.kv_heads, cfg.head_dim,
@@ -155,9 +163,7 @@ class Engine:
         if self.swapper is not None:
             self.swapper.mirror = ex.mirror_kv_swaps(self.swapper.host_slots)
         self.scheduler = Scheduler(sc, self.allocator, cc.block_size, self.prefix_cache)
-        cuda = self.device.type == "cuda"
-        graph_batch = sc.max_num_seqs if cuda and config.model.cuda_graphs and ex.use_kernels and ex.graph_safe \
-            else 0
+        graph_batch = sc.max_num_seqs if graphed else 0
         ex.start(self.pool.kv, cc.block_size, tuple(sorted(self.eos_token_ids)), self.adapters, graph_batch,
                  self.memory.copies)
         self.runner = ex.runner                       # rank 0's model runner (its graphs, modes, sampler)

@@ -95,7 +95,8 @@ class Executor:
         every kernel variant the limits allow (``model.build_kernels``)."""
         mc, sc = self.config.model, self.config.scheduler
         self.runner = ModelRunner(self.model, kv_cache, block_size, self.device, eos_token_ids, adapters,
-                                  self.use_kernels, graph_batch, self.max_model_len, self.vision, self.lora_launch())
+                                  self.use_kernels, graph_batch, self.max_model_len, self.vision, self.lora_launch(),
+                                  sc.max_prefill_tokens_with_decodes or 0)
         self.runner.modes = self._modes(self.runner, copies)
         if self.use_kernels and self.device.type == "cuda":
             from vlora.kernels.limits import apply_limits

@@ -30,11 +30,12 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, use_kernels: bool = False,
                  graph_batch: int = 0, max_model_len: int = 0, vision=None,
-                 lora_launch: LoRALaunch = LoRALaunch()):
+                 lora_launch: LoRALaunch = LoRALaunch(), mixed_tokens: int = 0):
         """``kv_cache``: the pool's pages [P + 1, L, 2, block_size, Hkv, D], the last one a scratch block
         (CUDA-graph padding writes to it); ``vision``: an LMM's :class:`~vlora.models.lmm.VisionModel`;
         ``lora_launch``: how the LoRA kernels are launched (the engine's LoRAConfig);
-        ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs."""
+        ``graph_batch`` > 0: replay decode iterations of up to that many sequences from CUDA graphs, and
+        iterations that prefill up to ``mixed_tokens`` prompt tokens beside their decodes."""
         self.model = model
         self.kv_cache = kv_cache
         self.use_kernels = use_kernels
@@ -62,20 +63,22 @@ class ModelRunner:
         # hands the previous iteration's outputs to the event loop then)
         self.before_sync: Callable[[], None] | None = None
         if graph_batch > 0:
-            self.enable_graphs(graph_batch, max_model_len)
+            self.enable_graphs(graph_batch, max_model_len, mixed_tokens=mixed_tokens)
 
-    def enable_graphs(self, max_batch: int, max_model_len: int, columns: int = 512) -> None:
-        """Replay decode iterations of up to ``max_batch`` sequences from captured graphs (on a CPU: an
+    def enable_graphs(self, max_batch: int, max_model_len: int, columns: int = 512, mixed_tokens: int = 0) -> None:
+        """Replay decode iterations of up to ``max_batch`` sequences from captured graphs, and iterations that
+        prefill up to ``mixed_tokens`` prompt tokens beside them (not under tensor parallelism) (on a CPU: an
         emulation that re-runs the captured forward on the same static buffers, for tests)."""
         from vlora.engine.cuda_graphs import DecodeGraphs
 
-        make = getattr(self.model, "decode_graphs", DecodeGraphs)     # tensor parallelism: every rank's graphs
+        make = getattr(self.model, "decode_graphs", None)     # tensor parallelism: every rank's graphs
+        kw = {"mixed_tokens": mixed_tokens} if make is None else {}
         scratch = (self.kv_cache.shape[0] - 1) * self.block_size
         store = self.adapters.store
         lora = None if self.tiling is None else (lambda: store.buf, self.group_widths, self.group_in, self.tiling,
                                                  self.adapters.max_rank)
-        self.graphs = make(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
-                            scratch, lora, columns, self.lora_launch)
+        self.graphs = (make or DecodeGraphs)(self.model, self.kv_cache, max_batch, -(-max_model_len // self.block_size),
+                                             scratch, lora, columns, self.lora_launch, **kw)
 
     def capture_graphs(self, mixed: bool = False) -> None:
         """Capture every decode graph now (they are otherwise captured on a batch size's first use, which lands
@@ -215,6 +218,17 @@ class ModelRunner:
             return launched.result()
         ordered = self.order(scheduled)
         samplers = [s.seq for s in ordered if s.samples]
+        logits = self._replay_mixed(ordered)
+        if logits is not None:                         # prefills beside decodes, from a mixed graph
+            picked = [i for i, s in enumerate(ordered) if s.samples]
+            if len(picked) < len(ordered):
+                logits = logits[torch.tensor(picked, device=logits.device)]
+            allowed = self.masks.fill(samplers)       # overlaps the forward
+            self._launched()
+            if not samplers:
+                return {}
+            tokens = self.sampler.sample(logits, samplers, allowed=allowed).result()
+            return {seq.request_id: t for seq, t in zip(samplers, tokens)}
         self.encode_images(ordered)
         fb = self.prepare(ordered)
         hidden = self.model(fb, self.kv_cache)
@@ -344,6 +358,40 @@ class ModelRunner:
             else positions
         return self.graphs.run(ids, rope, slots, lens, [seq.blocks for seq in seqs], counts, own, minus, src,
                                None if src is None else prev.sampled.tokens)
+
+
+    def _replay_mixed(self, ordered: list[ScheduledSeq]) -> torch.Tensor | None:
+        """Logits [len(ordered), vocab] of an iteration that prefills prompt chunks beside its decodes (or decodes
+        rows :meth:`launch` does not take), one row per scheduled chunk (its last token's), from a mixed graph;
+        None: it runs eagerly (no mixed graph fits it, or it needs what only the eager forward gives: image
+        embeddings, M-RoPE prompt positions, prompt logprobs, task heads, mixed mode's second pass)."""
+        g = self.graphs
+        if g is None or not g.mixed_buckets:
+            return None
+        for s in ordered:
+            seq = s.seq
+            if (seq.params.task_head or seq.prompt_logprobs is not None
+                    or (seq.images and s.start < len(seq.prompt_token_ids))):
+                return None
+        bs = self.block_size
+        ids, positions, slots, runs = [], [], [], []
+        lens, tables, counts, chunks = [], [], [], []
+        for s in ordered:
+            seq, start, n = s.seq, s.start, s.num_tokens
+            runs.append((len(ids), len(ids) + n, seq.adapter))
+            ids.extend(seq.tokens(start, start + n))
+            positions.extend(p + seq.rope_delta for p in range(start, start + n))
+            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:                                 # decodes come first (order)
+                lens.append(start + 1)
+                tables.append(seq.blocks)
+                counts.append(start // bs + 1)
+            else:
+                chunks.append((n, start + n, seq.blocks, -(-(start + n) // bs)))
+        own, minus = self.modes.segments(runs, self.lora_launch.mixed)
+        if minus or any(seg.pair is not None for seg in own):
+            return None
+        return g.run_mixed(ids, positions, slots, lens, tables, counts, chunks, own)
 
 
 class Launched:

@@ -2,7 +2,9 @@
 
 Every iteration: running sequences first (oldest first, one decode token each, or
 their next prefill chunk), then waiting sequences in arrival order while the
-token budget, the sequence cap and free KV blocks allow. When a running sequence
+token budget, the sequence cap and free KV blocks allow. An iteration that
+decodes computes at most ``max_prefill_tokens_with_decodes`` prompt tokens beside
+its decodes, so that a long prompt does not stall the streams in flight. When a running sequence
 needs a block and none is free, the newest running sequence is preempted: its
 blocks are freed and it waits to be recomputed (prompt + tokens so far), so no
 answer is lost or changed.
@@ -159,11 +161,18 @@ class Scheduler:
         truncated: list[Sequence] = []
         # the others keep their KV and sit this one out
         queue = deque(self.running if eligible is None else [s for s in self.running if ok(s)])
+        # prompt tokens beside decodes: few enough that the decoding streams are not stalled for long
+        prompt_budget = budget
+        if any(seq.num_tokens - seq.num_computed == 1 for seq in queue):
+            prompt_budget = self.config.max_prefill_tokens_with_decodes or budget
         limit = self.allocator.num_blocks             # once per call: it sums over the resident adapters
         while queue and budget > 0:
             seq = queue.popleft()
             start = seq.num_computed
-            n = min(seq.num_tokens - start, budget)
+            left = seq.num_tokens - start
+            n = min(left, budget) if left == 1 else min(left, budget, prompt_budget)
+            if n <= 0:
+                continue                        # a prompt chunk waits for the next iteration
             need = self._blocks_needed(seq, n)           # most decodes need no new page
             if len(seq.blocks) + need > limit:
                 self.finish(seq, "length")      # preempting would only bring it back to the same wall
@@ -174,21 +183,23 @@ class Scheduler:
             self._count(seq, n)
             scheduled.append(ScheduledSeq(seq, start, n))
             budget -= n
+            if left > 1:
+                prompt_budget -= n
         # admit waiting sequences only when nothing was preempted (they would thrash); those whose adapter the
         # running sequences' pages displaced wait
         lost = self.allocator.pin_wanted()
         admitted = False
         for seq in [s for s in self.waiting if ok(s) and s.adapter_name not in lost]:
-            if preempted or budget <= 0 or len(scheduled) >= self.config.max_num_seqs:
+            if preempted or min(budget, prompt_budget) <= 0 or len(scheduled) >= self.config.max_num_seqs:
                 break
-            if not self._admissible(seq, budget):
+            if not self._admissible(seq, min(budget, prompt_budget)):
                 self.admissions_blocked += 1
                 break
             self._match(seq)
             if self.cache is not None and self.cache.in_flight(seq.blocks):
                 self.admissions_deferred += 1   # its prefix is on its way back from host memory: it keeps the
                 continue                        # blocks and its place, and the running batch goes on meanwhile
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget, prompt_budget)
             if not self._grow(seq, n):
                 self._release(seq)              # back to a fresh start (matched blocks unpinned)
                 seq.num_computed = 0
@@ -201,6 +212,7 @@ class Scheduler:
             self._count(seq, n)
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
+            prompt_budget -= n
         if admitted:                            # preemptions keep the order; admissions may break it
             self.running.sort(key=lambda s: s.arrival)
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(truncated))

@@ -33,8 +33,8 @@ class WorkerGraphs(DecodeGraphs):
 
     capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
 
-    def _run_forward(self, b: int, kind: int):
-        fb, cap = self._forward_batch(b, kind)
+    def _run_forward(self, b: int, kind: int, mixed: bool = False):
+        fb, cap = self._forward_batch(b, kind, mixed)
         return self.model(fb, self.kv_cache), cap
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Serving under arrivals on one GPU (the Traffic workload of BENCHMARKS.md over HTTP, `vlora serve` defaults,
+# sampled), one part per device call of under 10 minutes:
+#   a100:  100 adapters (all registered at start; --distinct 25 weight sets), rates $RATES, $DURATION s each
+#   a1000: 1,000 adapters loaded on first request from --adapter-dir (--distinct 100, at most 200 loaded)
+#   e2e:   bench_e2e (32 adapters and base, greedy and sampled, no tuning flags), then the mixed-graph GPU tests
+# CODE=DIR runs the benchmark of another source tree (e.g. a copy of an earlier commit, for a before/after pair);
+# VLORA_COMMIT names the commit measured where the machine's git does not know it. TRAFFIC_ARGS adds options
+# (a small model on the CPU: --model random:tiny-llama --device cpu ...).
+# Usage: [CODE=DIR] [RATES=2,4,8,12,16] [DURATION=30] [VLORA_COMMIT=sha] benchmarks/gpu_traffic.sh OUT PART
+# Writes OUT/PART/{traffic-<gpu>.json,.md,.png, traffic.log} (e2e: OUT/e2e/{e2e-<gpu>.json, e2e.log, tests.log}).
+set -uo pipefail
+out=$(realpath -m "${1:?output dir}"); part=${2:?part: a100, a1000 or e2e}
+code=$(realpath "${CODE:-.}")
+rates=${RATES:-2,4,8,12,16}; duration=${DURATION:-30}
+mkdir -p "$out/$part"
+# random adapters go to /dev/shm where it has room: the disk stays out of start-up
+shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+[[ -z ${TMPDIR:-} && ${shm:-0} -ge 48 ]] && export TMPDIR=/dev/shm
+cd "$code" || exit 1
+export PYTHONPATH=$code${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+    echo "code: $code, commit ${VLORA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
+} > "$out/$part/env.txt" 2>&1
+cat "$out/$part/env.txt"
+traffic() {
+    # shellcheck disable=SC2086
+    timeout 560 python3 benchmarks/bench_traffic.py --rates "$rates" --duration "$duration" "$@" ${TRAFFIC_ARGS:-} \
+        --out "$out/$part" > "$out/$part/traffic.log" 2>&1
+    echo "bench_traffic exit $?"; grep -E "healthy|rate .*:|SLO rate" "$out/$part/traffic.log" | tail -12
+}
+case $part in
+    a100)  traffic --adapters 100 --distinct 25 ;;
+    a1000) traffic --adapters 1000 --distinct 100 --on-demand --max-loaded-adapters 200 ;;
+    e2e)
+        # shellcheck disable=SC2086
+        timeout 300 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled ${E2E_ARGS:-} \
+            --out "$out/$part" > "$out/$part/e2e.log" 2>&1
+        echo "bench_e2e exit $?"; grep -E "output tok/s|prefill|wrote" "$out/$part/e2e.log" | tail -8
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" ${TEST_ARGS:--m gpu} \
+            tests/models/test_fast_path.py > "$out/$part/tests.log" 2>&1
+        echo "tests exit $?"; tail -3 "$out/$part/tests.log" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+esac
