@@ -375,8 +375,8 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
 
     def replay_full_batch():
         # base first: the LoRA graph, replayed last, rewrites the step's KV as the run computed it
-        res["vlora_graph_base_ms"] = replay_ms(graphs.graphs[(graphs.bucket(b), False)][0], dev)
-        res["vlora_graph_lora_ms"] = replay_ms(graphs.graphs[(graphs.bucket(b), True)][0], dev)
+        res["vlora_graph_base_ms"] = replay_ms(graphs.graphs[(graphs.bucket(b), 0, False)][0], dev)
+        res["vlora_graph_lora_ms"] = replay_ms(graphs.graphs[(graphs.bucket(b), 1, False)][0], dev)
         log(f"decode forward B={b} (graph replay mid-run): with adapters {res['vlora_graph_lora_ms']:.2f} ms, "
             f"base {res['vlora_graph_base_ms']:.2f} ms")
 
@@ -420,7 +420,7 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
     timer.close()
     res["vlora_b1_decode_step_ms"] = timer.decode_median_ms(1)
     if graphs is not None:
-        res["vlora_b1_graph_ms"] = replay_ms(graphs.graphs[(1, False)][0], dev)
+        res["vlora_b1_graph_ms"] = replay_ms(graphs.graphs[(1, 0, False)][0], dev)
         res["graph_replays"] = graphs.num_replays
     log(f"vlora batch 1: decode step {res['vlora_b1_decode_step_ms']:.2f} ms (engine loop), "
         f"forward {res.get('vlora_b1_graph_ms', float('nan')):.2f} ms (graph replay)")
