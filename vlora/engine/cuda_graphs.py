@@ -70,11 +70,14 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-def mixed_sizes(top: int) -> list[int]:
-    """Row counts of the mixed graphs for iterations of up to ``top`` rows (decodes + prompt tokens): steps of
-    at most 1.5x, so that padding costs at most half of an iteration's rows."""
-    sizes = [s for s in (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192) if s < top]
-    return sizes + [top]
+def mixed_sizes(max_batch: int, tokens: int) -> list[int]:
+    """Row counts of the mixed graphs for iterations of up to ``max_batch`` decodes beside up to ``tokens``
+    prompt tokens: steps of at most 1.5x below ``tokens`` (padding costs at most a third of the rows), then
+    ``tokens`` plus 16, 32, 64, ... decodes up to ``max_batch``, where a full prompt chunk lands while the
+    streams decode."""
+    sizes = [s for s in (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192) if s < tokens]
+    extra = [0] + [d for d in (16, 32, 64, 128, 256, 512, 1024) if d < max_batch] + [max_batch]
+    return sorted(set(sizes + [tokens + d for d in extra]))
 
 
 class DecodeGraphs:
@@ -93,7 +96,7 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = b = self.buckets[-1]
-        self.mixed_buckets = mixed_sizes(b + mixed_tokens) if mixed_tokens > 0 else []
+        self.mixed_buckets = mixed_sizes(b, mixed_tokens) if mixed_tokens > 0 else []
         w = max([b] + self.mixed_buckets)            # the widest graph's rows
         self.scratch_slot = scratch_slot
         self.page = kv_cache.shape[3]
