@@ -218,7 +218,9 @@ class DecodeGraphs:
         if kind:
             buffer, widths, group_in, table, max_rank = self.lora_setup
             paired = kind == PAIRED
-            segs = min(b, d + CHUNK_SLOTS) if mixed else b      # the tile configs of the most segments there
+            # the tile configs of a decode graph of its decode rows: keys the start-up build compiled (a segment
+            # count past max_num_seqs would meet uncompiled variants at capture)
+            segs = d
             configs = {}
             for g, modules in GROUPS.items():
                 r_max = len(modules) * max_rank * (2 if paired else 1)     # paired: the pair's columns of v too

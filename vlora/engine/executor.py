@@ -105,7 +105,9 @@ class Executor:
             if mc.build_kernels:
                 from vlora.engine.warmup import build_kernels
 
-                self.kernel_build = build_kernels(self.runner, sc.max_num_batched_tokens, sc.max_num_seqs,
+                graphs = self.runner.graphs      # mixed graphs' rows may pass the token budget (decodes + prompt)
+                rows = max([sc.max_num_batched_tokens] + (graphs.mixed_buckets if graphs is not None else []))
+                self.kernel_build = build_kernels(self.runner, rows, sc.max_num_seqs,
                                                   workers=min(8, max(1, (os.cpu_count() or 2) // 2)),
                                                   merges=sc.policy != "unmerged")
 
