@@ -97,7 +97,7 @@ def test_a_refusal_in_the_worker_carries_its_message(loader, tmp_path):
 def test_a_worker_that_dies_refuses_only_its_adapter(tmp_path):
     """The worker killed while a read waits for it: that read is refused as an AdapterError, and the next read
     starts a new worker."""
-    lp = LoaderProcess()
+    lp = LoaderProcess(workers=1)
     reg = registry(kernel=True)
     path = adapter_dir(tmp_path)
 
@@ -115,6 +115,41 @@ def test_a_worker_that_dies_refuses_only_its_adapter(tmp_path):
         assert asyncio.run(scenario()).packed.name == "a"
     finally:
         lp.shutdown()
+
+
+def test_reads_go_to_the_least_busy_worker_and_a_death_fails_only_its_own(tmp_path):
+    """Two workers: with the first one busy, a read waits on it and the next one goes to the second, which reads
+    it; the first killed, only the read it held is refused, and the next read there starts a new worker."""
+    lp = LoaderProcess(workers=2)
+    reg = registry(kernel=True)
+    path = adapter_dir(tmp_path)
+
+    async def scenario():
+        first = lp._executor(0)
+        pid = await asyncio.wrap_future(first.submit(os.getpid))
+        first.submit(time.sleep, 30)                                    # worker 0 busy, unknown to the counts
+        held = asyncio.ensure_future(lp.read(reg.spec, "a", path))      # worker 0: the fewest queued (both 0)
+        while lp._queued[0] == 0:                                       # submitted (from a thread)
+            await asyncio.sleep(0.01)
+        other = await lp.read(reg.spec, "b", path)                      # worker 1: worker 0 has one queued
+        assert other.packed.name == "b" and not held.done()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(AdapterError, match="died"):
+            await held
+        return await lp.read(reg.spec, "c", path)
+    try:
+        assert asyncio.run(scenario()).packed.name == "c"
+        assert lp._queued == [0, 0]
+    finally:
+        lp.shutdown()
+
+
+def test_worker_counts():
+    from vlora.lora.loader import default_workers
+
+    assert [default_workers(c) for c in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        LoaderProcess(workers=0)
 
 
 @pytest.mark.gpu

@@ -364,7 +364,8 @@ class ModelRunner:
         """Logits [len(ordered), vocab] of an iteration that prefills prompt chunks beside its decodes (or decodes
         rows :meth:`launch` does not take), one row per scheduled chunk (its last token's), from a mixed graph;
         None: it runs eagerly (no mixed graph fits it, or it needs what only the eager forward gives: image
-        embeddings, M-RoPE prompt positions, prompt logprobs, task heads, mixed mode's second pass)."""
+        embeddings, M-RoPE prompt positions, prompt logprobs, task heads, or V-LoRA's mixed mode, where rows
+        carry the merged adapter subtracted)."""
         g = self.graphs
         if g is None or not g.mixed_buckets:
             return None

@@ -4,9 +4,9 @@ Reading an adapter is host work: parse the safetensors file, check every matrix,
 dtype, pack the matrices per group and lay out the copy the unified pool loads from. On a thread of the
 serving process that work shares the interpreter lock, the allocator and the address space with the engine's
 thread, whose steps it slows: by 20-86 ms over a rank-64 Llama-2-7B load on an H100 host, and on a CPU with
-no spare core the forward loses one to it. So :class:`LoaderProcess` hands the reading to one worker process
-(spawned once, shared by the engines of this process, scheduled only on idle cores with one torch thread: a core
-the forward wants goes to the forward). The worker writes the result into two shared-memory buffers
+no spare core the forward loses one to it. So :class:`LoaderProcess` hands the reading to worker processes
+(one per four cores, at most four; spawned once, shared by the engines of this process, scheduled only on idle
+cores with one torch thread each: a core the forward wants goes to the forward). The worker writes the result into two shared-memory buffers
 (the packed matrices back to back, and the pool's layout of them), which cross to this process as two file
 descriptors, not as copies. What is left here is the part that needs this process: pinning the pool's copy
 (registered in place), moving a task head to the device, and the registration on the engine's thread
@@ -17,8 +17,9 @@ descriptors, not as copies. What is left here is the part that needs this proces
         -> landed(shipped) -> ReadAdapter (views of the buffers)      this process
         -> registry.finish -> PreparedAdapter -> registry.add (engine thread)
 
-A worker that dies while reading (a file that crashes the parser, memory exhausted) refuses that adapter
-with :class:`~vlora.lora.adapter.AdapterError`; the next load starts a new worker.
+A worker that dies while reading (a file that crashes the parser, memory exhausted) refuses that adapter (and
+any queued behind it on that worker) with :class:`~vlora.lora.adapter.AdapterError`; the next load there starts
+a new worker.
 """
 
 from __future__ import annotations
@@ -191,62 +192,92 @@ def _read_shipped(spec: ReadSpec, name: str, path: str) -> Shipped:
     return ship(read(spec, name, path, alloc=shared_zeros))
 
 
-class LoaderProcess:
-    """One worker process that reads adapters (:func:`read`), one at a time, for every engine of this process.
-    Started on first use (or :meth:`start`); a worker that died is replaced by the next load."""
+def default_workers(cpus: int | None = None) -> int:
+    """Reading processes for a host of ``cpus`` cores: one per four cores, at most four, at least one. Reads of
+    adapters that arrive together then overlap (a rank-64 Llama-2-7B adapter takes its worker 1.4-1.8 s on an
+    H200 host), while most cores stay the forward's and the server's."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return max(1, min(4, cpus // 4))
 
-    def __init__(self):
+
+class LoaderProcess:
+    """Worker processes that read adapters (:func:`read`) for every engine of this process, each one adapter at
+    a time: a read goes to the worker with the fewest reads queued. Each worker is a pool of its own, so one
+    that dies fails only the reads it held; the next read on its place starts another. Started on first use (or
+    :meth:`start`)."""
+
+    def __init__(self, workers: int | None = None):
+        """``workers``: how many reading processes (default: :func:`default_workers` of this host)."""
+        self.workers = default_workers() if workers is None else workers
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         self._lock = threading.Lock()
-        self._pool: ProcessPoolExecutor | None = None
+        self._pools: list[ProcessPoolExecutor | None] = [None] * self.workers
+        self._queued = [0] * self.workers           # reads submitted to each worker and not done
 
     def start(self) -> None:
-        """Start the worker now (it takes a few seconds to import torch), so the first load does not wait."""
-        self._executor().submit(os.getpid)
+        """Start the workers now (each takes a few seconds to import torch), so the first loads do not wait."""
+        for i in range(self.workers):
+            self._executor(i).submit(os.getpid)
 
-    def _executor(self) -> ProcessPoolExecutor:
+    def _executor(self, i: int = 0) -> ProcessPoolExecutor:
         with self._lock:
-            if self._pool is None:
+            if self._pools[i] is None:
                 # spawn: a fork of a serving process would copy its CUDA state and its threads' locks
-                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=_worker_start)
-            return self._pool
+                self._pools[i] = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                     initializer=_worker_start)
+            return self._pools[i]
 
-    def _broken(self, pool: ProcessPoolExecutor) -> None:
-        """Forget ``pool`` (its worker died): the next load starts another."""
+    def _broken(self, i: int, pool: ProcessPoolExecutor) -> None:
+        """Forget ``pool`` (its worker died): the next read on its place starts another."""
         with self._lock:
-            if self._pool is pool:
-                self._pool = None
+            if self._pools[i] is pool:
+                self._pools[i] = None
         pool.shutdown(wait=False)
 
     async def read(self, spec: ReadSpec, name: str, path: str) -> ReadAdapter:
-        """Read the adapter in ``path`` in the worker; raises AdapterError if it is refused or the worker died
+        """Read the adapter in ``path`` in a worker; raises AdapterError if it is refused or the worker died
         reading it."""
-        # submitted off the event loop: a submission may start the worker (a process spawned)
-        pool, future = await asyncio.to_thread(self._submit, spec, name, str(path))
+        # submitted off the event loop: a submission may start a worker (a process spawned)
+        i, pool, future = await asyncio.to_thread(self._submit, spec, name, str(path))
         try:
             return landed(await asyncio.wrap_future(future))
         except BrokenProcessPool:
-            self._broken(pool)
+            self._broken(i, pool)
             raise AdapterError(f"adapter {name!r}: the process reading {path} died (a file that crashes the "
                                f"reader, or memory exhausted)") from None
 
-    def _submit(self, spec: ReadSpec, name: str, path: str) -> tuple[ProcessPoolExecutor, Future]:
-        """(the pool, the future of the :class:`Shipped` adapter); a pool whose worker died since its last load
-        is replaced first."""
-        pool = self._executor()
+    def _submit(self, spec: ReadSpec, name: str, path: str) -> tuple[int, ProcessPoolExecutor, Future]:
+        """(the worker's place, its pool, the future of the :class:`Shipped` adapter), on the worker with the
+        fewest reads queued; a pool whose worker died since its last read is replaced first."""
+        with self._lock:
+            i = min(range(self.workers), key=self._queued.__getitem__)
+            self._queued[i] += 1
         try:
-            return pool, pool.submit(_read_shipped, spec, name, path)
-        except BrokenProcessPool:
-            self._broken(pool)
-            pool = self._executor()
-            return pool, pool.submit(_read_shipped, spec, name, path)
+            pool = self._executor(i)
+            try:
+                future = pool.submit(_read_shipped, spec, name, path)
+            except BrokenProcessPool:
+                self._broken(i, pool)
+                pool = self._executor(i)
+                future = pool.submit(_read_shipped, spec, name, path)
+        except BaseException:
+            self._done(i)
+            raise
+        future.add_done_callback(lambda _: self._done(i))
+        return i, pool, future
+
+    def _done(self, i: int) -> None:
+        with self._lock:
+            self._queued[i] -= 1
 
     def shutdown(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pools, self._pools = self._pools, [None] * self.workers
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 LOADER = LoaderProcess()
-"""The worker every engine of this process reads adapters with."""
+"""The workers every engine of this process reads adapters with."""
