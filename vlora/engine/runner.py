@@ -371,8 +371,9 @@ class ModelRunner:
             return None
         for s in ordered:
             seq = s.seq
-            if (seq.params.task_head or seq.prompt_logprobs is not None
-                    or (seq.images and s.start < len(seq.prompt_token_ids))):
+            prompt = len(seq.prompt_token_ids)
+            if (seq.params.task_head or (seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < prompt)
+                    or (seq.images and s.start < prompt)):
                 return None
         bs = self.block_size
         ids, positions, slots, runs = [], [], [], []
