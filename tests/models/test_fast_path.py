@@ -74,7 +74,8 @@ def test_graph_decode_buffers_on_cpu(tmp_path):
 def check_mixed_graphs(path, paths, pm, **kw):
     """Prompts prefilled in chunks beside running decodes (a token budget of 8, at most 6 prompt tokens beside
     decodes: every prompt is admitted while others decode, some in two chunks, several chunks in one iteration)
-    replay mixed graphs, base-only and with LoRA: every token equal to PEFT's. Prompt logprobs run eagerly."""
+    replay mixed graphs, base-only, with LoRA and in V-LoRA's mixed mode (an adapter merged, the others' rows
+    carrying it subtracted): every token equal to PEFT's. Prompts that want their logprobs run eagerly."""
     want = [peft_greedy(pm, p, a, sp.max_tokens) for p, a, sp in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
     kw = {"policy": "unmerged", **kw}
     llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128,
@@ -95,6 +96,11 @@ def check_mixed_graphs(path, paths, pm, **kw):
     assert [o.token_ids for o in out] == [w[:3] for w in want[:3]]
     assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(out, GRAPH_PROMPTS[:3]))
     assert g.num_replays > replays                          # their decodes still replay
+    llm.engine.merge_adapter("a8")      # V-LoRA's mixed mode: the others carry a8 subtracted, in mixed graphs too
+    mixed = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[:4], GRAPH_NAMES[:4], GRAPH_SPS[:4])]   # every name
+    assert mixed == want[:4]
+    assert (g.mixed_kind, True) in {(kind, m) for _, kind, m in g.graphs}
+    assert llm.engine.runner.modes.merged is not None
     llm.engine.pool.check()
     assert llm.engine.pool.kv_pages == 0
 

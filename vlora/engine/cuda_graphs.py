@@ -117,8 +117,8 @@ class DecodeGraphs:
         self._seg_key = None             # (segments, columns, cap, bucket) whose rows the host buffers hold
         self.scales = torch.zeros(w, dtype=torch.float32, device=dev)
         # mixed mode's second pass: start/len/rank/column; or, paired, rows 2-3: each slot's pair rank/column
-        self.meta2 = torch.zeros(4, b, dtype=torch.long, device=dev)
-        self.scales2 = torch.zeros(b, dtype=torch.float32, device=dev)
+        self.meta2 = torch.zeros(4, w, dtype=torch.long, device=dev)
+        self.scales2 = torch.zeros(w, dtype=torch.float32, device=dev)
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.rows = torch.arange(w, device=dev)
         self.lora_setup = lora_setup
@@ -304,10 +304,10 @@ class DecodeGraphs:
 
     def capture_all(self, with_lora: bool = True, mixed: bool = False) -> None:
         """Capture every graph not captured yet: decode graphs of the base kind, with LoRA (``with_lora``) and of
-        mixed mode (``mixed``); the mixed graphs (prefills beside decodes) of the first two."""
+        mixed mode (``mixed``), and the mixed graphs (prefills beside decodes) of the same kinds."""
         lora = with_lora and self.lora_setup is not None
         kinds = (BASE,) + ((LORA,) + ((self.mixed_kind,) if mixed else ()) if lora else ())
-        todo = [(b, kind, True) for b in self.mixed_buckets for kind in kinds[:2]]
+        todo = [(b, kind, True) for b in self.mixed_buckets for kind in kinds]
         todo += [(b, kind, False) for b in self.buckets for kind in kinds]
         for key in sorted(todo, key=lambda k: -k[0]):   # largest first: smaller graphs reuse its pool memory
             if key not in self.graphs:
@@ -418,18 +418,18 @@ class DecodeGraphs:
 
     def run_mixed(self, ids: list[int], positions: list[int], slots: list[int], lens: list[int],
                   tables: list[list[int]], counts: list[int], chunks: list[tuple[int, int, list[int], int]],
-                  segments: list[LoRASegment]) -> torch.Tensor | None:
+                  segments: list[LoRASegment], minus: list[LoRASegment] = ()) -> torch.Tensor | None:
         """Logits of an iteration that decodes ``len(lens)`` rows (the first rows of ``ids``, as :meth:`run`'s)
         and prefills ``chunks`` (new tokens, context after them, block list, pages read), whose tokens follow in
         ``ids`` in that order; row ``i`` of the result is decode row ``i``'s, row ``len(lens) + j`` chunk ``j``'s
-        last token's. None when no mixed graph fits (mixed mode's kinds have none)."""
+        last token's; ``segments`` and ``minus`` as :meth:`run`'s. None when no mixed graph fits."""
         self._use_weights(getattr(self.model, "weights_key", None))
         d, tokens = len(lens), sum(c[0] for c in chunks)
-        b, kind = self.mixed_bucket(d, tokens, len(chunks)), self._kind(segments, ())
-        cols = None if b is None or kind not in (BASE, LORA) else self._prepare(kind, segments, ())
+        b, kind = self.mixed_bucket(d, tokens, len(chunks)), self._kind(segments, minus)
+        cols = None if b is None else self._prepare(kind, segments, minus)
         if cols is None:
             return None
-        graph, logits = self._fill((b, kind, True), ids, positions, slots, lens, tables, counts, segments, (),
+        graph, logits = self._fill((b, kind, True), ids, positions, slots, lens, tables, counts, segments, minus,
                                    cols)
         c, row = self.host_chunks.numpy(), d
         c[:] = 0

@@ -364,8 +364,7 @@ class ModelRunner:
         """Logits [len(ordered), vocab] of an iteration that prefills prompt chunks beside its decodes (or decodes
         rows :meth:`launch` does not take), one row per scheduled chunk (its last token's), from a mixed graph;
         None: it runs eagerly (no mixed graph fits it, or it needs what only the eager forward gives: image
-        embeddings, M-RoPE prompt positions, prompt logprobs, task heads, or V-LoRA's mixed mode, where rows
-        carry the merged adapter subtracted)."""
+        embeddings, M-RoPE prompt positions, prompt logprobs, task heads)."""
         g = self.graphs
         if g is None or not g.mixed_buckets:
             return None
@@ -391,9 +390,7 @@ class ModelRunner:
             else:
                 chunks.append((n, start + n, seq.blocks, -(-(start + n) // bs)))
         own, minus = self.modes.segments(runs, self.lora_launch.mixed)
-        if minus or any(seg.pair is not None for seg in own):
-            return None
-        return g.run_mixed(ids, positions, slots, lens, tables, counts, chunks, own)
+        return g.run_mixed(ids, positions, slots, lens, tables, counts, chunks, own, minus)
 
 
 class Launched:
