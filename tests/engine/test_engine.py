@@ -198,3 +198,27 @@ def test_a_bound_on_prompt_tokens_beside_decodes_below_one_is_refused():
 
     with pytest.raises(ConfigError, match="max_prefill_tokens_with_decodes must be >= 1"):
         SchedulerConfig(max_prefill_tokens_with_decodes=0)
+
+
+def test_prompt_chunks_beside_decodes_are_bounded_in_number(tiny):
+    """With a bound on prompt chunks beside decodes (the chunk slots of the mixed CUDA graphs), four short
+    prompts arriving while a request decodes are admitted two an iteration; the tokens are those without it."""
+    path, adapters, _ = tiny
+    outs = {}
+    for bound in (None, 2):
+        llm = LLM(str(path), adapters=adapters, num_blocks=64, block_size=4, max_model_len=128,
+                  max_num_batched_tokens=64)
+        eng = llm.engine
+        eng.scheduler.max_chunks_with_decodes = bound
+        first = eng.add_request(PROMPT, "a", greedy(10))
+        done = {o.request_id: o for o in eng.step() if o.finished}
+        ids = [eng.add_request([3 + i, 5, 7], None, greedy(3)) for i in range(4)]
+        joined = []
+        while eng.has_unfinished():
+            waiting = len(eng.scheduler.waiting)
+            done |= {o.request_id: o for o in eng.step() if o.finished}
+            if waiting:
+                joined.append(waiting - len(eng.scheduler.waiting))
+        outs[bound] = [done[r].token_ids for r in [first] + ids]
+        assert joined == ([2, 2] if bound else [4])
+    assert outs[2] == outs[None]

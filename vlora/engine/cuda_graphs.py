@@ -110,6 +110,7 @@ class DecodeGraphs:
         # mixed graphs: each chunk slot's start row, new tokens, context and logits row; its block table
         self.chunks = torch.zeros(4, CHUNK_SLOTS, dtype=torch.long, device=dev)
         self.chunk_tables = torch.zeros(CHUNK_SLOTS, max_blocks, dtype=torch.int32, device=dev)
+        self._mixed_out: torch.Tensor | None = None     # the mixed graphs' logits, one buffer for all
         self.host_chunks = _host_zeros((4, CHUNK_SLOTS), torch.long, dev)
         self.host_chunk_tables = HostTables(CHUNK_SLOTS, max_blocks, dev)
         self._meta_np, self._scales_np = self.host_meta.numpy(), self.host_scales.numpy()
@@ -269,7 +270,20 @@ class DecodeGraphs:
         hidden = self.model(fb, self.kv_cache)
         if mixed:                                   # the decode rows' and each chunk's last row's
             hidden = hidden.index_select(0, fb.logits_rows)
-        return self.model.compute_logits(hidden, fast=True), cap
+        logits = self.model.compute_logits(hidden, fast=True)
+        if mixed and self._mixed_out is not None:
+            # every mixed graph writes its logits into one buffer: a graph's own output would keep its memory
+            # for good, about 2,900 rows of logits over the buckets of a 256-sequence engine
+            out = self._mixed_out[:logits.shape[0]]
+            out.copy_(logits)
+            logits = out
+        return logits, cap
+
+    def _mixed_output(self, logits: torch.Tensor) -> None:
+        """Allocate the mixed graphs' shared logits buffer (outside any capture) from an eager run's logits."""
+        if self._mixed_out is None:
+            self._mixed_out = torch.empty(self.max_batch + CHUNK_SLOTS, logits.shape[1], dtype=logits.dtype,
+                                          device=logits.device)
 
     def capture(self, b: int, kind: int, mixed: bool = False) -> None:
         self.meta[_LENS].zero_()
@@ -280,6 +294,8 @@ class DecodeGraphs:
         self.chunks.zero_()
         key = (b, kind, mixed)
         if self.device.type != "cuda":
+            if mixed:
+                self._mixed_output(self._run_forward(b, kind, mixed)[0])
             graph = _Rerun(lambda: self._run_forward(b, kind, mixed)[0])
             cap = self._forward_batch(b, kind, mixed)[1]
             self.graphs[key] = (graph, graph.out, cap, self._slots(b, mixed, cap))
@@ -288,7 +304,9 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):             # warm-up: Triton compiles, caches fill
             for _ in range(2):
-                self._run_forward(b, kind, mixed)
+                warm = self._run_forward(b, kind, mixed)[0]
+            if mixed:
+                self._mixed_output(warm)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # no other thread's CUDA call may land inside a global capture (vlora/memory/capture.py)

@@ -34,6 +34,7 @@ import torch
 
 from vlora.config import ConfigError, EngineConfig
 from vlora.engine.admission import SLO, Admission, ServiceEstimator
+from vlora.engine.cuda_graphs import CHUNK_SLOTS
 from vlora.engine.detokenizer import Detokenizer
 from vlora.engine.faults import MAX_FORWARD_FAILURES, EngineFatal, RowFailed, describe, is_fatal
 from vlora.engine.guided import GrammarError, Grammars, Guide
@@ -162,7 +163,8 @@ class Engine:
         self.prefix_cache, self.swapper = self.memory.tree, self.memory.swapper
         if self.swapper is not None:
             self.swapper.mirror = ex.mirror_kv_swaps(self.swapper.host_slots)
-        self.scheduler = Scheduler(sc, self.allocator, cc.block_size, self.prefix_cache)
+        self.scheduler = Scheduler(sc, self.allocator, cc.block_size, self.prefix_cache,
+                                   CHUNK_SLOTS if mixed_graphs else None)
         graph_batch = sc.max_num_seqs if graphed else 0
         ex.start(self.pool.kv, cc.block_size, tuple(sorted(self.eos_token_ids)), self.adapters, graph_batch,
                  self.memory.copies)

@@ -47,8 +47,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: UnifiedPool, block_size: int, cache=None):
-        """``cache``: a :class:`~vlora.memory.tree.PrefixTree` (prefix caching), or None."""
+    def __init__(self, config: SchedulerConfig, allocator: UnifiedPool, block_size: int, cache=None,
+                 max_chunks_with_decodes: int | None = None):
+        """``cache``: a :class:`~vlora.memory.tree.PrefixTree` (prefix caching), or None;
+        ``max_chunks_with_decodes``: most prompt chunks beside decodes (the chunk slots of the CUDA graphs such
+        an iteration replays; None: no bound)."""
+        self.max_chunks_with_decodes = max_chunks_with_decodes
         self.config = config
         self.allocator = allocator
         self.block_size = block_size
@@ -162,15 +166,16 @@ class Scheduler:
         # the others keep their KV and sit this one out
         queue = deque(self.running if eligible is None else [s for s in self.running if ok(s)])
         # prompt tokens beside decodes: few enough that the decoding streams are not stalled for long
-        prompt_budget = budget
+        prompt_budget, chunks = budget, 1 << 30
         if any(seq.num_tokens - seq.num_computed == 1 for seq in queue):
             prompt_budget = self.config.max_prefill_tokens_with_decodes or budget
+            chunks = self.max_chunks_with_decodes or chunks
         limit = self.allocator.num_blocks             # once per call: it sums over the resident adapters
         while queue and budget > 0:
             seq = queue.popleft()
             start = seq.num_computed
             left = seq.num_tokens - start
-            n = min(left, budget) if left == 1 else min(left, budget, prompt_budget)
+            n = min(left, budget) if left == 1 else min(left, budget, prompt_budget) if chunks > 0 else 0
             if n <= 0:
                 continue                        # a prompt chunk waits for the next iteration
             need = self._blocks_needed(seq, n)           # most decodes need no new page
@@ -185,14 +190,19 @@ class Scheduler:
             budget -= n
             if left > 1:
                 prompt_budget -= n
+                chunks -= 1
         # admit waiting sequences only when nothing was preempted (they would thrash); those whose adapter the
         # running sequences' pages displaced wait
         lost = self.allocator.pin_wanted()
         admitted = False
         for seq in [s for s in self.waiting if ok(s) and s.adapter_name not in lost]:
-            if preempted or min(budget, prompt_budget) <= 0 or len(scheduled) >= self.config.max_num_seqs:
+            if (preempted or min(budget, prompt_budget) <= 0 or chunks <= 0
+                    or len(scheduled) >= self.config.max_num_seqs):
                 break
-            if not self._admissible(seq, min(budget, prompt_budget)):
+            # the pages of as much of the prompt as the whole budget takes, although a bound beside decodes
+            # computes less of it now: a prompt admitted with pages for one chunk only would preempt itself (the
+            # newest sequence) for its next chunk where memory is short, and compute that chunk again
+            if not self._admissible(seq, budget):
                 self.admissions_blocked += 1
                 break
             self._match(seq)
@@ -213,6 +223,7 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
             prompt_budget -= n
+            chunks -= 1
         if admitted:                            # preemptions keep the order; admissions may break it
             self.running.sort(key=lambda s: s.arrival)
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(truncated))

@@ -196,7 +196,8 @@ def default_workers(cpus: int | None = None) -> int:
     """Reading processes for a host of ``cpus`` cores: one per four cores, at most four, at least one. Reads of
     adapters that arrive together then overlap (a rank-64 Llama-2-7B adapter takes its worker 1.4-1.8 s on an
     H200 host), while most cores stay the forward's and the server's."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    if cpus is None:                    # the cores this process may run on (a container's share, an affinity)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cpus // 4))
 
 
