@@ -153,3 +153,30 @@ def test_graph_replays_follow_a_change_of_mixed_launch(tmp_path):
         assert [o.token_ids for o in llm.generate(short, NAMES, sp)] == unmerged, launches
         kinds.append({kind for _, kind, _ in set(eng.runner.graphs.graphs) - before})
     assert kinds == [{PAIRED}, {MIXED}]
+
+
+def check_mixed_graphs_in_mixed_mode(tmp_path, **kw):
+    """V-LoRA's mixed mode (a8 merged, the other adapters' and the base rows carrying it subtracted) in the mixed
+    graphs of prompts prefilled beside decodes: every token equal to PEFT's."""
+    from tests.models.test_fast_path import GRAPH_NAMES, GRAPH_PROMPTS, GRAPH_SPS, mixed_graphs_engine
+
+    path, paths, pm = build(tmp_path)
+    llm, want = mixed_graphs_engine(path, paths, pm, 4, **kw)
+    g = llm.engine.runner.graphs
+    llm.engine.merge_adapter("a8")
+    mixed = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[:4], GRAPH_NAMES[:4], GRAPH_SPS[:4])]   # every name
+    assert mixed == want
+    assert (g.mixed_kind, True) in {(kind, m) for _, kind, m in g.graphs}
+    assert llm.engine.runner.modes.merged is not None
+    llm.engine.pool.check()
+    assert llm.engine.pool.kv_pages == 0
+
+
+def test_mixed_graphs_in_mixed_mode_on_cpu(tmp_path):
+    """The CPU emulation, Triton kernels in the interpreter."""
+    check_mixed_graphs_in_mixed_mode(tmp_path, kernels="triton", lora_kernel="triton")
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_graphs_in_mixed_mode(tmp_path):
+    check_mixed_graphs_in_mixed_mode(tmp_path, device="cuda", dtype="float32")

@@ -71,36 +71,37 @@ def test_graph_decode_buffers_on_cpu(tmp_path):
     check_graph_decode(path, paths, pm, kernels="triton", lora_kernel="triton")
 
 
-def check_mixed_graphs(path, paths, pm, **kw):
-    """Prompts prefilled in chunks beside running decodes (a token budget of 8, at most 6 prompt tokens beside
-    decodes: every prompt is admitted while others decode, some in two chunks, several chunks in one iteration)
-    replay mixed graphs, base-only, with LoRA and in V-LoRA's mixed mode (an adapter merged, the others' rows
-    carrying it subtracted): every token equal to PEFT's. Prompts that want their logprobs run eagerly."""
-    want = [peft_greedy(pm, p, a, sp.max_tokens) for p, a, sp in zip(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
-    kw = {"policy": "unmerged", **kw}
+def mixed_graphs_engine(path, paths, pm, n: int = len(GRAPH_PROMPTS), **kw):
+    """An engine that prefills at most 6 prompt tokens beside decodes within a token budget of 8 (every prompt
+    is admitted while others decode, some in two chunks, several chunks in one iteration), those iterations
+    replayed from mixed graphs (emulated on a CPU); and PEFT's tokens of the first ``n`` graph requests."""
+    want = [peft_greedy(pm, p, a, sp.max_tokens) for p, a, sp in zip(GRAPH_PROMPTS[:n], GRAPH_NAMES, GRAPH_SPS)]
+    kw = {"policy": "unmerged", **kw}                    # the modes switched by hand only
     llm = LLM(str(path), adapters=paths, num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=128,
               max_num_batched_tokens=8, max_prefill_tokens_with_decodes=6, **kw)
     assert llm.engine.config.scheduler.max_prefill_tokens_with_decodes == 6
     if llm.engine.runner.graphs is None:                 # CPU: the emulation
         llm.engine.runner.enable_graphs(8, llm.engine.max_model_len, columns=2, mixed_tokens=6)
+    return llm, want
+
+
+def check_mixed_graphs(path, paths, pm, **kw):
+    """Prompts prefilled beside decodes replay mixed graphs, base-only and with LoRA: every token equal to
+    PEFT's. Prompts that want their logprobs run eagerly. (V-LoRA's mixed mode: tests/engine/test_modes.py.)"""
+    llm, want = mixed_graphs_engine(path, paths, pm, **kw)
     g = llm.engine.runner.graphs
     assert g.mixed_buckets
     got = [o.token_ids for o in llm.generate(GRAPH_PROMPTS, GRAPH_NAMES, GRAPH_SPS)]
     assert got == want
-    base = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[::3], None, GRAPH_SPS[::3])]    # no adapter at all
-    assert base == [peft_greedy(pm, p, None, sp.max_tokens) for p, sp in zip(GRAPH_PROMPTS[::3], GRAPH_SPS[::3])]
+    base = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[::4], None, GRAPH_SPS[::4])]    # no adapter at all
+    assert base == [peft_greedy(pm, p, None, sp.max_tokens) for p, sp in zip(GRAPH_PROMPTS[::4], GRAPH_SPS[::4])]
     assert {(kind, mixed) for _, kind, mixed in g.graphs} >= {(0, True), (1, True)}
     replays = g.num_replays
-    out = llm.generate(GRAPH_PROMPTS[:3], GRAPH_NAMES[:3],
-                       [SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True, prompt_logprobs=1)] * 3)
-    assert [o.token_ids for o in out] == [w[:3] for w in want[:3]]
-    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(out, GRAPH_PROMPTS[:3]))
+    out = llm.generate(GRAPH_PROMPTS[:2], GRAPH_NAMES[:2],
+                       [SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True, prompt_logprobs=1)] * 2)
+    assert [o.token_ids for o in out] == [w[:3] for w in want[:2]]
+    assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(out, GRAPH_PROMPTS[:2]))
     assert g.num_replays > replays                          # their decodes still replay
-    llm.engine.merge_adapter("a8")      # V-LoRA's mixed mode: the others carry a8 subtracted, in mixed graphs too
-    mixed = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[:4], GRAPH_NAMES[:4], GRAPH_SPS[:4])]   # every name
-    assert mixed == want[:4]
-    assert (g.mixed_kind, True) in {(kind, m) for _, kind, m in g.graphs}
-    assert llm.engine.runner.modes.merged is not None
     llm.engine.pool.check()
     assert llm.engine.pool.kv_pages == 0
 
