@@ -368,6 +368,9 @@ class ModelRunner:
         g = self.graphs
         if g is None or not g.mixed_buckets:
             return None
+        prompts = [s.num_tokens for s in ordered if s.num_tokens > 1]
+        if g.mixed_bucket(len(ordered) - len(prompts), sum(prompts), len(prompts)) is None:
+            return None                                # before any per-token work: a large prefill runs eagerly
         for s in ordered:
             seq = s.seq
             prompt = len(seq.prompt_token_ids)
