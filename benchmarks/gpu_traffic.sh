@@ -2,7 +2,8 @@
 # Serving under arrivals on one GPU (the Traffic workload of BENCHMARKS.md over HTTP, `vlora serve` defaults,
 # sampled), one part per device call of under 10 minutes:
 #   a100:  100 adapters (all registered at start; --distinct 25 weight sets), rates $RATES, $DURATION s each
-#   a1000: 1,000 adapters loaded on first request from --adapter-dir (--distinct 100, at most 200 loaded)
+#   a1000: the worker's read of one adapter (bench_adapter_read), then 1,000 adapters loaded on first request
+#          from --adapter-dir (--distinct 100, at most 200 loaded)
 #   e2e:   bench_e2e (32 adapters and base, greedy and sampled, no tuning flags), then the mixed-graph GPU tests
 # CODE=DIR runs the benchmark of another source tree (e.g. a copy of an earlier commit, for a before/after pair);
 # VLORA_COMMIT names the commit measured where the machine's git does not know it. TRAFFIC_ARGS adds options
@@ -33,7 +34,11 @@ traffic() {
 }
 case $part in
     a100)  traffic --adapters 100 --distinct 25 ;;
-    a1000) traffic --adapters 1000 --distinct 100 --on-demand --max-loaded-adapters 200 ;;
+    a1000)
+        # the worker's read of one adapter on this host first (rank 16 and 64, one core, as the worker runs)
+        timeout 120 python3 benchmarks/bench_adapter_read.py --label host --out "$out/$part" > "$out/$part/read.log" 2>&1
+        echo "bench_adapter_read exit $?"; cat "$out/$part/read.log"
+        traffic --adapters 1000 --distinct 100 --on-demand --max-loaded-adapters 200 ;;
     e2e)
         # shellcheck disable=SC2086
         timeout 300 python3 benchmarks/bench_e2e.py --skip-hf --sampling greedy,sampled ${E2E_ARGS:-} \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import torch
 
 from tests.lora.test_adapter import SHAPE, make_tensors, write_adapter
 from vlora.lora.adapter import AdapterError
-from vlora.lora.loader import LoaderProcess, ReadAdapter, landed, ship, shared_zeros
+from vlora.lora.adapter import load_adapter, read_stored
+from vlora.lora.device_store import host_layout
+from vlora.lora.loader import LoaderProcess, ReadAdapter, landed, pack, packed_in_layout, ship, shared_zeros
 from vlora.lora.registry import AdapterRegistry
 from vlora.memory.pool import UnifiedPool
 
@@ -77,6 +80,37 @@ def test_ship_and_land_keep_every_matrix_and_its_place(tmp_path):
     same_adapter(r, back)
     views = [gw.a for groups in back.packed.layers for gw in groups.values()]
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1     # one buffer for all of them
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_an_adapter_read_into_its_pool_layout_equals_one_packed_then_laid_out(tmp_path, dtype):
+    """Written straight into the pool's layout (the loader's path) the adapter is, bit for bit, the one converted,
+    packed and then laid out; its packed matrices are views of that layout (one copy in host memory). Modules
+    missing from a group (k), a layer left untouched, and fp32 weights served in another dtype included."""
+    tensors = make_tensors(r=4, modules=("q_proj", "v_proj", "gate_proj", "down_proj"), layers=(1,))
+    path = write_adapter(tmp_path, tensors, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    ref = pack(load_adapter(path, "a", SHAPE, max_rank=16, dtype=dtype, check_base_model=False), -1,
+               SHAPE.out_features, torch.device("cpu"))
+    packed, host = packed_in_layout(read_stored(path, "a", SHAPE, max_rank=16, check_base_model=False),
+                                    SHAPE.out_features, dtype)
+    same_adapter(ReadAdapter(ref, path, None, host_layout(ref)), ReadAdapter(packed, path, None, host))
+    assert packed.layers[0] == {} and set(packed.layers[1]) == {"qkv", "gate_up", "down"}
+    views = [t for g in packed.layers[1].values() for t in (g.a, *(s.b for s in g.slices))]
+    assert {t.untyped_storage().data_ptr() for t in views} == {host.flat.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("value, served, message", [
+    (float("nan"), torch.bfloat16, "contains NaN or Inf"),
+    (1e6, torch.float16, "overflows when converted to torch.float16"),
+])
+def test_a_value_not_finite_in_the_pool_layout_is_refused_by_name(tmp_path, value, served, message):
+    tensors = make_tensors(r=4, modules=("q_proj", "v_proj"), layers=(0, 1))
+    key = next(k for k in tensors if "layers.1" in k and "v_proj.lora_B" in k)
+    tensors[key][3, 2] = value
+    path = write_adapter(tmp_path, tensors, target_modules=["q_proj", "v_proj"])
+    stored = read_stored(path, "a", SHAPE, max_rank=16, check_base_model=False)
+    with pytest.raises(AdapterError, match=re.escape(f"{key!r} {message}")):
+        packed_in_layout(stored, SHAPE.out_features, served)
 
 
 def test_shared_zeros_are_zero_and_shared():

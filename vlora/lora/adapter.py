@@ -169,12 +169,36 @@ def _split_fused(tensors: dict[str, torch.Tensor], shape: ModelShape) -> dict[st
     return out
 
 
-def _finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf in ``t`` (non-empty): one min/max pass, which propagates NaN. It reads ``t`` once, where
     ``isfinite(t).all()`` also writes a boolean tensor the size of ``t`` and reads that again (docs/decisions.md,
     'Finite check by min/max')."""
     lo, hi = torch.aminmax(t)
     return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+
+@dataclass
+class StoredAdapter:
+    """An adapter directory read and checked, its matrices as the file stores them: per layer, module ->
+    ((key, A [r, in]), (key, B [out, r])) in the file's dtype. :func:`load_adapter` converts them; the loader
+    (vlora/lora/loader.py) writes them straight into the pool's layout."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    base_model: str | None
+    stored: list[dict[str, tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor]]]]
+
+
+def refuse_nonfinite(key: str, stored: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise the AdapterError for tensor ``key`` whose conversion to ``dtype`` is not finite: NaN/Inf in the file,
+    or values past ``dtype``'s range."""
+    if not all_finite(stored):
+        raise AdapterError(f"{_WEIGHTS}: {key!r} contains NaN or Inf")
+    raise AdapterError(f"{_WEIGHTS}: {key!r} overflows when converted to {dtype}")
 
 
 def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_rank: int,
@@ -185,6 +209,27 @@ def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_r
     does not fit ``shape``, has rank above ``max_rank``, holds NaN/Inf, or (when
     ``check_base_model``) was trained for another base model.
     """
+    s = read_stored(path, name, shape, max_rank=max_rank, check_base_model=check_base_model)
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    for per_module in s.stored:
+        layer = {}
+        for module, pair in per_module.items():
+            out = []
+            for key, t in pair:
+                converted = t.t().to(dtype).contiguous()
+                if not all_finite(converted):              # one check on the common path; which fault, on failure
+                    refuse_nonfinite(key, t, dtype)
+                out.append(converted)
+            layer[module] = (out[0], out[1])
+        weights.append(layer)
+    return LoRAAdapter(name=s.name, path=s.path, rank=s.rank, alpha=s.alpha, scaling=s.scaling,
+                       target_modules=s.target_modules, base_model=s.base_model, weights=weights)
+
+
+def read_stored(path: str | os.PathLike, name: str, shape: ModelShape, *, max_rank: int,
+                check_base_model: bool = True) -> StoredAdapter:
+    """Read and check the PEFT LoRA adapter in directory ``path`` (everything :func:`load_adapter` checks but
+    the values' finiteness in the served dtype), its matrices left as stored."""
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(f"adapter {name!r}: {path} is not a directory")
@@ -229,7 +274,7 @@ def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_r
                                f"of layer {layer} {module}")
         pair[ab] = (key, tensors[key])
 
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(shape.num_layers)]
+    stored: list[dict] = [{} for _ in range(shape.num_layers)]
     for (layer, module), pair in sorted(found.items()):
         if len(pair) != 2:
             missing = "B" if "A" in pair else "A"
@@ -238,7 +283,6 @@ def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_r
         if module not in shape.in_features or module not in shape.out_features:
             raise AdapterError(f"adapter {name!r} targets {module}, which base model {shape.name!r} does not have")
         expected = {"A": (rank, shape.in_features[module]), "B": (shape.out_features[module], rank)}
-        out = []
         for ab in "AB":
             key, t = pair[ab]
             if tuple(t.shape) != expected[ab]:
@@ -246,18 +290,12 @@ def load_adapter(path: str | os.PathLike, name: str, shape: ModelShape, *, max_r
                                    f"(rank r={rank}, base model {shape.name!r})")
             if not t.is_floating_point():
                 raise AdapterError(f"{_WEIGHTS}: {key!r} has non-float dtype {t.dtype}")
-            converted = t.t().to(dtype).contiguous()
-            if not _finite(converted):                     # one check on the common path; which fault, only on failure
-                if not _finite(t):
-                    raise AdapterError(f"{_WEIGHTS}: {key!r} contains NaN or Inf")
-                raise AdapterError(f"{_WEIGHTS}: {key!r} overflows when converted to {dtype}")
-            out.append(converted)
-        weights[layer][module] = (out[0], out[1])
+        stored[layer][module] = (pair["A"], pair["B"])
 
     present = {module for _, module in found}
     if listed is not None and listed - present:
         raise AdapterError(f"{_CONFIG}: target_modules lists {sorted(listed - present)} "
                            f"but {_WEIGHTS} has no weights for them")
-    return LoRAAdapter(name=name, path=str(path), rank=rank, alpha=float(alpha), scaling=float(scaling),
-                       target_modules=tuple(m for m in LORA_TARGETS if m in present),
-                       base_model=base_model, weights=weights)
+    return StoredAdapter(name=name, path=str(path), rank=rank, alpha=float(alpha), scaling=float(scaling),
+                         target_modules=tuple(m for m in LORA_TARGETS if m in present),
+                         base_model=base_model, stored=stored)

@@ -6,15 +6,15 @@ serving process that work shares the interpreter lock, the allocator and the add
 thread, whose steps it slows: by 20-86 ms over a rank-64 Llama-2-7B load on an H100 host, and on a CPU with
 no spare core the forward loses one to it. So :class:`LoaderProcess` hands the reading to worker processes
 (one per four cores, at most four; spawned once, shared by the engines of this process, scheduled only on idle
-cores with one torch thread each: a core the forward wants goes to the forward). The worker writes the result into two shared-memory buffers
-(the packed matrices back to back, and the pool's layout of them), which cross to this process as two file
-descriptors, not as copies. What is left here is the part that needs this process: pinning the pool's copy
-(registered in place), moving a task head to the device, and the registration on the engine's thread
-(:meth:`vlora.lora.registry.AdapterRegistry.finish`, ``add``).
+cores with one torch thread each: a core the forward wants goes to the forward). The worker writes each matrix,
+converted, straight into the pool's layout in one shared-memory buffer, the packed matrices being views of it;
+the buffer crosses to this process as a file descriptor, not as a copy. What is left here is the part that
+needs this process: pinning the pool's copy (registered in place), moving a task head to the device, and the
+registration on the engine's thread (:meth:`vlora.lora.registry.AdapterRegistry.finish`, ``add``).
 
-    read(spec, name, path)            worker: load_adapter -> pack (CPU) -> host_layout, into shared memory
-        -> Shipped (2 buffers + shapes)   crosses as file descriptors
-        -> landed(shipped) -> ReadAdapter (views of the buffers)      this process
+    read(spec, name, path)            worker: read_stored -> packed_in_layout, into shared memory
+        -> Shipped (1 buffer + the views' offsets)   crosses as a file descriptor
+        -> landed(shipped) -> ReadAdapter (views of the buffer)      this process
         -> registry.finish -> PreparedAdapter -> registry.add (engine thread)
 
 A worker that dies while reading (a file that crashes the parser, memory exhausted) refuses that adapter (and
@@ -34,11 +34,13 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
-from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, load_adapter
+from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, StoredAdapter, all_finite, load_adapter, \
+    read_stored, refuse_nonfinite
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
-from vlora.lora.device_store import HostAdapter, host_layout
+from vlora.lora.device_store import HostAdapter, aligned, host_layout
 from vlora.lora.task_head import TaskHead, load_task_head
 
 
@@ -82,14 +84,90 @@ def pack(adapter: LoRAAdapter, slot: int, out_features: dict[str, int], device: 
     return PackedAdapter(slot, adapter.name, adapter.rank, adapter.scaling, tuple(layers))
 
 
+def packed_in_layout(stored: StoredAdapter, out_features: dict[str, int], dtype: torch.dtype,
+                     alloc=torch.zeros) -> tuple[PackedAdapter, HostAdapter]:
+    """The adapter laid out for the pool (:func:`~vlora.lora.device_store.host_layout`'s layout, in one buffer
+    from ``alloc``) and packed (:func:`pack`'s structure) as views of that buffer: each stored matrix is converted
+    and written once, into its place (A^T as stored, B transposed), and the whole buffer is checked finite in one
+    pass. Equal to ``host_layout(pack(load_adapter(...)))`` at a third of its passes over the adapter's bytes and
+    half its host memory (docs/decisions.md, 'Adapters read into their pool layout')."""
+    rank = stored.rank
+    plan = []                       # per layer: (group, [(index, module, col)]) of the groups it touches
+    sizes = []
+    for per_module in stored.stored:
+        groups = []
+        for group, modules in GROUPS.items():
+            parts, col = [], 0
+            for j, module in enumerate(modules):
+                if module in per_module:
+                    parts.append((j, module, col))
+                col += out_features.get(module, 0)      # a module the model takes no LoRA on (MoE MLP)
+            if parts:
+                groups.append((group, parts))
+                sizes.append(len(parts) * rank * per_module[parts[0][1]][0][1].shape[1])
+                sizes.extend(rank * per_module[m][1][1].shape[0] for _, m, _ in parts)
+        plan.append(groups)
+    flat = alloc(sum(aligned(n) for n in sizes), dtype=dtype)
+    pos = 0
+
+    def place(n: int, shape: tuple[int, int]) -> torch.Tensor:
+        nonlocal pos
+        view = flat[pos:pos + n].view(shape)
+        pos += aligned(n)
+        return view
+
+    layers = []
+    for per_module, groups in zip(stored.stored, plan):
+        packed_groups = {}
+        for group, parts in groups:
+            width = per_module[parts[0][1]][0][1].shape[1]
+            a_t = place(len(parts) * rank * width, (len(parts) * rank, width))     # A^T: [R, in]
+            slices = []
+            for k, (j, module, col) in enumerate(parts):
+                (_, a), (_, b) = per_module[module]
+                a_t[k * rank:(k + 1) * rank].copy_(a)
+                dst = place(rank * b.shape[0], (rank, b.shape[0]))
+                copy_transposed(dst, b)
+                slices.append(SliceB(j, col, k * rank, dst))
+            packed_groups[group] = GroupWeights(a_t.t(), tuple(slices))
+        layers.append(packed_groups)
+    if flat.numel() and not all_finite(flat):
+        for per_module in stored.stored:                # which tensor, and why: only on failure
+            for pair in per_module.values():
+                for key, t in pair:
+                    if not all_finite(t.to(dtype)):
+                        refuse_nonfinite(key, t, dtype)
+    packed = PackedAdapter(-1, stored.name, rank, stored.scaling, tuple(layers))
+    return packed, HostAdapter(flat, sizes)
+
+
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst`` ([n, m], contiguous) = ``src.t()`` in ``dst``'s dtype. numpy's strided copy takes a tall thin
+    matrix (a LoRA B, [out, r]) across at about 2.4x torch's speed (0.19 against 0.45 ms/MB, bf16, one core), so
+    the bits go through numpy after any conversion."""
+    src = src.to(dst.dtype)
+    as_int = _SAME_SIZE_INT.get(dst.element_size())
+    if as_int is None or not dst.is_contiguous():
+        dst.copy_(src.t())
+        return
+    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy().T)
+
+
 def read(spec: ReadSpec, name: str, path: str, alloc=torch.zeros) -> ReadAdapter:
     """Read, validate and pack the PEFT adapter in ``path`` (raises AdapterError if it is refused); the pool's
-    layout comes in a buffer from ``alloc(numel, dtype=)``, zero-filled."""
-    loaded = load_adapter(path, name, spec.shape, max_rank=spec.max_rank, dtype=spec.dtype,
-                          check_base_model=spec.check_base_model)
+    layout comes in a buffer from ``alloc(numel, dtype=)``, zero-filled, the packed matrices then being views of
+    it."""
+    if spec.host_layout:
+        stored = read_stored(path, name, spec.shape, max_rank=spec.max_rank, check_base_model=spec.check_base_model)
+        packed, host = packed_in_layout(stored, spec.shape.out_features, spec.dtype, alloc)
+    else:
+        loaded = load_adapter(path, name, spec.shape, max_rank=spec.max_rank, dtype=spec.dtype,
+                              check_base_model=spec.check_base_model)
+        packed, host = pack(loaded, -1, spec.shape.out_features, torch.device("cpu")), None
     head = load_task_head(path, spec.shape.in_features["q_proj"], spec.dtype, torch.device("cpu"))
-    packed = pack(loaded, -1, spec.shape.out_features, torch.device("cpu"))
-    host = host_layout(packed, alloc) if spec.host_layout else None
     return ReadAdapter(packed, str(path), head, host)
 
 
@@ -97,12 +175,16 @@ def read(spec: ReadSpec, name: str, path: str, alloc=torch.zeros) -> ReadAdapter
 
 @dataclass(frozen=True)
 class Shipped:
-    """A :class:`ReadAdapter` as it crosses: its packed matrices in one shared buffer (``flat``, ``shapes`` in
-    order), the adapter's structure with empty tensors in their place, and the pool's layout (shared too)."""
+    """A :class:`ReadAdapter` as it crosses: one shared buffer (``flat``), the adapter's structure with empty
+    tensors in place of its packed matrices, and where each of them lies in ``flat`` (``views``: offset, shape,
+    strides, in :func:`_matrices`' order). With the pool's layout (``host_sizes`` given) ``flat`` is that layout
+    and the matrices are views of it, as :func:`packed_in_layout` made them; without, ``flat`` holds the matrices
+    back to back."""
 
     skeleton: ReadAdapter
     flat: torch.Tensor
-    shapes: list[tuple[int, ...]]
+    views: list[tuple[int, tuple[int, ...], tuple[int, ...]]]
+    host_sizes: list[int] | None = None
 
 
 def _matrices(packed: PackedAdapter) -> list[torch.Tensor]:
@@ -133,28 +215,43 @@ def shared_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def ship(r: ReadAdapter) -> Shipped:
-    """``r`` (with its pool layout already in shared memory) made ready to cross: its packed matrices copied into
-    one shared buffer, so that they cross as one descriptor rather than one each."""
+    """``r`` (its pool layout, if any, already in shared memory) made ready to cross as one descriptor: where its
+    packed matrices are views of that layout they cross as offsets into it; otherwise they are copied into one
+    shared buffer back to back."""
     mats = _matrices(r.packed)
     dtype = mats[0].dtype if mats else torch.float32
-    flat = shared_zeros(sum(m.numel() for m in mats), dtype)
-    pos = 0
-    for m in mats:
-        flat[pos:pos + m.numel()].copy_(m.reshape(-1))
-        pos += m.numel()
     empty = torch.empty(0, dtype=dtype)
-    skeleton = replace(r, packed=_with_matrices(r.packed, [empty] * len(mats)))
-    return Shipped(skeleton, flat, [tuple(m.shape) for m in mats])
+    skeleton = replace(r, packed=_with_matrices(r.packed, [empty] * len(mats)), host=None)
+    if r.host is not None and all(m.untyped_storage().data_ptr() == r.host.flat.untyped_storage().data_ptr()
+                                  for m in mats):
+        base = r.host.flat.storage_offset()
+        views = [(m.storage_offset() - base, tuple(m.shape), m.stride()) for m in mats]
+        return Shipped(skeleton, r.host.flat, views, list(r.host.sizes))
+    flat = shared_zeros(sum(m.numel() for m in mats), dtype)
+    views, pos = [], 0
+    for m in mats:
+        flat[pos:pos + m.numel()].view(m.shape).copy_(m)
+        views.append((pos, tuple(m.shape), _contiguous_strides(m.shape)))
+        pos += m.numel()
+    if r.host is not None:          # a layout the matrices are not views of: it crosses too (a second descriptor)
+        skeleton = replace(skeleton, host=r.host)
+    return Shipped(skeleton, flat, views)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def landed(s: Shipped) -> ReadAdapter:
     """The :class:`ReadAdapter` that crossed as ``s``: its matrices are views of the shared buffer."""
-    views, pos = [], 0
-    for shape in s.shapes:
-        n = math.prod(shape)
-        views.append(s.flat[pos:pos + n].view(shape))
-        pos += n
-    return replace(s.skeleton, packed=_with_matrices(s.skeleton.packed, views))
+    base = s.flat.storage_offset()
+    views = [s.flat.as_strided(shape, stride, base + off) for off, shape, stride in s.views]
+    r = replace(s.skeleton, packed=_with_matrices(s.skeleton.packed, views))
+    return r if s.host_sizes is None else replace(r, host=HostAdapter(s.flat, s.host_sizes))
 
 
 # -- the worker -----------------------------------------------------------------------------------
