@@ -52,6 +52,42 @@ def test_latency_rejection_uses_max_tokens_and_decode_time():
     assert [s.request_id for s, r in adm.reject([ok, late], 100.0, est)] == ["late"]
 
 
+def decoding(rid="d"):
+    s = seq(rid, 4)
+    s.num_computed = s.num_tokens - 1            # its prompt done: one token per iteration
+    return s
+
+
+def test_prompts_chunked_beside_decodes_count_a_decode_step_per_chunk():
+    """With a bound of 1,024 prompt tokens beside decodes, a 3,000-token prompt takes three iterations, each
+    also a decode step (0.3 s + 3 x 0.03 s = 0.39 s): over a 0.35 s TTFT target only where decodes run."""
+    est = estimator(prefill_token_s=1e-4, decode_step_s=0.03)
+    long = seq("long", 3000, slo=SLO(ttft_s=0.35))
+    assert Admission().reject([long], 100.0, est, [], 1024, 16384) == []             # nothing decodes: one pass
+    assert Admission().reject([long], 100.0, est, [decoding()], None, 16384) == []   # no bound
+    got = Admission().reject([long], 100.0, est, [decoding()], 1024, 16384)
+    assert [s.request_id for s, _ in got] == ["long"] and "about 0.390 s more to prefill" in got[0][1]
+    # nothing decodes yet, but the first pass takes only 2,048 of its tokens: the rest goes beside decodes
+    tight = seq("tight", 3000, slo=SLO(ttft_s=0.32))
+    assert Admission().reject([tight], 100.0, est, [], 1024, 16384) == []
+    got = Admission().reject([tight], 100.0, est, [], 1024, 2048)
+    assert "about 0.330 s more to prefill" in got[0][1]
+
+
+def test_running_prompts_go_first_and_prompts_per_iteration_are_bounded():
+    est = estimator(prefill_token_s=1e-4, decode_step_s=0.03)
+    half = seq("half", 3000)
+    half.num_computed = 1000                      # 2,000 of its prompt tokens left, prefilled before any waiting
+    late = seq("late", 100, slo=SLO(ttft_s=0.25))
+    got = Admission().reject([late], 100.0, est, [half, decoding()], 1024, 16384)
+    assert "about 0.300 s more to prefill" in got[0][1]          # 2,100 tokens, 3 chunks
+    assert Admission().reject([late], 100.0, est, [decoding()], 1024, 16384) == []
+    # twenty short prompts, at most 8 per iteration: the last waits three iterations, not one
+    short = [seq(f"s{i}", 10, slo=SLO(ttft_s=0.1)) for i in range(20)]
+    got = Admission().reject(short, 100.0, est, [decoding()], 1024, 16384, per_iteration=8)
+    assert [s.request_id for s, _ in got] == [f"s{i}" for i in range(16, 20)]     # 17th on: 3 x 0.03 + tokens
+
+
 def test_no_measurement_only_waiting_counts_and_served_requests_are_kept():
     adm = Admission()
     adm.set_slo("x", SLO(ttft_s=0.1))

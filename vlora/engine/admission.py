@@ -4,8 +4,13 @@ An adapter (an application) or a single request may declare an :class:`SLO`: a
 time-to-first-token target, an end-to-end latency target, or both. Before a
 request is first served, every iteration checks whether it can still meet its
 targets: the time it has already waited plus the estimated time to prefill it
-behind the requests queued before it (and, for the latency target, to decode
-its ``max_tokens``) must fit. A request that cannot is rejected at once, with
+behind the prompt tokens ahead of it (the unprefilled rest of the running
+requests', then the waiting requests' before it) and, for the latency target,
+to decode its ``max_tokens`` must fit. Where the scheduler bounds the prompt
+tokens beside running decodes (``max_prefill_tokens_with_decodes``, and at
+most 8 prompt chunks where mixed CUDA graphs replay them), those tokens go a
+chunk per iteration and each iteration is also a decode step: the estimate
+counts both. A request that cannot is rejected at once, with
 the numbers in its reason, rather than served late and holding memory others
 could use. Requests already being served are never aborted.
 
@@ -61,6 +66,21 @@ class ServiceEstimator:
         per_token = max(0.0, seconds - (self.decode_step_s if decodes else 0.0)) / prefill_tokens
         self.prefill_token_s = self._mix(self.prefill_token_s, per_token)
 
+    def prefill_s(self, tokens: int, chunk: int | None = None, first: int | None = None, prompts: int = 1,
+                  per_iteration: int | None = None) -> float:
+        """Seconds to prefill ``tokens`` prompt tokens of ``prompts`` prompts: their own time, plus, where they
+        go at most ``chunk`` tokens and ``per_iteration`` prompts per iteration beside decodes, a decode step per
+        iteration. ``first``: tokens the first iteration takes when nothing decodes yet (the whole token budget;
+        None: decodes run already, every iteration is bounded)."""
+        own = tokens * self.prefill_token_s
+        if chunk is None or tokens <= 0:
+            return own
+        rest = tokens if first is None else max(0, tokens - first)
+        steps = -(-rest // chunk)
+        if per_iteration and rest:
+            steps = max(steps, -(-prompts // per_iteration))
+        return own + steps * self.decode_step_s
+
 
 class Admission:
     def __init__(self):
@@ -76,17 +96,26 @@ class Admission:
     def slo_for(self, seq: Sequence) -> SLO | None:
         return seq.slo if seq.slo is not None else self.adapter_slos.get(seq.adapter_name)
 
-    def reject(self, waiting: list[Sequence], now: float, est: ServiceEstimator) -> list[tuple[Sequence, str]]:
-        """The not-yet-served requests of ``waiting`` (in queue order) that can no longer meet their SLO."""
+    def reject(self, waiting: list[Sequence], now: float, est: ServiceEstimator, running: list[Sequence] = (),
+               chunk: int | None = None, budget: int | None = None,
+               per_iteration: int | None = None) -> list[tuple[Sequence, str]]:
+        """The not-yet-served requests of ``waiting`` (in queue order) that can no longer meet their SLO.
+        ``running``: the requests being served (their prompt tokens left are prefilled first; any decoding makes
+        every iteration a bounded one); ``chunk`` and ``per_iteration``: the prompt tokens and prompts an
+        iteration takes beside decodes (None: no bound); ``budget``: the tokens an iteration takes when nothing
+        decodes."""
         out = []
-        tokens_ahead = 0
+        left = [n for n in (s.num_tokens - s.num_computed for s in running) if n > 1]
+        tokens_ahead, prompts_ahead = sum(left), len(left)
+        decoding = any(s.num_tokens - s.num_computed == 1 for s in running)
+        first = None if decoding or chunk is None else budget
         for seq in waiting:
             need = seq.num_tokens - seq.num_computed
             slo = self.slo_for(seq)
             fresh = not seq.output_token_ids and seq.num_computed == 0 and seq.num_preemptions == 0
             if slo is not None and fresh:
                 waited = now - seq.arrival_time
-                to_first = (tokens_ahead + need) * est.prefill_token_s
+                to_first = est.prefill_s(tokens_ahead + need, chunk, first, prompts_ahead + 1, per_iteration)
                 if slo.ttft_s is not None and waited + to_first > slo.ttft_s:
                     out.append((seq, f"rejected early: cannot meet its TTFT SLO of {slo.ttft_s:g} s (waited "
                                      f"{waited:.3f} s, about {to_first:.3f} s more to prefill)"))
@@ -97,5 +126,6 @@ class Admission:
                                      f"{waited:.3f} s, about {total:.3f} s more to serve)"))
                     continue
             tokens_ahead += need
+            prompts_ahead += 1
         self.num_rejected += len(out)
         return out

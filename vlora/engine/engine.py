@@ -564,7 +564,12 @@ class Engine:
         """SLO rejections, the mode policy's pick (``planned``: ``decision`` is one it made just now), the requests
         whose adapters can be resident, then the scheduler's fit of them into the token budget and free pages;
         the policy's weights applied."""
-        for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator):
+        sc = self.scheduler.config
+        bound = sc.max_prefill_tokens_with_decodes
+        chunk = bound if bound is not None and bound < sc.max_num_batched_tokens else None
+        for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator,
+                                                 self.scheduler.running, chunk, sc.max_num_batched_tokens,
+                                                 self.scheduler.max_chunks_with_decodes):
             self.scheduler.finish(seq, "rejected")
             self._seqs.pop(seq.request_id, None)
             self._pending.append(self._output(seq, [], error=reason))
