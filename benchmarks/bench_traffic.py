@@ -229,6 +229,26 @@ def rate_metrics(rate: float, duration: float, trace, runs: list[dict], cancelle
     return m
 
 
+SERVER_COUNTS = {"vlora_iterations_total": "path", "vlora_mode_switches_total": None,
+                 "vlora_adapter_loads_total": None, "vlora_adapter_evictions_total": None}
+
+
+async def server_counts(client) -> dict[str, float]:
+    """The server's counters a rate's record keeps the change of (from /metrics): forwards by how they ran
+    (``iterations_<path>``), mode switches, adapter loads and evictions."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get("/metrics")).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in SERVER_COUNTS:
+                label = SERVER_COUNTS[sample.name]
+                key = sample.name.removeprefix("vlora_").removesuffix("_total")
+                out[f"{key}_{sample.labels[label]}" if label else key] = sample.value
+    return out
+
+
 def slo_rate(rates: list[dict]) -> float | None:
     """The highest rate that meets the SLO, or None."""
     return max((r["rate"] for r in rates if r["meets_slo"]), default=None)
@@ -240,13 +260,21 @@ def fmt(x: float | None, digits: int = 0) -> str:
 
 def table(res: dict) -> list[str]:
     lines = ["| rate (req/s) | sent | finished | failed | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) "
-             "| output tok/s | SLO |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
+             "| output tok/s | SLO | forwards: decode graph / mixed graph / eager | mode switches | adapter loads |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|---:|"]
     for r in res["rates"]:
         lines.append(f"| {r['rate']:g} | {r['sent']} | {r['finished']} | {r['errors'] + r['cancelled']} | "
                      f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {fmt(r['itl_p50_ms'], 1)} | "
-                     f"{fmt(r['itl_p99_ms'], 1)} | {r['output_tok_s']:.0f} | {'yes' if r['meets_slo'] else 'no'} |")
+                     f"{fmt(r['itl_p99_ms'], 1)} | {r['output_tok_s']:.0f} | {'yes' if r['meets_slo'] else 'no'} | "
+                     + " | ".join(server_cells(r.get("server", {}))) + " |")
     return lines
+
+
+def server_cells(c: dict) -> list[str]:
+    """The table's cells of a rate's server counts (- where the record has none)."""
+    n = lambda k: "-" if k not in c else f"{c[k]:.0f}"  # noqa: E731
+    return [" / ".join(n(f"iterations_{p}") for p in ("decode_graph", "mixed_graph", "eager")),
+            n("mode_switches"), n("adapter_loads")]
 
 
 def write_md(res: dict, path: Path) -> None:
@@ -360,8 +388,11 @@ async def sweep(args, adapter_dirs: dict[str, str], names: list[str], res: dict,
                                       base_share=args.base_share, alpha=args.zipf)
                 log(f"rate {rate:g} req/s: {len(trace)} requests over {args.duration:g} s, "
                     f"{sum(len(q.prompt) for q in trace)} prompt / {sum(q.output_len for q in trace)} output tokens")
+                before = await server_counts(client)
                 runs, cancelled, t0 = await run_rate(client, trace, base_name, args.drain_timeout)
                 m = rate_metrics(rate, args.duration, trace, runs, cancelled, t0, args.slo_ttft_s, args.slo_itl_ms)
+                after = await server_counts(client)
+                m["server"] = {k: after[k] - before.get(k, 0) for k in after}
                 res["rates"].append(m)
                 write_results(res, args.out, tag)
                 log(f"rate {rate:g}: {m['finished']}/{m['sent']} finished, {m['errors']} failed, {cancelled} "

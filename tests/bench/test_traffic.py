@@ -101,6 +101,10 @@ def test_a_small_sweep_on_the_cpu(tmp_path):
     for r in saved["rates"]:
         assert r["sent"] > 0 and r["finished"] == r["sent"] and r["errors"] == r["cancelled"] == 0, r
         assert r["ttft_p99_ms"] is not None and r["output_tokens"] > 0
+        # the server's counts over the rate, from /metrics: on the CPU every forward runs eagerly
+        s = r["server"]
+        assert s["iterations_eager"] > 0 and s["iterations_decode_graph"] == s["iterations_mixed_graph"] == 0, s
+        assert s["adapter_loads"] == 0                      # all given at start
     assert "| 4 |" in (tmp_path / "traffic-cpu.md").read_text()
 
 
@@ -130,4 +134,9 @@ def test_a_small_sweep_loading_adapters_on_demand(tmp_path):
     saved = json.loads((tmp_path / "traffic-cpu.json").read_text())
     r = saved["rates"][0]
     assert r["sent"] > 0 and r["finished"] == r["sent"] and r["errors"] == r["cancelled"] == 0, r
+    # every adapter the rate's trace names is loaded once, but a0 (loaded by the warm-up request) and none evicted
+    trace = traffic_trace(4.0, 1.5, [f"a{j}" for j in range(6)], 5, max_model_len=saved["max_model_len"],
+                          vocab_size=256, prompt_median=8, prompt_p99=32, output_median=4, output_p99=16, alpha=0.5)
+    named = {q.adapter for q in trace} - {None, "a0"}
+    assert r["server"]["adapter_loads"] == len(named) and r["server"]["adapter_evictions"] == 0, r["server"]
     assert "loaded on first request (at most 6 kept)" in (tmp_path / "traffic-cpu.md").read_text()

@@ -96,12 +96,16 @@ def check_mixed_graphs(path, paths, pm, **kw):
     base = [o.token_ids for o in llm.generate(GRAPH_PROMPTS[::4], None, GRAPH_SPS[::4])]    # no adapter at all
     assert base == [peft_greedy(pm, p, None, sp.max_tokens) for p, sp in zip(GRAPH_PROMPTS[::4], GRAPH_SPS[::4])]
     assert {(kind, mixed) for _, kind, mixed in g.graphs} >= {(0, True), (1, True)}
+    counted = dict(llm.engine.runner.iterations)           # forwards by how they ran (vlora_iterations_total)
+    assert counted["mixed_graph"] > 0 and counted["decode_graph"] > 0, counted
     replays = g.num_replays
     out = llm.generate(GRAPH_PROMPTS[:2], GRAPH_NAMES[:2],
                        [SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True, prompt_logprobs=1)] * 2)
     assert [o.token_ids for o in out] == [w[:3] for w in want[:2]]
     assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(out, GRAPH_PROMPTS[:2]))
     assert g.num_replays > replays                          # their decodes still replay
+    after = llm.engine.runner.iterations
+    assert after["eager"] > counted["eager"] and after["decode_graph"] > counted["decode_graph"]
     llm.engine.pool.check()
     assert llm.engine.pool.kv_pages == 0
 

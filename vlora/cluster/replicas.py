@@ -30,7 +30,7 @@ from vlora.cluster.observer import FrontObserver
 from vlora.cluster.policy import ReplicaReport
 from vlora.cluster.replica import Refusal, Replica, ReplicaStatus, raise_refusal
 from vlora.config import EngineConfig
-from vlora.engine.client import AdapterNotFound, EngineFailed, EngineInfo, EngineStats
+from vlora.engine.client import AdapterNotFound, EngineFailed, EngineInfo, EngineStats, sum_counts
 from vlora.lora.adapter import AdapterError
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ class ReplicaSet(Sequence[ReplicaHandle]):
         modes = [s.mode for s in stats] or ["unmerged"]
         return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats) + queued,
                            sum(s.num_blocks_used for s in stats), sum(s.num_blocks for s in stats),
-                           max(set(modes), key=modes.count), sum(s.mode_switches for s in stats))
+                           max(set(modes), key=modes.count), sum(s.mode_switches for s in stats),
+                           tuple(sum_counts(s.iterations for s in stats).items()))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def start(self, spawn: Callable) -> None:

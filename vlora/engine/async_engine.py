@@ -274,7 +274,8 @@ class AsyncEngine:
         e = self.engine
         return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting),
                            e.pool.kv_pages, e.pool.num_pages,
-                           e.orchestrator.mode.value, e.runner.modes.num_switches)
+                           e.orchestrator.mode.value, e.runner.modes.num_switches,
+                           tuple(e.runner.iterations.items()))
 
     def _publish_adapter_names(self) -> None:
         self.adapter_names = frozenset(self.engine.adapters.names()) - self._draining

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from vlora.engine.engine import RequestError
+from vlora.engine.runner import ITERATION_PATHS
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingParams
@@ -68,6 +69,15 @@ class Job:
     resumed: int = 0                    # the prompt's last tokens are the output so far of a request moved here
 
 
+def sum_counts(counts) -> dict[str, int]:
+    """Several ``EngineStats.iterations`` added up, path by path."""
+    total = dict.fromkeys(ITERATION_PATHS, 0)
+    for pairs in counts:
+        for path, n in pairs:
+            total[path] = total.get(path, 0) + n
+    return total
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A load snapshot: one engine's, published by its thread after every command batch and step, or a cluster's
@@ -79,6 +89,7 @@ class EngineStats:
     num_blocks: int
     mode: str = "unmerged"       # inference mode the orchestrator last chose
     mode_switches: int = 0       # merges + unmerges so far
+    iterations: tuple[tuple[str, int], ...] = ()     # forwards so far by how they ran (ITERATION_PATHS)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ from vlora.models.decoder import DecoderLM
 from vlora.models.forward_batch import ForwardBatch, PrefillChunk, PrefillMeta
 
 
+ITERATION_PATHS = ("decode_graph", "mixed_graph", "eager")
+"""How a forward ran: a decode graph replayed, a mixed graph replayed (prompt chunks beside decodes), or kernel by
+kernel (prefills alone, images, task heads, the CPU, tensor parallelism)."""
+
+
 class ModelRunner:
     def __init__(self, model: DecoderLM, kv_cache: torch.Tensor, block_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...], adapters: AdapterRegistry, use_kernels: bool = False,
@@ -48,6 +53,8 @@ class ModelRunner:
         self.modes = ModeSwitcher(model, None if adapters.store is None else adapters.store.pool)
         self.vision = vision
         self.num_images_encoded = 0                    # frames through the vision tower (prefix-cache hits skip it)
+        # forwards by how they ran: "decode_graph", "mixed_graph" (prompt chunks beside decodes), "eager"
+        self.iterations: dict[str, int] = dict.fromkeys(ITERATION_PATHS, 0)
         self.tiling = None
         if adapters.store is not None:                 # CUDA: ATMM kernels with this GPU's tiling table
             from vlora.kernels.tuning import TilingTable
@@ -220,6 +227,7 @@ class ModelRunner:
         samplers = [s.seq for s in ordered if s.samples]
         logits = self._replay_mixed(ordered)
         if logits is not None:                         # prefills beside decodes, from a mixed graph
+            self.iterations["mixed_graph"] += 1
             picked = [i for i, s in enumerate(ordered) if s.samples]
             if len(picked) < len(ordered):
                 logits = logits[torch.tensor(picked, device=logits.device)]
@@ -229,6 +237,7 @@ class ModelRunner:
                 return {}
             tokens = self.sampler.sample(logits, samplers, allowed=allowed).result()
             return {seq.request_id: t for seq, t in zip(samplers, tokens)}
+        self.iterations["eager"] += 1
         self.encode_images(ordered)
         fb = self.prepare(ordered)
         hidden = self.model(fb, self.kv_cache)
@@ -296,6 +305,7 @@ class ModelRunner:
         logits = self._replay(ordered, prev)
         if logits is None:
             return None
+        self.iterations["decode_graph"] += 1
         samplers = [s.seq for s in ordered]
         if prev is not None and any(seq.guide is not None for seq in samplers):
             # structured output behind an iteration in flight: the rows' masks depend on its tokens, so the

@@ -13,8 +13,9 @@ not per adapter (one series each, however many adapters come and go); the log na
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
-from vlora.engine.client import EngineClient, Timing
+from vlora.engine.client import ITERATION_PATHS, EngineClient, Timing
 from vlora.engine.sequence import RequestOutput
 
 MODES = ("merged", "unmerged", "mixed")
@@ -44,6 +45,7 @@ class ServerMetrics:
             mode.labels(m).set_function(lambda m=m: 1 if stats().mode == m else 0)
         Gauge("vlora_mode_switches_total", "Inference-mode switches (merges and unmerges) so far",
               registry=r).set_function(lambda: stats().mode_switches)
+        r.register(_Iterations(stats))
         self.requests = Counter("vlora_requests", "Finished engine requests", ["adapter", "finish_reason"],
                                 registry=r)
         self.prompt_tokens = Counter("vlora_prompt_tokens", "Prompt tokens of finished requests", ["adapter"],
@@ -84,3 +86,24 @@ class ServerMetrics:
         self.e2e.labels(adapter).observe(t.finished - t.arrival)
         if len(out.token_ids) > 1:
             self.tpot.labels(adapter).observe((t.finished - t.first_token) / (len(out.token_ids) - 1))
+
+
+class _Iterations:
+    """``vlora_iterations_total{path}``: the engine's forwards so far by how they ran (a decode graph, a mixed
+    graph of prompt chunks beside decodes, or eager), read from its published stats at each scrape."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def describe(self):
+        return []                  # collected at scrape time only: the names are not checked up front
+
+    def collect(self):
+        family = CounterMetricFamily("vlora_iterations", "Engine forwards by how they ran: decode_graph (a decode "
+                                     "CUDA graph), mixed_graph (prompt chunks beside decodes from a CUDA graph), "
+                                     "eager (kernel by kernel)", labels=["path"])
+        counts = dict.fromkeys(ITERATION_PATHS, 0) | dict(self.stats().iterations)
+        for path, n in counts.items():
+            family.add_metric([path], n)
+        yield family
+
