@@ -4,9 +4,10 @@
 :class:`PhaseTimer` wraps the engine's phase methods for as long as it is open (nothing in the engine pays for it
 otherwise). Each phase's time is its own, without the phases it calls; ``wait`` is the time the host blocks on
 sampled tokens (with async scheduling the next forward is already queued by then); ``runner`` is the runner's
-own time (the whole eager forward of an iteration no graph replays); ``other`` is the step's own (the
-lookahead's checks, counting queued tokens). On CUDA it also records an
-event pair around every graph replay; ``gpu_gaps_ms`` are the times between one replay's end and the next one's
+own time (the whole eager forward of an iteration no graph replays; a mixed graph's replay, prompt chunks
+beside decodes, counts as ``inputs`` and ``stage+replay`` as a decode graph's does); ``other`` is the step's own
+(the lookahead's checks, counting queued tokens). On CUDA it also records an
+event pair around every graph replay, decode or mixed; ``gpu_gaps_ms`` are the times between one replay's end and the next one's
 start on the GPU (sampling, the token copy and the GPU's idle time between forwards).
 """
 
@@ -37,6 +38,7 @@ class PhaseTimer:
         self._wrap(engine, "_schedule", "schedule")
         self._wrap(engine.memory, "prepare", "memory.prepare")
         self._wrap(runner, "_replay", "inputs")
+        self._wrap(runner, "_replay_mixed", "inputs")       # prompt chunks beside decodes, from a mixed graph
         self._wrap(runner, "run", "runner")
         self._wrap(runner, "launch", "runner")
         self._wrap(engine, "_finish", "finish")
@@ -45,6 +47,7 @@ class PhaseTimer:
         self._wrap(sampler.Sampled, "result", "wait")
         if runner.graphs is not None:
             self._wrap(runner.graphs, "run", "stage+replay", self._around_replay)
+            self._wrap(runner.graphs, "run_mixed", "stage+replay", self._around_replay)
 
     def _wrap(self, obj, name: str, phase: str, around=None) -> None:
         had = name in vars(obj)
