@@ -106,6 +106,27 @@ def check_mixed_graphs(path, paths, pm, **kw):
     assert g.num_replays > replays                          # their decodes still replay
     after = llm.engine.runner.iterations
     assert after["eager"] > counted["eager"] and after["decode_graph"] > counted["decode_graph"]
+    # a mixed graph captured on first use that runs out of device memory: its iterations run eagerly, the
+    # same tokens, and it is not tried again
+    dropped = [k for k in g.graphs if k[2]]
+    for k in dropped:
+        del g.graphs[k]
+    tried = []
+
+    def out_of_memory(b, kind, mixed):
+        tried.append((b, kind, mixed))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
+    capture, g._capture = g._capture, out_of_memory
+    try:
+        before = dict(llm.engine.runner.iterations)
+        half = len(GRAPH_PROMPTS) // 2
+        got = llm.generate(GRAPH_PROMPTS[:half], GRAPH_NAMES[:half], GRAPH_SPS[:half])
+        assert [o.token_ids for o in got] == want[:half]
+    finally:
+        g._capture = capture
+    assert tried and len(tried) == len(set(tried)) and g.uncapturable == set(tried)
+    assert llm.engine.runner.iterations["mixed_graph"] == before["mixed_graph"]
+    assert llm.engine.runner.iterations["eager"] > before["eager"]
     llm.engine.pool.check()
     assert llm.engine.pool.kv_pages == 0
 

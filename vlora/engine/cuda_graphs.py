@@ -52,12 +52,20 @@ from graphs').
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from vlora.kernels.segments import SegmentMeta
 from vlora.lora.batch import GROUPS, GroupOffsets, KernelGroupMeta, LoRABatch, LoRALaunch, LoRASegment, PackedAdapter
 from vlora.memory.capture import CAPTURE
 from vlora.models.forward_batch import ForwardBatch, PrefillMeta
+
+log = logging.getLogger(__name__)
+
+
+class CaptureFailed(RuntimeError):
+    """A graph could not be captured (device memory ran out): the iterations it would replay run eagerly."""
 
 _IDS, _POS, _SLOTS, _LENS, _SEG_START, _SEG_LEN, _SEG_RANK, _SEG_COL, _SRC = range(9)
 BASE, LORA, MIXED, PAIRED = 0, 1, 2, 3    # graph kinds (0 and 1 also read as False / True: "with LoRA")
@@ -82,6 +90,10 @@ def mixed_sizes(max_batch: int, tokens: int) -> list[int]:
 
 class DecodeGraphs:
     capture_error_mode = "global"      # tensor parallelism: "thread_local" (NCCL's watchdog thread runs meanwhile)
+    # A graph captured on first use (a bucket not captured at start, LoRA graphs again after the adapter buffer
+    # grew) that runs out of memory: its iterations run eagerly from then on, instead of failing. Not under
+    # tensor parallelism, whose ranks must capture and replay the same graphs together.
+    eager_when_capture_fails = True
 
     def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, scratch_slot: int,
                  lora_setup=None, columns: int = 512, launch: LoRALaunch = LoRALaunch(), mixed_tokens: int = 0):
@@ -133,6 +145,7 @@ class DecodeGraphs:
         self._other_sets: dict = {}     # weights key -> the graphs of the other weights (at most one set)
         self.pool = None
         self.num_replays = 0
+        self.uncapturable: set[tuple[int, int, bool]] = set()     # keys whose capture ran out of memory
         self._buf_ptr = None if lora_setup is None else lora_setup[0]().data_ptr()
 
     def _alloc_columns(self, n: int) -> None:
@@ -286,6 +299,19 @@ class DecodeGraphs:
                                           device=logits.device)
 
     def capture(self, b: int, kind: int, mixed: bool = False) -> None:
+        """Capture the graph of key (``b``, ``kind``, ``mixed``). One that runs out of device memory raises
+        :class:`CaptureFailed` (``eager_when_capture_fails``) and is not tried again."""
+        try:
+            self._capture(b, kind, mixed)
+        except torch.cuda.OutOfMemoryError as e:
+            if not self.eager_when_capture_fails:
+                raise
+            self.uncapturable.add((b, kind, mixed))
+            log.warning("the %s graph of %d rows (kind %d) ran out of device memory while captured; its "
+                        "iterations run eagerly", "mixed" if mixed else "decode", b, kind)
+            raise CaptureFailed(str(e)) from None
+
+    def _capture(self, b: int, kind: int, mixed: bool) -> None:
         self.meta[_LENS].zero_()
         self.meta[_SEG_LEN].zero_()
         self.meta[_SEG_COL].zero_()
@@ -369,6 +395,8 @@ class DecodeGraphs:
         its logits."""
         b, kind, mixed = key
         if key not in self.graphs:
+            if key in self.uncapturable:
+                raise CaptureFailed(f"no graph of key {key}")
             self.capture(*key)
         graph, logits, cap, nslots = self.graphs[key]
         cols, cols2, pair_cols = cols
@@ -422,8 +450,11 @@ class DecodeGraphs:
         cols = None if b is None else self._prepare(kind, segments, minus)
         if cols is None:
             return None
-        graph, logits = self._fill((b, kind, False), ids, positions, slots, lens, tables, counts, segments, minus,
-                                   cols, src)
+        try:
+            graph, logits = self._fill((b, kind, False), ids, positions, slots, lens, tables, counts, segments,
+                                       minus, cols, src)
+        except CaptureFailed:
+            return None
         if self._copied is not None:
             self._copied.record()
         if prev_tokens is not None:           # input tokens sampled by the step before, still on the device
@@ -447,8 +478,11 @@ class DecodeGraphs:
         cols = None if b is None else self._prepare(kind, segments, minus)
         if cols is None:
             return None
-        graph, logits = self._fill((b, kind, True), ids, positions, slots, lens, tables, counts, segments, minus,
-                                   cols)
+        try:
+            graph, logits = self._fill((b, kind, True), ids, positions, slots, lens, tables, counts, segments,
+                                       minus, cols)
+        except CaptureFailed:
+            return None
         c, row = self.host_chunks.numpy(), d
         c[:] = 0
         for j, (q_len, ctx, _, _) in enumerate(chunks):

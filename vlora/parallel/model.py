@@ -202,6 +202,7 @@ class ShardGraphs(DecodeGraphs):
     together. The workers' graphs end at the hidden state; rank 0's add the logits."""
 
     capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
+    eager_when_capture_fails = False          # the workers capture and replay it too
 
     def __init__(self, tp: TensorParallelModel, kv_cache, max_batch, max_blocks, scratch_slot, lora_setup, columns,
                  launch=None):

@@ -32,6 +32,7 @@ class WorkerGraphs(DecodeGraphs):
     """A worker's decode graphs: the forward up to the last all-reduce (rank 0 alone computes logits)."""
 
     capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
+    eager_when_capture_fails = False          # rank 0 replays it too
 
     def _run_forward(self, b: int, kind: int, mixed: bool = False):
         fb, cap = self._forward_batch(b, kind, mixed)
