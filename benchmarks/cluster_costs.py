@@ -289,7 +289,8 @@ def main(argv=None) -> Path:
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     table = CostTable(
         limits=ReplicaLimits(eng.sizing.num_pages, eng.block_size, sc.max_num_seqs, sc.max_num_batched_tokens,
-                             pages),
+                             pages, eng.scheduler.config.max_prefill_tokens_with_decodes,
+                             eng.scheduler.max_chunks_with_decodes),
         prefill=args.prefill, decode=decode, adapters=args.adapters, step_s=step, grid_context=args.context,
         kv_s_per_token=slope, adapter_load_s=load, migration_s=mig, mode=sc.policy,
         meta=dict(device=gpu, model=args.model, dtype=args.dtype, adapter_ranks=args.ranks,

@@ -35,11 +35,12 @@ def trace(seed: int, n: int = 14) -> list[tuple[int, RequestSpec]]:
 def engine_factory(tmp_path_factory):
     path, paths, _ = build(tmp_path_factory.mktemp("simtrace"))
 
-    def make(hand_back: bool):
+    def make(hand_back: bool, bound: int | None = None, chunks: int | None = None):
         llm = LLM(str(path), adapters={a: paths[c] for a, c in ADAPTERS.items()}, num_blocks=6, block_size=4,
                   max_model_len=128, lora_kernel="triton", max_loras=1, max_lora_rank=16, max_num_seqs=3,
-                  max_num_batched_tokens=16, device="cpu", dtype="float32")
+                  max_num_batched_tokens=16, max_prefill_tokens_with_decodes=bound, device="cpu", dtype="float32")
         eng = llm.engine
+        eng.scheduler.max_chunks_with_decodes = chunks        # as where mixed CUDA graphs replay such iterations
         eng.hand_back_preempted = hand_back
         # the tokens do not change a schedule (ignore_eos): the forward is left out, which keeps the test fast
         eng.executor.run = lambda scheduled: {s.seq.request_id: 7 for s in scheduled if s.samples}
@@ -108,13 +109,16 @@ def sim_log(rep: SimReplica, arrivals) -> list:
     return log
 
 
-def compare(make_engine, seed: int, hand_back: bool) -> list:
-    """The engine's log of ``trace(seed)``, after checking that the simulator's log equals it."""
-    eng = make_engine(hand_back)
+def compare(make_engine, seed: int, hand_back: bool, **bounds) -> list:
+    """The engine's log of ``trace(seed)``, after checking that the simulator's log equals it. ``bounds``: the
+    engine's bound on prompt tokens (``bound``) and chunks (``chunks``) beside decodes."""
+    eng = make_engine(hand_back, **bounds)
     pages = {RANK[c]: eng.adapters.store.pages_needed(eng.adapters.get(a)) for a, c in ADAPTERS.items()}
+    sc = eng.scheduler.config
     limits = ReplicaLimits(num_pages=eng.pool.num_pages, page_tokens=eng.block_size,
-                           max_num_seqs=eng.config.scheduler.max_num_seqs,
-                           max_num_batched_tokens=eng.config.scheduler.max_num_batched_tokens, adapter_pages=pages)
+                           max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                           adapter_pages=pages, max_prefill_tokens_with_decodes=sc.max_prefill_tokens_with_decodes,
+                           max_chunks_with_decodes=eng.scheduler.max_chunks_with_decodes)
     table = linear_table(limits, 0.010, 0.001, 0.002, 0.005, adapter_load_s={8: 0.003, 16: 0.004})
     arrivals = [(step, f"r{i}", spec) for i, (step, spec) in enumerate(trace(seed))]
     want = engine_log(eng, arrivals)
@@ -137,3 +141,15 @@ def test_sim_replica_schedules_as_the_engine_on_a_recorded_trace(engine_factory,
 def test_sim_replica_schedules_as_the_engine_on_more_traces(engine_factory, hand_back):
     for seed in range(4, 16):
         compare(engine_factory, seed, hand_back)
+
+
+@pytest.mark.parametrize("hand_back", [False, True])
+def test_sim_replica_bounds_prompts_beside_decodes_as_the_engine(engine_factory, hand_back):
+    """With at most 6 prompt tokens and 1 prompt chunk beside decodes (the bound of mixed CUDA graphs, made
+    small), the simulator still schedules every iteration as the engine."""
+    logs = [compare(engine_factory, seed, hand_back, bound=6, chunks=1) for seed in range(4)]
+    decoding = [chunks for log in logs for (chunks, _, _), _, _ in log if any(n == 1 for _, _, n in chunks)]
+    assert decoding and all(sum(n for _, _, n in c if n > 1) <= 6 for c in decoding)
+    assert all(sum(1 for _, _, n in c if n > 1) <= 1 for c in decoding)
+    assert any(0 < sum(n for _, _, n in c if n > 1) for c in decoding)        # prompts did go beside decodes
+

@@ -41,6 +41,8 @@ class ReplicaLimits:
     max_num_seqs: int
     max_num_batched_tokens: int        # chunked-prefill budget per iteration (prefill + decode tokens)
     adapter_pages: dict[int, int] = field(default_factory=dict)   # pool pages one adapter of each rank takes
+    max_prefill_tokens_with_decodes: int | None = None   # prompt tokens beside decodes (None: the whole budget)
+    max_chunks_with_decodes: int | None = None           # prompt chunks beside decodes (None: no bound)
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,10 @@ class SimReplica:
         self.store = SimAdapterStore(self.pool, costs)
         self.memory = MemoryManager(self.pool, SimpleNamespace(store=self.store),
                                     CacheConfig(block_size=lim.page_tokens, memory_policy="unified"))
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=lim.max_num_seqs,
-                                                   max_num_batched_tokens=lim.max_num_batched_tokens),
-                                   self.pool, lim.page_tokens)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=lim.max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
+            max_prefill_tokens_with_decodes=lim.max_prefill_tokens_with_decodes),
+            self.pool, lim.page_tokens, max_chunks_with_decodes=lim.max_chunks_with_decodes)
         self.params = SamplingParams(max_tokens=1, ignore_eos=True)   # unread: the replica counts tokens
         self.adapters: dict[str, SimAdapter] = {}
         self.iteration: _Iteration | None = None
