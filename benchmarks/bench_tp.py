@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import StepTimer, log, run_offline  # noqa: E402
+from bench_e2e import StepTimer, log, run_offline, sampling_params  # noqa: E402
 
 from vlora import LLM, SamplingParams  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
@@ -76,10 +76,10 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str]) -> dict:
     llm = LLM(model, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, all_reduce=args.all_reduce,
               max_num_seqs=args.requests, max_num_batched_tokens=args.max_batched_tokens,
               max_model_len=args.input_len + args.output_len + 16, max_lora_rank=max(args.ranks),
-              check_base_model=False)
+              check_base_model=False, async_scheduling=args.async_scheduling == "on")
     eng = llm.engine
     res = {"model": model, "tp": tp, "all_reduce": args.all_reduce, "start_s": time.perf_counter() - t0,
-           "pool": eng.sizing.describe()}
+           "pool": eng.sizing.describe(), "async_scheduling": args.async_scheduling}
     log(f"{model} TP={tp}: started in {res['start_s']:.0f} s; {res['pool']}")
     try:
         t0 = time.perf_counter()
@@ -95,14 +95,19 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str]) -> dict:
         eng.runner.capture_graphs()
         sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
         out_tokens = args.requests * args.output_len
-        for label, adapters in (("adapters", names), ("base", None)):
-            timer = StepTimer(eng, dev)
-            run = run_offline(eng, prompts, adapters, sp, dev)
-            timer.close()
-            res[f"{label}_tok_s"] = out_tokens / run["wall_s"]
-            res[f"{label}_step_ms_b{args.requests}"] = timer.decode_median_ms(args.requests)
-            log(f"  e2e {label}: {res[f'{label}_tok_s']:.0f} output tok/s, decode step (B={args.requests}) "
-                f"{res[f'{label}_step_ms_b{args.requests}']} ms")
+        overlapped = eng.num_overlapped
+        for setting in args.sampling.split(","):      # greedy keys unsuffixed; "adapters_tok_s_sampled", ...
+            sps = sampling_params(setting, args.output_len, args.requests)
+            tag = "" if setting == "greedy" else f"_{setting}"
+            for label, adapters in (("adapters", names), ("base", None)):
+                timer = StepTimer(eng, dev)
+                run = run_offline(eng, prompts, adapters, sps, dev)
+                timer.close()
+                res[f"{label}_tok_s{tag}"] = out_tokens / run["wall_s"]
+                res[f"{label}_step_ms_b{args.requests}{tag}"] = timer.decode_median_ms(args.requests)
+                log(f"  e2e {label} {setting}: {res[f'{label}_tok_s{tag}']:.0f} output tok/s, decode step "
+                    f"(B={args.requests}) {res[f'{label}_step_ms_b{args.requests}{tag}']} ms")
+        res["overlapped_iterations"] = eng.num_overlapped - overlapped    # decodes queued behind another
         for label, adapters in (("adapters", names[:1]), ("base", None)):
             timer = StepTimer(eng, dev)
             llm.generate(prompts[:1], adapters, sp)
@@ -160,7 +165,10 @@ def summarize(res: dict, requests: int) -> list[str]:
             ("LoRA share of the step, batch 1", "lora_share_b1"),
             (f"LoRA share of the step, batch {requests}", f"lora_share_b{requests}"),
             (f"e2e output tok/s, {res['adapters']} adapters", "adapters_tok_s"),
-            ("e2e output tok/s, base", "base_tok_s")]
+            ("e2e output tok/s, base", "base_tok_s"),
+            (f"e2e output tok/s, {res['adapters']} adapters, sampled", "adapters_tok_s_sampled"),
+            ("e2e output tok/s, base, sampled", "base_tok_s_sampled"),
+            ("decodes queued behind another (async scheduling)", "overlapped_iterations")]
     lines = [f"# Tensor parallelism ({res['device']}, {res['dtype']}, {res['date']})", "",
              f"Workload: {requests} requests, {res['input_len']} in / {res['output_len']} out, "
              f"{res['adapters']} adapters of ranks {res['ranks']}; all_reduce {res['all_reduce']}."]
@@ -205,11 +213,19 @@ def main() -> None:
     ap.add_argument("--all-reduce", choices=["nccl", "symm_mem"], default="nccl", help="the engines' all-reduce")
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: the engine's for the device")
     ap.add_argument("--reduce-reps", type=int, default=200, help="all-reduces per timing")
+    ap.add_argument("--sampling", default="greedy,sampled",
+                    help="decoding of the e2e workload, comma-separated: greedy, sampled (temperature 0.8, top_p "
+                         "0.95, top_k 50)")
+    ap.add_argument("--async-scheduling", choices=["on", "off"], default="on",
+                    help="the engines' async scheduling (off: the synchronous loop, for a before/after pair)")
     ap.add_argument("--configs", default="13b,34b",
                     help="which models to run: 13b (TP=1 and TP=2), 34b (TP=2), or both (comma-separated)")
     ap.add_argument("--phase", type=int, default=None, help=argparse.SUPPRESS)      # internal: one configuration
     ap.add_argument("--adapter-root", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bad = [x for x in args.sampling.split(",") if x not in ("greedy", "sampled")]
+    if bad:
+        ap.error(f"--sampling: unknown setting(s) {', '.join(bad)} (known: greedy, sampled)")
     dry = args.dry_run
     for name, full, small in (("requests", 64, 4), ("input_len", 512, 12), ("output_len", 128, 3),
                               ("adapters", 32, 2), ("ranks", [8, 16, 32, 64], [8, 16])):

@@ -16,11 +16,14 @@ import bench_tp  # noqa: E402
 
 def test_dry_run_phase_and_summary(tmp_path):
     args = argparse.Namespace(device="cpu", dtype="float32", requests=2, input_len=6, output_len=2, adapters=2,
-                              ranks=[8, 16], all_reduce="nccl", max_batched_tokens=None, reduce_reps=3)
+                              ranks=[8, 16], all_reduce="nccl", max_batched_tokens=None, reduce_reps=3,
+                              sampling="greedy,sampled", async_scheduling="on")
     dirs = bench_tp.write_adapters("random:tiny-llama", 2, [8, 16], tmp_path, torch.float32)
     res = bench_tp.run_phase(args, "random:tiny-llama", 2, dirs)
     assert res["adapters_tok_s"] > 0 and res["base_tok_s"] > 0
     assert res["adapters_step_ms_b2"] > 0 and res["base_step_ms_b1"] > 0
+    assert res["adapters_tok_s_sampled"] > 0 and res["base_tok_s_sampled"] > 0 and res["async_scheduling"] == "on"
+    assert "overlapped_iterations" in res
     ar = res["all_reduce_ms"]
     assert set(ar) == {"nccl_eager_b1", "nccl_eager_b2"} and ar["nccl_eager_b2"]["bytes"] == 2 * 64 * 4
     assert ar["nccl_eager_b1"]["per_step_ms"] == ar["nccl_eager_b1"]["per_call_ms"] * 2 * 2
@@ -28,4 +31,5 @@ def test_dry_run_phase_and_summary(tmp_path):
                    all_reduce="nccl", **{"13b_tp1": res, "13b_tp2": res, "34b_tp2": {"error": "exit code 1"}})
     text = "\n".join(bench_tp.summarize(summary, 2))
     assert "| e2e output tok/s, 2 adapters |" in text and "| batch 2 (512 B) |" in text
+    assert "| e2e output tok/s, 2 adapters, sampled |" in text
     assert "34b_tp2 failed: exit code 1" in text

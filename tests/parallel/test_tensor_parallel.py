@@ -121,6 +121,9 @@ def test_tp2_triton_kernels_and_decode_graphs_match_one_process(one_layer_llama)
         first = store.resident["a16"].placement.host["qkv"][0]       # placed last of three: the lowest pages
         assert greedy(two, 3, SHORT) == want_tokens
         assert graphs.num_replays > 0
+        # async scheduling: decodes queued behind one another, the workers' rows reading the tokens rank 0
+        # sampled (broadcast from the device) in place of ones not yet on the host
+        assert eng.num_overlapped > 0
         store.protected = set()
         store.reclaim(store.pool.num_pages)              # every adapter out; a16 back first: new offsets for all
         store.ensure([eng.adapters.get("a16")], set())

@@ -22,9 +22,9 @@ from vlora.parallel.partition import Shard, shard_decoder
 
 class TensorParallelExecutor(Executor):
     tensor_parallel = True
-    # the workers replay what rank 0 sends them step by step; queueing decodes behind one another is not
-    # built for them yet
-    may_queue = False
+    # decodes queue behind one another as on one device: a replay's message carries which rows take the tokens
+    # the iteration before sampled, and rank 0 broadcasts those tokens from the device before the replay
+    may_queue = True
 
     def __init__(self, config: EngineConfig, dtype: torch.dtype, device: torch.device):
         _check(config)

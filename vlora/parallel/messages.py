@@ -31,6 +31,10 @@ class Replay:
     lens: list[int]
     segments: tuple[tuple[int, int, str, float], ...]
     minus: tuple[tuple[int, int, str, float], ...]
+    # async scheduling: row i takes as its input token the src[i]-th token the iteration before sampled on rank 0
+    # (src[i] >= 0), which rank 0 broadcasts (``prev_rows`` of them, int64) before the replay
+    src: list[int] | None = None
+    prev_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from vlora.engine.cuda_graphs import BASE, LORA, MIXED, DecodeGraphs
@@ -225,11 +226,15 @@ class ShardGraphs(DecodeGraphs):
 
         def replay():
             used = {s.adapter.name: s.adapter for s in list(segments) + list(minus)}
-            self.tp._send(used, self.kv_cache.shape, replay=Replay(list(ids), list(positions), list(slots),
-                                                                   [t[:c] for t, c in zip(tables, counts)], list(lens),
-                                                                   by_name(segments), by_name(minus)))
+            queued = src is not None and prev_tokens is not None
+            prev = prev_tokens.to(torch.int64) if queued else None
+            self.tp._send(used, self.kv_cache.shape, replay=Replay(
+                list(ids), list(positions), list(slots), [t[:c] for t, c in zip(tables, counts)], list(lens),
+                by_name(segments), by_name(minus), list(src) if queued else None, len(prev) if queued else 0))
+            if queued:      # the workers' rows read the tokens this rank sampled, still on the device
+                dist.broadcast(prev, src=0)
             return super(ShardGraphs, self).run(ids, positions, slots, lens, tables, counts, segments, minus, src,
-                                                prev_tokens)
+                                                prev)
         return self.tp._guard(replay)
 
 

@@ -13,6 +13,7 @@ import os
 import pickle
 
 import torch
+import torch.distributed as dist
 
 from vlora.engine.cuda_graphs import DecodeGraphs
 from vlora.engine.faults import describe
@@ -138,8 +139,12 @@ class Worker:
 
     def _replay(self, r: Replay) -> None:
         part = self.parts.__getitem__
+        prev = None
+        if r.src is not None:                    # queued behind the iteration before: its tokens, from rank 0
+            prev = torch.empty(r.prev_rows, dtype=torch.int64, device=self.device)
+            dist.broadcast(prev, src=0)
         self.graphs.run(r.ids, r.positions, r.slots, r.lens, r.tables, [len(t) for t in r.tables],
-                        list(segments_of(r.segments, part)), list(segments_of(r.minus, part)))
+                        list(segments_of(r.segments, part)), list(segments_of(r.minus, part)), r.src, prev)
 
 
 def build_model(spec, device: torch.device, rank: int, world: int):
