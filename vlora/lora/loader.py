@@ -90,7 +90,8 @@ def packed_in_layout(stored: StoredAdapter, out_features: dict[str, int], dtype:
     from ``alloc``) and packed (:func:`pack`'s structure) as views of that buffer: each stored matrix is converted
     and written once, into its place (A^T as stored, B transposed), and the whole buffer is checked finite in one
     pass. Equal to ``host_layout(pack(load_adapter(...)))`` at a third of its passes over the adapter's bytes and
-    half its host memory (docs/decisions.md, 'Adapters read into their pool layout')."""
+    half its host memory (docs/decisions.md, 'Adapters are read in a process of their own': its revision 'read into
+    the pool's layout')."""
     rank = stored.rank
     plan = []                       # per layer: (group, [(index, module, col)]) of the groups it touches
     sizes = []
