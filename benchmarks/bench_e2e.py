@@ -346,7 +346,8 @@ def run_vlora(args, dev, dtype, prompts, names, adapter_dirs, res) -> None:
               max_num_batched_tokens=args.max_batched_tokens, kv_cache_memory_gb=args.kv_gb,
               max_model_len=args.max_model_len, max_lora_rank=args.max_lora_rank or 128, check_base_model=False,
               lora_overlap=args.lora_overlap,
-              lora_pdl=args.lora_pdl, async_scheduling=args.async_scheduling, policy=args.policy)
+              lora_pdl=args.lora_pdl, async_scheduling=args.async_scheduling, policy=args.policy,
+              max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes)
     eng = llm.engine
     res["engine"] = engine_settings(eng)
     log(f"vlora: {eng.model_name}, {eng.sizing.describe()}")
@@ -490,6 +491,7 @@ def engine_settings(eng) -> dict:
                 max_model_len=eng.max_model_len, pool_gib=round(eng.sizing.pool_bytes / 2**30, 2),
                 pool_source=eng.sizing.source, lora_overlap=c.lora.lora_overlap, lora_pdl=c.lora.lora_pdl,
                 max_lora_rank=c.lora.max_lora_rank, policy=c.scheduler.policy,
+                max_prefill_tokens_with_decodes=eng.scheduler.config.max_prefill_tokens_with_decodes,
                 mode_costs_timed=eng.mode_costs is not None)
 
 
@@ -633,6 +635,9 @@ def main() -> None:
                     help="unified pool (KV + adapters), GiB (default: the engine's, sized for the device)")
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: the engine's for the device")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's for the device")
+    ap.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                    help="prompt tokens an iteration takes beside decodes (default: the engine's; the token budget "
+                         "for no separate bound)")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     ap.add_argument("--max-lora-rank", type=int, default=None, help="default: the engine's")
     ap.add_argument("--lora-overlap", choices=["off", "shrink", "full"], default="full",
