@@ -67,11 +67,12 @@ def test_prompts_chunked_beside_decodes_count_a_decode_step_per_chunk():
     assert Admission().reject([long], 100.0, est, [decoding()], None, 16384) == []   # no bound
     got = Admission().reject([long], 100.0, est, [decoding()], 1024, 16384)
     assert [s.request_id for s, _ in got] == ["long"] and "about 0.390 s more to prefill" in got[0][1]
-    # nothing decodes yet, but the first pass takes only 2,048 of its tokens: the rest goes beside decodes
-    tight = seq("tight", 3000, slo=SLO(ttft_s=0.32))
-    assert Admission().reject([tight], 100.0, est, [], 1024, 16384) == []
-    got = Admission().reject([tight], 100.0, est, [], 1024, 2048)
-    assert "about 0.330 s more to prefill" in got[0][1]
+    # nothing decodes until the first prompt in line ends: a 20,000-token prompt takes two whole passes of
+    # 16,384 (2.0 s, no decode step); one behind a 2,000-token prompt goes beside its decodes (20 chunks)
+    big = seq("big", 20000, slo=SLO(ttft_s=2.05))
+    assert Admission().reject([big], 100.0, est, [], 1024, 16384) == []
+    got = Admission().reject([seq("short", 2000), big], 100.0, est, [], 1024, 2048)
+    assert [s.request_id for s, _ in got] == ["big"] and "about 2.800 s more to prefill" in got[0][1]
 
 
 def test_running_prompts_go_first_and_prompts_per_iteration_are_bounded():

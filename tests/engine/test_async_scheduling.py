@@ -169,6 +169,31 @@ def test_a_full_batch_keeps_queueing_with_requests_waiting():
     assert eng.pool.kv_pages == 0
 
 
+def test_decodes_queue_only_behind_captured_graphs_and_a_failed_capture_runs_eagerly():
+    """A bucket whose graph is not captured yet is decoded synchronously first (its capture then happens with
+    the input tokens on the host); one whose capture runs out of device memory runs eagerly from then on. No
+    request fails, tokens are unchanged, and decodes still queue where graphs exist."""
+    llm = stub_llm(True)
+    g = llm.engine.runner.graphs
+    for key in [k for k in g.graphs if k[0] < 8]:
+        del g.graphs[key]
+    capture = g._capture
+
+    def out_of_memory_below_8(b, kind, mixed):
+        if b < 8:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
+        return capture(b, kind, mixed)
+    g._capture = out_of_memory_below_8
+    prompts = [[5 + i, 7, 9] for i in range(8)]
+    sps = [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(8)]
+    want = [expected(p, sp) for p, sp in zip(prompts, sps)]
+    for _ in range(2):
+        out = llm.generate(prompts, None, sps)
+        assert [o.token_ids for o in out] == want and {o.finish_reason for o in out} == {"length"}
+    assert g.uncapturable and all(b < 8 for b, _, _ in g.uncapturable)
+    assert llm.engine.num_overlapped > 0                      # the full batch of 8 still queued
+
+
 def test_seeded_sampling_and_min_tokens():
     """Seeded (non-greedy) rows draw from their own generators in the same order; min_tokens bans the stop
     token by the count of tokens sampled so far, pending ones included."""

@@ -100,8 +100,9 @@ class PhaseTimer:
             start.record()
             out = timed_run(*args, **kw)
             end.record()
-            self._events.append((start, end))
-            self._event_steps.append(len(self.steps))
+            if out is not None:              # None: no graph replayed (the eager forward follows)
+                self._events.append((start, end))
+                self._event_steps.append(len(self.steps))
             return out
         return run
 

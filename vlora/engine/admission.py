@@ -70,15 +70,15 @@ class ServiceEstimator:
                   per_iteration: int | None = None) -> float:
         """Seconds to prefill ``tokens`` prompt tokens of ``prompts`` prompts: their own time, plus, where they
         go at most ``chunk`` tokens and ``per_iteration`` prompts per iteration beside decodes, a decode step per
-        iteration. ``first``: tokens the first iteration takes when nothing decodes yet (the whole token budget;
-        None: decodes run already, every iteration is bounded)."""
+        iteration. ``first``: tokens the passes before anything decodes take (whole token budgets; None: decodes
+        run already, every iteration is bounded)."""
         own = tokens * self.prefill_token_s
         if chunk is None or tokens <= 0:
             return own
         rest = tokens if first is None else max(0, tokens - first)
         steps = -(-rest // chunk)
         if per_iteration and rest:
-            steps = max(steps, -(-prompts // per_iteration))
+            steps = max(steps, -(-max(prompts, 1) // per_iteration))
         return own + steps * self.decode_step_s
 
 
@@ -102,13 +102,17 @@ class Admission:
         """The not-yet-served requests of ``waiting`` (in queue order) that can no longer meet their SLO.
         ``running``: the requests being served (their prompt tokens left are prefilled first; any decoding makes
         every iteration a bounded one); ``chunk`` and ``per_iteration``: the prompt tokens and prompts an
-        iteration takes beside decodes (None: no bound); ``budget``: the tokens an iteration takes when nothing
-        decodes."""
+        iteration takes beside decodes (None: not counted); ``budget``: the tokens an iteration takes when nothing
+        decodes (until the first prompt in line ends, its sequence then decoding)."""
         out = []
         left = [n for n in (s.num_tokens - s.num_computed for s in running) if n > 1]
         tokens_ahead, prompts_ahead = sum(left), len(left)
         decoding = any(s.num_tokens - s.num_computed == 1 for s in running)
-        first = None if decoding or chunk is None else budget
+        first = None                # nothing decodes: the passes until the first prompt in line ends are unbounded
+        if not decoding and chunk is not None and budget:
+            lead = left[0] if left else (waiting[0].num_tokens - waiting[0].num_computed if waiting else 0)
+            first = max(1, -(-lead // budget)) * budget
+            prompts_ahead -= 1      # the lead prompt ends in those passes
         for seq in waiting:
             need = seq.num_tokens - seq.num_computed
             slo = self.slo_for(seq)

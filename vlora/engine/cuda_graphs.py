@@ -202,6 +202,7 @@ class DecodeGraphs:
 
     def _drop_lora_graphs(self) -> None:
         self._seg_key = None
+        self.uncapturable = {key for key in self.uncapturable if not key[1]}     # tried again with the new buffer
         self.graphs = {key: v for key, v in self.graphs.items() if not key[1]}
         self._other_sets = {w: {key: v for key, v in g.items() if not key[1]} for w, g in self._other_sets.items()}
         if not self.graphs and not any(self._other_sets.values()):   # no graph holds the shared memory pool any
@@ -299,14 +300,20 @@ class DecodeGraphs:
                                           device=logits.device)
 
     def capture(self, b: int, kind: int, mixed: bool = False) -> None:
-        """Capture the graph of key (``b``, ``kind``, ``mixed``). One that runs out of device memory raises
-        :class:`CaptureFailed` (``eager_when_capture_fails``) and is not tried again."""
+        """Capture the graph of key (``b``, ``kind``, ``mixed``) now (start-up, ``capture_all``: running out of
+        device memory is an error there)."""
+        self._capture(b, kind, mixed)
+
+    def _capture_on_first_use(self, key: tuple[int, int, bool]) -> None:
+        """Capture a graph an iteration needs; one that runs out of device memory raises :class:`CaptureFailed`
+        (``eager_when_capture_fails``) and is not tried again until the LoRA graphs are dropped."""
+        b, kind, mixed = key
         try:
             self._capture(b, kind, mixed)
         except torch.cuda.OutOfMemoryError as e:
             if not self.eager_when_capture_fails:
                 raise
-            self.uncapturable.add((b, kind, mixed))
+            self.uncapturable.add(key)
             log.warning("the %s graph of %d rows (kind %d) ran out of device memory while captured; its "
                         "iterations run eagerly", "mixed" if mixed else "decode", b, kind)
             raise CaptureFailed(str(e)) from None
@@ -362,6 +369,14 @@ class DecodeGraphs:
         """Whether a decode iteration of ``n`` rows (with LoRA segments or not) can replay a graph."""
         return self.bucket(n) is not None and (not lora or self.lora_setup is not None)
 
+    def can_queue(self, n: int, lora: bool) -> bool:
+        """Whether a decode of ``n`` rows (with adapters or not, nothing merged) may be queued behind the
+        iteration in flight: its graph is captured already. A graph's first capture happens in a synchronous
+        iteration, where one that runs out of memory falls back to the eager forward (a queued iteration has no
+        eager path: its input tokens are still on the device)."""
+        b = self.bucket(n)
+        return b is not None and (b, LORA if lora else BASE, False) in self.graphs
+
     def mixed_bucket(self, decodes: int, tokens: int, chunks: int) -> int | None:
         """Rows of the mixed graph an iteration of ``decodes`` decodes and ``chunks`` prompt chunks of
         ``tokens`` tokens in all replays; None: there is none (it runs eagerly)."""
@@ -397,7 +412,7 @@ class DecodeGraphs:
         if key not in self.graphs:
             if key in self.uncapturable:
                 raise CaptureFailed(f"no graph of key {key}")
-            self.capture(*key)
+            self._capture_on_first_use(key)
         graph, logits, cap, nslots = self.graphs[key]
         cols, cols2, pair_cols = cols
         if self._copied is not None:

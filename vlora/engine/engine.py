@@ -465,11 +465,12 @@ class Engine:
                 item.launched = self.executor.launch(plan.scheduled, None if behind is None else behind.launched)
             if item.launched is None and behind is None:
                 item.tokens = self.executor.run(plan.scheduled)
+            if item.launched is None and item.tokens is None:
+                # the lookahead queues only decodes whose graph is captured (DecodeGraphs.can_queue): not expected
+                raise RuntimeError("async scheduling: the lookahead decode could not be queued")
         except Exception as e:
             item.launched, item.tokens = None, self._forward_failed(plan, e)
             return item
-        if item.launched is None and item.tokens is None:
-            raise RuntimeError("async scheduling: the lookahead decode could not be queued")
         self._forward_failures = 0
         if item.launched is not None:
             if behind is None:                    # its rows' pending tokens; one queued behind another takes
@@ -550,7 +551,8 @@ class Engine:
         ending = {s.request_id for s in sched.running
                   if len(s.output_token_ids) >= s.params.max_tokens or s.num_tokens >= mml}
         ids = sched.lookahead(ending, self.executor.graphs.max_batch)
-        if ids is None:
+        if ids is None or not self.executor.graphs.can_queue(
+                len(ids), any(self._seqs[r].adapter_name is not None for r in ids)):
             return None
         decision = self.orchestrator.plan(sched.unfinished(), self.executor.modes, self.adapters)
         if decision is not None and (decision.merged is not None or not set(ids) <= set(decision.batch)):
@@ -565,8 +567,7 @@ class Engine:
         whose adapters can be resident, then the scheduler's fit of them into the token budget and free pages;
         the policy's weights applied."""
         sc = self.scheduler.config
-        bound = sc.max_prefill_tokens_with_decodes
-        chunk = bound if bound is not None and bound < sc.max_num_batched_tokens else None
+        chunk = min(sc.max_prefill_tokens_with_decodes or sc.max_num_batched_tokens, sc.max_num_batched_tokens)
         for seq, reason in self.admission.reject(list(self.scheduler.waiting), time.monotonic(), self.estimator,
                                                  self.scheduler.running, chunk, sc.max_num_batched_tokens,
                                                  self.scheduler.max_chunks_with_decodes):

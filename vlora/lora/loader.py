@@ -138,6 +138,7 @@ def packed_in_layout(stored: StoredAdapter, out_features: dict[str, int], dtype:
                 for key, t in pair:
                     if not all_finite(t.to(dtype)):
                         refuse_nonfinite(key, t, dtype)
+        raise AdapterError(f"adapter {stored.name!r}: its laid-out weights are not finite")   # padding not zeroed
     packed = PackedAdapter(-1, stored.name, rank, stored.scaling, tuple(layers))
     return packed, HostAdapter(flat, sizes)
 
