@@ -177,13 +177,13 @@ def test_decodes_queue_only_behind_captured_graphs_and_a_failed_capture_runs_eag
     g = llm.engine.runner.graphs
     for key in [k for k in g.graphs if k[0] < 8]:
         del g.graphs[key]
-    capture = g._capture
+    capture = g.capture
 
     def out_of_memory_below_8(b, kind, mixed):
         if b < 8:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
         return capture(b, kind, mixed)
-    g._capture = out_of_memory_below_8
+    g.capture = out_of_memory_below_8
     prompts = [[5 + i, 7, 9] for i in range(8)]
     sps = [SamplingParams(max_tokens=3 + i, ignore_eos=True) for i in range(8)]
     want = [expected(p, sp) for p, sp in zip(prompts, sps)]

@@ -116,14 +116,14 @@ def check_mixed_graphs(path, paths, pm, **kw):
     def out_of_memory(b, kind, mixed):
         tried.append((b, kind, mixed))
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
-    capture, g._capture = g._capture, out_of_memory
+    capture, g.capture = g.capture, out_of_memory
     try:
         before = dict(llm.engine.runner.iterations)
         half = len(GRAPH_PROMPTS) // 2
         got = llm.generate(GRAPH_PROMPTS[:half], GRAPH_NAMES[:half], GRAPH_SPS[:half])
         assert [o.token_ids for o in got] == want[:half]
     finally:
-        g._capture = capture
+        g.capture = capture
     assert tried and len(tried) == len(set(tried)) and g.uncapturable == set(tried)
     assert llm.engine.runner.iterations["mixed_graph"] == before["mixed_graph"]
     assert llm.engine.runner.iterations["eager"] > before["eager"]

@@ -104,6 +104,8 @@ class Admission:
         every iteration a bounded one); ``chunk`` and ``per_iteration``: the prompt tokens and prompts an
         iteration takes beside decodes (None: not counted); ``budget``: the tokens an iteration takes when nothing
         decodes (until the first prompt in line ends, its sequence then decoding)."""
+        if not self.adapter_slos and all(s.slo is None for s in waiting):
+            return []               # every iteration asks: without targets, the running batch is not walked
         out = []
         left = [n for n in (s.num_tokens - s.num_computed for s in running) if n > 1]
         tokens_ahead, prompts_ahead = sum(left), len(left)

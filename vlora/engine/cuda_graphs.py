@@ -299,17 +299,12 @@ class DecodeGraphs:
             self._mixed_out = torch.empty(self.max_batch + CHUNK_SLOTS, logits.shape[1], dtype=logits.dtype,
                                           device=logits.device)
 
-    def capture(self, b: int, kind: int, mixed: bool = False) -> None:
-        """Capture the graph of key (``b``, ``kind``, ``mixed``) now (start-up, ``capture_all``: running out of
-        device memory is an error there)."""
-        self._capture(b, kind, mixed)
-
     def _capture_on_first_use(self, key: tuple[int, int, bool]) -> None:
         """Capture a graph an iteration needs; one that runs out of device memory raises :class:`CaptureFailed`
         (``eager_when_capture_fails``) and is not tried again until the LoRA graphs are dropped."""
         b, kind, mixed = key
         try:
-            self._capture(b, kind, mixed)
+            self.capture(b, kind, mixed)
         except torch.cuda.OutOfMemoryError as e:
             if not self.eager_when_capture_fails:
                 raise
@@ -318,7 +313,9 @@ class DecodeGraphs:
                         "iterations run eagerly", "mixed" if mixed else "decode", b, kind)
             raise CaptureFailed(str(e)) from None
 
-    def _capture(self, b: int, kind: int, mixed: bool) -> None:
+    def capture(self, b: int, kind: int, mixed: bool = False) -> None:
+        """Capture the graph of key (``b``, ``kind``, ``mixed``) now (start-up, ``capture_all``: running out of
+        device memory is an error there; an iteration's first use: :meth:`_capture_on_first_use`)."""
         self.meta[_LENS].zero_()
         self.meta[_SEG_LEN].zero_()
         self.meta[_SEG_COL].zero_()

@@ -25,7 +25,6 @@ a new worker.
 from __future__ import annotations
 
 import asyncio
-import math
 import multiprocessing
 import os
 import threading
@@ -40,7 +39,7 @@ import torch
 from vlora.lora.adapter import AdapterError, LoRAAdapter, ModelShape, StoredAdapter, all_finite, load_adapter, \
     read_stored, refuse_nonfinite
 from vlora.lora.batch import GROUPS, GroupWeights, PackedAdapter, SliceB
-from vlora.lora.device_store import HostAdapter, aligned, host_layout
+from vlora.lora.device_store import HostAdapter, aligned
 from vlora.lora.task_head import TaskHead, load_task_head
 
 
@@ -148,8 +147,8 @@ _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst`` ([n, m], contiguous) = ``src.t()`` in ``dst``'s dtype. numpy's strided copy takes a tall thin
-    matrix (a LoRA B, [out, r]) across at about 2.4x torch's speed (0.19 against 0.45 ms/MB, bf16, one core), so
-    the bits go through numpy after any conversion."""
+    matrix (a LoRA B, [out, r]) across faster than torch's on one core, so the bits go through numpy after any
+    conversion (``benchmarks/bench_adapter_read.py`` times the whole read)."""
     src = src.to(dst.dtype)
     as_int = _SAME_SIZE_INT.get(dst.element_size())
     if as_int is None or not dst.is_contiguous():
@@ -217,35 +216,27 @@ def shared_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def ship(r: ReadAdapter) -> Shipped:
-    """``r`` (its pool layout, if any, already in shared memory) made ready to cross as one descriptor: where its
-    packed matrices are views of that layout they cross as offsets into it; otherwise they are copied into one
+    """``r`` made ready to cross as one descriptor: with a pool layout (in shared memory, its packed matrices views
+    of it: :func:`packed_in_layout`) the matrices cross as offsets into it; without, they are copied into one
     shared buffer back to back."""
     mats = _matrices(r.packed)
     dtype = mats[0].dtype if mats else torch.float32
-    empty = torch.empty(0, dtype=dtype)
-    skeleton = replace(r, packed=_with_matrices(r.packed, [empty] * len(mats)), host=None)
-    if r.host is not None and all(m.untyped_storage().data_ptr() == r.host.flat.untyped_storage().data_ptr()
-                                  for m in mats):
+    skeleton = replace(r, packed=_with_matrices(r.packed, [torch.empty(0, dtype=dtype)] * len(mats)), host=None)
+    if r.host is not None:
+        layout = r.host.flat.untyped_storage().data_ptr()
+        if any(m.untyped_storage().data_ptr() != layout for m in mats):
+            raise ValueError("the packed matrices of an adapter with a pool layout must be views of it")
         base = r.host.flat.storage_offset()
         views = [(m.storage_offset() - base, tuple(m.shape), m.stride()) for m in mats]
         return Shipped(skeleton, r.host.flat, views, list(r.host.sizes))
     flat = shared_zeros(sum(m.numel() for m in mats), dtype)
     views, pos = [], 0
     for m in mats:
-        flat[pos:pos + m.numel()].view(m.shape).copy_(m)
-        views.append((pos, tuple(m.shape), _contiguous_strides(m.shape)))
+        dst = flat[pos:pos + m.numel()].view(m.shape)
+        dst.copy_(m)
+        views.append((pos, tuple(m.shape), dst.stride()))
         pos += m.numel()
-    if r.host is not None:          # a layout the matrices are not views of: it crosses too (a second descriptor)
-        skeleton = replace(skeleton, host=r.host)
     return Shipped(skeleton, flat, views)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 def landed(s: Shipped) -> ReadAdapter:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from vlora.engine.client import ITERATION_PATHS, EngineClient, Timing
+from vlora.engine.client import EngineClient, Timing, sum_counts
 from vlora.engine.sequence import RequestOutput
 
 MODES = ("merged", "unmerged", "mixed")
@@ -102,8 +102,7 @@ class _Iterations:
         family = CounterMetricFamily("vlora_iterations", "Engine forwards by how they ran: decode_graph (a decode "
                                      "CUDA graph), mixed_graph (prompt chunks beside decodes from a CUDA graph), "
                                      "eager (kernel by kernel)", labels=["path"])
-        counts = dict.fromkeys(ITERATION_PATHS, 0) | dict(self.stats().iterations)
-        for path, n in counts.items():
+        for path, n in sum_counts([self.stats().iterations]).items():
             family.add_metric([path], n)
         yield family
 
