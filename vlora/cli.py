@@ -142,6 +142,16 @@ def cmd_serve(args) -> int:
         finally:
             front.close()
         return 0
+    if _pick(ServerConfig, args).engine_process:
+        client, server_config, facts = serving_engine_process(args)
+        try:
+            print(f"serving {server_config.served_model_name or client.info.model_name} on {facts['device']} with "
+                  f"adapters {', '.join(facts['adapters'])} at http://{server_config.host}:{server_config.port}/v1; "
+                  f"{facts['sizing']}", file=sys.stderr)
+            serve(client, server_config, log_level=args.log_level, stop_client=True)
+        finally:
+            client.close()
+        return 0
     engine, server_config, adapters = serving_engine(args)
     print(f"serving {server_config.served_model_name or engine.model_name} on {engine.device} with adapters "
           f"{', '.join(adapters)} at http://{server_config.host}:{server_config.port}/v1; {engine.sizing.describe()}",
@@ -178,6 +188,27 @@ def serving_engine(args):
         engine.adapters.register(name, path)
     profile_policy(engine)
     return engine, server_config, adapters
+
+
+def serving_engine_process(args):
+    """``vlora serve`` with the engine in a process of its own: (the client of that process, server config, facts
+    the process reported: adapter name -> path, device, memory sizing). The arguments are checked here first."""
+    from functools import partial
+
+    from vlora.engine.process_client import EngineProcess
+
+    _, server_config = _serve_args(args)
+    client = EngineProcess(partial(core_engine, args), server_config.max_queued_requests,
+                           start_loader=bool(server_config.adapter_dirs or server_config.allow_hub_adapters),
+                           log_level=args.log_level)
+    return client, server_config, client.extra
+
+
+def core_engine(args):
+    """The engine process's build for ``vlora serve``: (the engine with its adapters registered, what the
+    server's process prints of it)."""
+    engine, _, adapters = serving_engine(args)
+    return engine, dict(adapters=adapters, device=str(engine.device), sizing=engine.sizing.describe())
 
 
 def serving_cluster(args):

@@ -219,6 +219,9 @@ class ServerConfig:
     as in vLLM, since a template can make the server loop or render a huge prompt."""
     tool_call_parser: str = "auto"
     """How tool calls are read from answers: auto (by the model's family), llama3_json, hermes or mistral."""
+    engine_process: bool = True
+    """Run the engine in a process of its own, beside the HTTP server's (its host work then never waits on the
+    server's request and stream handling for the interpreter lock); off: on a thread of the server's process."""
 
     def __post_init__(self) -> None:
         if isinstance(self.adapter_dirs, (str, os.PathLike)):

@@ -160,7 +160,7 @@ def test_a_broken_output_stream_aborts_the_request_on_its_replica(tokenizer, loo
 
 def test_a_refusal_keeps_the_field_at_fault():
     """A replica's RequestError about a field other than the prompt reaches the tracker naming that field."""
-    from vlora.cluster.replica import raise_refusal, refusal
+    from vlora.engine.client import raise_refusal, refusal
     from vlora.engine.engine import RequestError
 
     with pytest.raises(RequestError) as e:

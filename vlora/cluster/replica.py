@@ -32,40 +32,12 @@ from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
 from vlora.builder import build_engine, profile_policy, warm_grammars
 from vlora.engine.async_engine import AsyncEngine
-from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineStats, Job, QueueFull, RequestFailed,
-                                 ShuttingDown)
+from vlora.engine.client import (REFUSALS, AdapterNotFound, EngineFailed, EngineStats, Job, QueueFull, Refusal,
+                                 RequestFailed, ShuttingDown, raise_refusal, refusal)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.observer import StepObserver, StepRecord
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingError
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a replica refused or failed a request (or an adapter operation): the exception's class name and
-    message, rebuilt as that exception by the front (:func:`raise_refusal`)."""
-
-    kind: str
-    message: str
-    param: str | None = None     # a RequestError's field at fault
-
-
-# the exceptions a replica reports by name; the front raises the same classes as one engine would
-REFUSALS: dict[str, type[Exception]] = {c.__name__: c for c in (
-    QueueFull, ShuttingDown, AdapterNotFound, RequestError, SamplingError, RequestFailed, EngineFailed,
-    AdapterError)}
-
-
-def refusal(exc: Exception) -> Refusal:
-    kind = next((name for name, cls in REFUSALS.items() if type(exc) is cls), None)
-    if kind is None:                # a subclass (or an unexpected error): the nearest class the front knows
-        kind = next((name for name, cls in REFUSALS.items() if isinstance(exc, cls)), "EngineFailed")
-    return Refusal(kind, str(exc), getattr(exc, "param", None))
-
-
-def raise_refusal(r: Refusal):
-    cls = REFUSALS.get(r.kind, EngineFailed)
-    raise cls(r.message) if r.param is None else cls(r.message, r.param)     # only RequestErrors carry a param
-
 
 @dataclass(frozen=True)
 class ReplicaStatus:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 from vlora.cluster.config import ClusterConfig
 from vlora.cluster.observer import FrontObserver
 from vlora.cluster.policy import ReplicaReport
-from vlora.cluster.replica import Refusal, Replica, ReplicaStatus, raise_refusal
+from vlora.cluster.replica import Replica, ReplicaStatus
+from vlora.engine.client import Refusal, raise_refusal
 from vlora.config import EngineConfig
 from vlora.engine.client import AdapterNotFound, EngineFailed, EngineInfo, EngineStats, sum_counts
 from vlora.lora.adapter import AdapterError

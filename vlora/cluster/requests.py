@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from vlora.cluster.observer import FrontObserver
 from vlora.cluster.policy import RequestInfo
-from vlora.cluster.replica import REFUSALS, Refusal
+from vlora.engine.client import REFUSALS, Refusal
 from vlora.cluster.replicas import LOST, ReplicaHandle, ReplicaSet, fire
 from vlora.cluster.resumed_text import ResumedText
 from vlora.engine.client import EngineFailed, Job, RequestFailed, RequestGroup, VisionInfo

@@ -156,20 +156,33 @@ class AsyncEngine:
     async def submit(self, jobs: Sequence[Job],
                      on_finish: Callable[[RequestOutput, Timing], None] | None = None) -> RequestGroup:
         """Add ``jobs`` to the engine, all or none; raises QueueFull, ShuttingDown or RequestError."""
+        group = RequestGroup(tuple(jobs), asyncio.get_running_loop(), self.abort, on_finish)
+        await self.add(group)
+        return group
+
+    async def add(self, group: RequestGroup) -> None:
+        """Add ``group``'s jobs to the engine, all or none; their outputs go to ``group.deliver`` on
+        ``group.loop``. Raises QueueFull or RequestError."""
+        await self.add_nowait(group)
+
+    def add_nowait(self, group: RequestGroup) -> asyncio.Future:
+        """:meth:`add`, queued now, ahead of any command issued after this call; the future returned (of the
+        running loop) settles once the engine thread took or refused the jobs. Raises QueueFull and ShuttingDown at once.
+        Anything with a RequestGroup's ``jobs``, ``request_ids``, ``loop``, ``deliver`` and ``abort`` may stand
+        for one (:mod:`vlora.engine.core_process` relays the outputs to the server's process)."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down" if self.failure is None
                                else f"the engine failed: {self.failure!r}")
         loop = asyncio.get_running_loop()
-        group = RequestGroup(tuple(jobs), loop, self.abort, on_finish)
         fut = loop.create_future()
+        jobs = group.jobs
         with self._cv:
             queued = self.stats.num_waiting + self._pending_adds
             if queued + len(jobs) > self.max_queued_requests:
                 raise QueueFull(f"{queued} requests are waiting (limit {self.max_queued_requests}); retry later")
             self._pending_adds += len(jobs)
             self._push_locked(lambda: self._reply(loop, fut, lambda: self._add(group), group.abort))
-        await fut
-        return group
+        return fut
 
     async def call(self, fn: Callable[[Engine], object]):
         """Run ``fn(engine)`` on the engine thread between two steps; return its result."""

@@ -23,7 +23,7 @@ from vlora.engine.engine import RequestError
 from vlora.engine.runner import ITERATION_PATHS
 from vlora.engine.sequence import RequestOutput
 from vlora.lora.adapter import AdapterError
-from vlora.sampling_params import SamplingParams
+from vlora.sampling_params import SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,40 @@ class Job:
     request_id: str
     images: tuple | None = None         # LMMs: one decoded image (or a list of frames) per placeholder
     resumed: int = 0                    # the prompt's last tokens are the output so far of a request moved here
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an engine in another process (a cluster replica, the engine core) refused or failed a request or an
+    adapter operation: the exception's class name and message, rebuilt as that exception on this side
+    (:func:`raise_refusal`). Exceptions travel as these values, whatever pickling or Ray does to exceptions."""
+
+    kind: str
+    message: str
+    param: str | None = None     # a RequestError's field at fault
+
+
+# the exceptions another process reports by name; this side raises the same classes as one engine would
+REFUSALS: dict[str, type[Exception]] = {c.__name__: c for c in (
+    QueueFull, ShuttingDown, AdapterNotFound, RequestError, SamplingError, RequestFailed, EngineFailed,
+    AdapterExists, AdapterError)}
+
+
+def refusal(exc: Exception) -> Refusal:
+    kind = next((name for name, cls in REFUSALS.items() if type(exc) is cls), None)
+    if kind is None:                # a subclass (or an unexpected error): the nearest class this side knows
+        kind = next((name for name, cls in REFUSALS.items() if isinstance(exc, cls)), "EngineFailed")
+    return Refusal(kind, str(exc), getattr(exc, "param", None))
+
+
+def rebuild(r: Refusal) -> Exception:
+    """The exception ``r`` stands for."""
+    cls = REFUSALS.get(r.kind, EngineFailed)
+    return cls(r.message) if r.param is None else cls(r.message, r.param)    # only RequestErrors carry a param
+
+
+def raise_refusal(r: Refusal):
+    raise rebuild(r)
 
 
 def sum_counts(counts) -> dict[str, int]:

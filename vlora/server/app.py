@@ -143,7 +143,7 @@ class OpenAIServer:
         self.on_demand = (OnDemandAdapters(self.engine, self.on_request_source, self.register_on_request,
                                            config.max_loaded_adapters, self.metrics)
                           if config.adapter_dirs or config.allow_hub_adapters else None)
-        if self.on_demand is not None:
+        if self.on_demand is not None and isinstance(self.engine, AsyncEngine):
             LOADER.start()          # the process that reads adapters imports torch now, not on the first load
         self.hub_misses = RecentMisses()        # Hub ids not found lately: 404 without asking the Hub again
         self.image_limits = ImageLimits(config.max_image_bytes, config.max_image_pixels, config.image_dir)
@@ -899,10 +899,11 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-def build_app(engine: Engine | EngineClient, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: Engine | EngineClient, config: ServerConfig | None = None, stop_client: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``. It starts the engine on startup; given an Engine, it makes an
     AsyncEngine of it (with config.max_queued_requests) and drains and stops it on shutdown; given an
-    :class:`EngineClient`, the caller keeps it (and its queue bound) and stops it."""
+    :class:`EngineClient`, the caller keeps it (and its queue bound) and stops it, unless ``stop_client``: then
+    the app drains and stops it on shutdown as well."""
     config = config or ServerConfig()
     server = OpenAIServer(engine, config)
 
@@ -910,7 +911,7 @@ def build_app(engine: Engine | EngineClient, config: ServerConfig | None = None)
     async def lifespan(app: FastAPI):
         server.engine.start()
         yield
-        if server.owns_engine:
+        if server.owns_engine or stop_client:
             await server.engine.shutdown(config.drain_timeout)
         server.work.shutdown()
 
@@ -988,12 +989,12 @@ def _add_docs_routes(app: FastAPI, auth: list) -> None:
                           response_model=None)
 
 
-def serve(engine: Engine | EngineClient, config: ServerConfig, log_level: str = "info") -> None:
+def serve(engine: Engine | EngineClient, config: ServerConfig, log_level: str = "info", stop_client: bool = False) -> None:
     """Run the server until SIGINT/SIGTERM: then refuse new requests (503), let running ones finish
-    (up to config.drain_timeout), and stop."""
+    (up to config.drain_timeout), and stop (an :class:`EngineClient` too with ``stop_client``)."""
     import uvicorn
 
-    app = build_app(engine, config)
+    app = build_app(engine, config, stop_client)
     client: EngineClient = app.state.server.engine
 
     class Server(uvicorn.Server):
