@@ -12,8 +12,9 @@ import pytest
 from vlora.cluster.front import ClusterFront
 from vlora.engine.async_engine import AsyncEngine
 from vlora.engine.client import EngineClient
+from vlora.engine.process_client import EngineProcess
 
-IMPLEMENTATIONS = [AsyncEngine, ClusterFront]
+IMPLEMENTATIONS = [AsyncEngine, EngineProcess, ClusterFront]
 _MISSING, _ANNOTATED = object(), object()      # no such member; a data attribute declared on the class
 
 

@@ -108,6 +108,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux)."""
+    try:
+        kids = [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def test_vlora_serve_drains_on_sigterm():
     port = _free_port()
     env = {**os.environ, "VLORA_API_KEY": "cli-key"}
@@ -126,6 +143,8 @@ def test_vlora_serve_drains_on_sigterm():
             except httpx.TransportError:
                 time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        engine_procs = _children(proc.pid)          # the engine's process (vlora serve's default) and its own
+        assert engine_procs
         ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]]
         # the demo adapters by default: the trained ones where `vlora adapters demo` has built them, else random ones
         assert ids[0] == "SmolLM2-135M-Instruct"
@@ -140,6 +159,10 @@ def test_vlora_serve_drains_on_sigterm():
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         # uvicorn re-raises the signal once it has shut down gracefully
         assert proc.wait(60) in (0, -signal.SIGTERM)
+        deadline = time.monotonic() + 10            # the adapter readers see their parent go within a second
+        while (left := [p for p in engine_procs if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"processes left behind: {left}"
     finally:
         if proc.poll() is None:
             proc.kill()

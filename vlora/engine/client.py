@@ -1,10 +1,12 @@
 """The client seam: what serves requests, as the server sees it.
 
 :class:`EngineClient` is the server's only view of what serves requests: one engine on its own thread
-(:class:`vlora.engine.async_engine.AsyncEngine`) or a cluster of replicas behind one front
-(:class:`vlora.cluster.front.ClusterFront`). This module also holds what crosses the seam: a request
+(:class:`vlora.engine.async_engine.AsyncEngine`), one engine in a process of its own
+(:class:`vlora.engine.process_client.EngineProcess`, ``vlora serve``'s default) or a cluster of replicas behind
+one front (:class:`vlora.cluster.front.ClusterFront`). This module also holds what crosses the seam: a request
 (:class:`Job`), the outputs of one API call (:class:`RequestGroup`), what the server reads of the model and
-the load (:class:`EngineInfo`, :class:`EngineStats`) and the exceptions a client gets.
+the load (:class:`EngineInfo`, :class:`EngineStats`), the exceptions a client gets and, where they cross
+between processes, those exceptions as values (:class:`Refusal`).
 
     server --submit(jobs)--> EngineClient --deliver(output)--> RequestGroup --batches()--> server
                                           <--abort(ids)------- RequestGroup <--abort()----- server
@@ -284,9 +286,10 @@ class RequestGroup:
 class EngineClient(Protocol):
     """What serves requests, as the server sees it; everything the server uses is here.
 
-    Implemented by :class:`vlora.engine.async_engine.AsyncEngine` (one engine on its own thread) and
+    Implemented by :class:`vlora.engine.async_engine.AsyncEngine` (one engine on its own thread),
+    :class:`vlora.engine.process_client.EngineProcess` (one engine in a process of its own) and
     :class:`vlora.cluster.front.ClusterFront` (replicas on Ray); ``tests/engine/test_engine_client.py`` checks
-    both against this protocol. Every method runs on the server's event loop; the properties are snapshots
+    each against this protocol. Every method runs on the server's event loop; the properties are snapshots
     that are safe to read there at any time.
     """
 

@@ -28,6 +28,7 @@ import pickle
 import signal
 import socket
 import struct
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -175,7 +176,10 @@ class _Core:
         read = asyncio.ensure_future(self._read(reader))
         await self.done.wait()
         read.cancel()
-        await self.writer.drain()
+        try:
+            await self.writer.drain()
+        except ConnectionError:         # the server's process has gone already
+            pass
         self.writer.close()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -239,4 +243,16 @@ def run(conn, build: Callable[[], tuple], max_queued_requests: int, start_loader
             conn.send(("failed", EngineFailed(f"{type(e).__name__}: {e}"), traceback.format_exc()))
         conn.close()
         return
-    asyncio.run(_serve(conn, async_engine, extra))
+    try:
+        asyncio.run(_serve(conn, async_engine, extra))
+    except BaseException:
+        log.exception("engine core: stopped by an error")
+        code = 1
+    else:
+        code = 0
+    # the engine has stopped and every reply is sent: nothing is left for the interpreter's exit to wait for but
+    # the adapter readers (they see this process end and exit on their own, vlora.lora.loader._end_with)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

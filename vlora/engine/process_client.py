@@ -108,7 +108,7 @@ class EngineProcess:
         """Refuse new requests, let running ones finish (up to ``timeout`` s, then abort them), stop the
         process. Returns whether everything finished without being aborted."""
         self.begin_shutdown()
-        drained = True
+        drained = not self._lost                # a process that died has failed what it ran
         if self._reader is not None and not self._lost:
             try:
                 drained = await self._call("shutdown", timeout)

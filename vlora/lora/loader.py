@@ -258,7 +258,10 @@ def _worker_start() -> None:
     CPU server) a worker at any normal priority takes a share of one core, and the forward's threads wait for the
     one that lost it; between steps, and on a GPU host with cores to spare, it runs at full speed. It ends when
     its parent does, however the parent ends (:func:`_end_with`)."""
-    threading.Thread(target=_end_with, args=(os.getppid(),), name="vlora-loader-parent", daemon=True).start()
+    # the pid that started this process, not os.getppid(): a parent gone before this runs has made that init's
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=_end_with, args=(os.getppid() if parent is None else parent.pid,),
+                     name="vlora-loader-parent", daemon=True).start()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):   # not on Linux: the lowest normal priority
