@@ -112,43 +112,66 @@ def _offline_runs(args, engine, prompts, names) -> dict:
             try:
                 if label == LABELS[0] and setting != "greedy":       # its first use may compile
                     run_offline(engine, prompts, adapters, sampling_params(setting, 4, len(prompts)), dev)
-                run = run_offline(engine, prompts, adapters, sampling_params(setting, args.output_len, len(prompts)),
-                                  dev)
-                error = output_check(setting, run, args.output_len)
+                runs, error = [], None
+                for _ in range(args.repeat):
+                    run = run_offline(engine, prompts, adapters,
+                                      sampling_params(setting, args.output_len, len(prompts)), dev)
+                    error = error or output_check(setting, run, args.output_len)
+                    runs.append({"tok_s": sum(run["tokens"]) / run["wall_s"], "wall_s": run["wall_s"],
+                                 "ttft_s": ttft_stats(run["ttft_s"])})
             except Exception as e:               # the engine raised: record it, go on with the next setting
                 error = f"{type(e).__name__}: {e}"
             if error is not None:
                 out[setting][label] = {"error": error}
                 log(f"offline {label}, {setting}: FAILED: {error}")
                 continue
-            r = out[setting][label] = {"tok_s": sum(run["tokens"]) / run["wall_s"], "wall_s": run["wall_s"],
-                                       "ttft_s": ttft_stats(run["ttft_s"])}
+            r = out[setting][label] = median_run(runs)
             log(f"offline {label}, {setting}: {r['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(r['ttft_s'])}")
     return out
 
 
-def thread_cpu_s(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of every thread of process ``pid`` (Linux), by thread id."""
+def _children(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux)."""
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def thread_cpu_s(pid: int) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system) of every thread of process ``pid`` and of the processes under it (the engine's
+    process, by default), by (process id, thread id) (Linux)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    for p in [pid, *_children(pid)]:
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
         except OSError:
             continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+        for task in tasks:
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[p, int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
-def cpu_split(pid: int, before: dict[int, float], tokens: int) -> dict:
-    """The server's CPU time since ``before``: its main thread (the event loop: HTTP, JSON, SSE) and the rest
-    (the engine thread, torch's workers), in seconds and in microseconds per output token."""
+def cpu_split(pid: int, before: dict[tuple[int, int], float], tokens: int) -> dict:
+    """The server's CPU time since ``before``: its main thread (the event loop: HTTP, JSON, SSE), the rest of its
+    process, the processes under it (the engine's: the engine thread, torch's workers, the relay), and
+    ``other_threads`` (everything but the event loop), in seconds and in microseconds per output token."""
     after = thread_cpu_s(pid)
-    delta = {t: after[t] - before.get(t, 0.0) for t in after}
-    loop = delta.get(pid, 0.0)
-    rest = sum(v for t, v in delta.items() if t != pid)
-    return {"event_loop_s": loop, "other_threads_s": rest, "event_loop_us_per_token": 1e6 * loop / tokens,
-            "other_threads_us_per_token": 1e6 * rest / tokens}
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    loop = delta.get((pid, pid), 0.0)
+    server_rest = sum(v for (p, t), v in delta.items() if p == pid and t != pid)
+    engine = sum(v for (p, _), v in delta.items() if p != pid)
+    out = {"event_loop_s": loop, "server_other_threads_s": server_rest, "engine_process_s": engine,
+           "other_threads_s": server_rest + engine}
+    for key in list(out):
+        out[key.removesuffix("_s") + "_us_per_token"] = 1e6 * out[key] / tokens
+    return out
 
 
 def free_port() -> int:
@@ -157,13 +180,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, adapter_dirs: dict[str, str], port: int) -> subprocess.Popen:
+def start_server(args, adapter_dirs: dict[str, str], port: int, serve_args: str) -> subprocess.Popen:
     prof = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
     cmd = [sys.executable, *prof, "-m", "vlora.cli", "serve", "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--port", str(port), "--log-level", "warning", "--no-check-base-model"]
     cmd += [x for name, path in adapter_dirs.items() for x in ("--adapter", f"{name}={path}")]
-    cmd += shlex.split(args.serve_args)
-    log("starting: " + " ".join(cmd[:12 + len(prof)]) + f" ... ({len(adapter_dirs)} adapters) {args.serve_args}")
+    cmd += shlex.split(serve_args)
+    log("starting: " + " ".join(cmd[:12 + len(prof)]) + f" ... ({len(adapter_dirs)} adapters) {serve_args}")
     return subprocess.Popen(cmd, cwd=ROOT.parent)
 
 
@@ -238,11 +261,20 @@ async def drive(client, prompts, models, max_tokens: int, setting: str = "greedy
             "ttft_s": ttft_stats([f for f, _, _, _ in runs if f is not None])}
 
 
-async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output tok/s (the lower middle one of an even count), with every run's tok/s."""
+    ranked = sorted(runs, key=lambda r: r["tok_s"])
+    r = dict(ranked[(len(ranked) - 1) // 2])
+    if len(runs) > 1:
+        r["runs_tok_s"] = [x["tok_s"] for x in runs]
+    return r
+
+
+async def over_http(args, prompts, names, adapter_dirs, base_name: str, serve_args: str) -> dict:
     import httpx
 
     port = free_port()
-    proc = start_server(args, adapter_dirs, port)
+    proc = start_server(args, adapter_dirs, port, serve_args)
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     out = {}
     try:
@@ -261,23 +293,30 @@ async def over_http(args, prompts, names, adapter_dirs, base_name: str) -> dict:
                     try:
                         if label == LABELS[0] and setting != "greedy":    # its first use may compile
                             await drive(client, prompts, models[label], 4, setting)
-                        before = thread_cpu_s(proc.pid)
-                        r = await drive(client, prompts, models[label], args.output_len, setting)
-                        error = output_check(setting, {"errors": [], **r}, args.output_len)
+                        runs, error = [], None
+                        for _ in range(args.repeat):
+                            before = thread_cpu_s(proc.pid)
+                            r = await drive(client, prompts, models[label], args.output_len, setting)
+                            r["server_cpu"] = cpu_split(proc.pid, before, sum(r["tokens"]))
+                            error = error or output_check(setting, {"errors": [], **r}, args.output_len)
+                            runs.append(r)
+                        r = median_run(runs)
                     except Exception as e:       # refused or failed: record it, go on with the next setting
                         error = f"{type(e).__name__}: {e}"
                     if error is not None:
                         out["sampling"][setting][label] = {"error": error}
                         log(f"HTTP {label}, {setting}: FAILED: {error}")
                         continue
-                    tokens = r.pop("tokens")
+                    r.pop("tokens")
                     r.pop("logprobs")
-                    r["server_cpu"] = cpu_split(proc.pid, before, sum(tokens))
                     out["sampling"][setting][label] = r
                     c = r["server_cpu"]
-                    log(f"HTTP {label}, {setting}: {r['tok_s']:.0f} output tok/s, TTFT {fmt_ttft(r['ttft_s'])}; "
-                        f"server CPU per output token: event loop {c['event_loop_us_per_token']:.0f} us, other "
-                        f"threads {c['other_threads_us_per_token']:.0f} us")
+                    log(f"HTTP {label}, {setting}: {r['tok_s']:.0f} output tok/s"
+                        + (f" (median of {', '.join(f'{x:.0f}' for x in r['runs_tok_s'])})" if 'runs_tok_s' in r
+                           else "") + f", TTFT {fmt_ttft(r['ttft_s'])}; CPU per output token: server event loop "
+                        f"{c['event_loop_us_per_token']:.0f} us, its other threads "
+                        f"{c['server_other_threads_us_per_token']:.0f} us, engine process "
+                        f"{c['engine_process_us_per_token']:.0f} us")
     finally:      # profiled, SIGINT: uvicorn re-raises the signal after its shutdown, and cProfile writes its
         stop_server(proc, signal.SIGINT if args.profile else signal.SIGTERM)   # stats on KeyboardInterrupt only
     return out
@@ -289,7 +328,7 @@ def ratios(res: dict) -> list[str]:
     lines = [f"{res['requests']} requests of {res['input_len']}/{res['output_len']} tokens: output tok/s offline "
              f"-> over HTTP (HTTP / offline), per sampling setting",
              f"  {'setting':<11}" + "".join(f"{label:>30}" for label in LABELS)]
-    failures = []
+    failures, notes = [], []
     for setting, entry in res["sampling"].items():
         cells = []
         for label in LABELS:
@@ -300,9 +339,9 @@ def ratios(res: dict) -> list[str]:
             if "tok_s" in h and "tok_s" in o:
                 entry.setdefault("http_over_offline_tok_s", {})[label] = h["tok_s"] / o["tok_s"]
                 entry.setdefault("http_over_offline_ttft_mean", {})[label] = h["ttft_s"]["mean"] / o["ttft_s"]["mean"]
-                log(f"{label}, {setting}: HTTP / offline = {entry['http_over_offline_tok_s'][label]:.2f} x output "
-                    f"tok/s (target >= 0.9), {entry['http_over_offline_ttft_mean'][label]:.2f} x mean TTFT "
-                    f"(target <= 1.2)")
+                notes.append(f"  {label}, {setting}: HTTP / offline = {entry['http_over_offline_tok_s'][label]:.2f} x "
+                             f"output tok/s (target >= 0.95), {entry['http_over_offline_ttft_mean'][label]:.2f} x mean "
+                             f"TTFT (target <= 1.1)")
                 cells.append(f"{o['tok_s']:.0f} -> {h['tok_s']:.0f} ({entry['http_over_offline_tok_s'][label]:.2f}x)")
             else:
                 cells.append(" / ".join(f"{n} {'FAILED' if 'error' in r else '-' if not r else round(r['tok_s'])}"
@@ -313,7 +352,47 @@ def ratios(res: dict) -> list[str]:
         for key in ("tok_s", "ttft_mean"):
             if label in greedy.get(f"http_over_offline_{key}", {}):
                 res[f"{label}_http_over_offline_{key}"] = greedy[f"http_over_offline_{key}"][label]
-    return lines + failures
+    return lines + notes + failures
+
+
+def parse_variants(text: str) -> list[tuple[str, str]]:
+    """``NAME=OPTIONS;...`` as (name, options) pairs; empty: one server, named "default", with no options added."""
+    if not text.strip():
+        return [("default", "")]
+    out = []
+    for part in text.split(";"):
+        name, sep, extra = part.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--variants: expected NAME=OPTIONS, got {part!r}")
+        out.append((name.strip(), extra.strip()))
+    if len({n for n, _ in out}) != len(out):
+        raise SystemExit("--variants: names must differ")
+    return out
+
+
+def assemble(base: dict, offline_runs: dict | None, variants: dict, settings) -> tuple[dict, list[str]]:
+    """The results of the servers run so far: the first one's figures at the top level (where they were before
+    --variants), each one's under ``variants`` when there are several; and the report's lines."""
+    res, lines = dict(base), []
+    for i, (name, http) in enumerate(variants.items()):
+        one = dict(base, sampling={s: {"http": http["sampling"][s]} for s in settings})
+        if offline_runs is not None:
+            for s in settings:
+                one["sampling"][s]["offline"] = offline_runs[s]
+        if len(variants) > 1:
+            lines.append(f"server {name!r} ({http['serve_args'] or 'its defaults'}):")
+        lines += ratios(one)
+        if i == 0:
+            res.update(one)
+            # the greedy figures where they were before --sampling: offline, http, <label>_http_over_offline_*
+            if offline_runs is not None:
+                res["offline"] = {label: r for label, r in offline_runs["greedy"].items() if "error" not in r}
+            res["http"] = {"start_s": http["start_s"], **{label: r for label, r in http["sampling"]["greedy"].items()
+                                                          if "error" not in r}}
+        if len(variants) > 1:
+            res.setdefault("variants", {})[name] = {"serve_args": http["serve_args"], "start_s": http["start_s"],
+                                                    **{k: v for k, v in one.items() if k not in base}}
+    return res, lines
 
 
 def main() -> None:
@@ -327,6 +406,12 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=32)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64])
     ap.add_argument("--serve-args", default="", help="extra `vlora serve` options (default: none, its defaults)")
+    ap.add_argument("--variants", default="",
+                    help="servers to compare on the same requests, one after another: NAME=OPTIONS pairs separated "
+                         "by ';' (OPTIONS added to --serve-args), e.g. 'process=;thread=--no-engine-process'; the "
+                         "first fills the top-level HTTP figures (default: one server, --serve-args)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each measurement, offline and over HTTP; the run of median tok/s is reported")
     ap.add_argument("--skip-offline", action="store_true", help="leave out the offline engine")
     ap.add_argument("--sampling", type=parse_sampling, default=parse_sampling("greedy,sampled"),
                     help=f"sampling settings, comma-separated, of {','.join(SAMPLING)} (default greedy,sampled; "
@@ -347,30 +432,25 @@ def main() -> None:
                serve_args=args.serve_args, torch=torch.__version__)
     prompts = make_prompts(args)
     base_name = "random-" + args.model.removeprefix("random:")
+    res["sampling_settings"] = {s: openai_fields(s, args.output_len, 0) for s in args.sampling}
+    res["repeat"] = args.repeat
+    path = args.out / f"serve-{gpu.lower().replace(' ', '-')}.json"
     with tempfile.TemporaryDirectory() as tmp:
         # the files in the dtype the server loads them in (auto: bf16 on CUDA)
         adapter_dirs, names = write_adapters(args, Path(tmp), torch.bfloat16 if cuda else torch.float32)
         offline_runs = None if args.skip_offline else offline(args, prompts, names, adapter_dirs)
-        http = asyncio.run(over_http(args, prompts, names, adapter_dirs, base_name))
-    res["sampling_settings"] = {s: openai_fields(s, args.output_len, 0) for s in args.sampling}
-    res["sampling"] = {s: {"http": http["sampling"][s]} for s in args.sampling}
-    if offline_runs is not None:
-        for s in args.sampling:
-            res["sampling"][s]["offline"] = offline_runs[s]
-    # the greedy figures where they were before --sampling: offline, http, <label>_http_over_offline_*
-    if offline_runs is not None:
-        res["offline"] = {label: r for label, r in offline_runs["greedy"].items() if "error" not in r}
-    res["http"] = {"start_s": http["start_s"], **{label: r for label, r in http["sampling"]["greedy"].items()
-                                                  if "error" not in r}}
-    lines = ratios(res)
+        variants, base = {}, dict(res)
+        for name, extra in parse_variants(args.variants):
+            serve_args = f"{args.serve_args} {extra}".strip()
+            variants[name] = asyncio.run(over_http(args, prompts, names, adapter_dirs, base_name, serve_args))
+            variants[name]["serve_args"] = serve_args
+            res, lines = assemble(base, offline_runs, variants, args.sampling)
+            path.write_text(json.dumps(res, indent=2))          # after each server: a later one may not finish
     for line in lines:
         log(line)
-    tag = gpu.lower().replace(" ", "-")
-    path = args.out / f"serve-{tag}.json"
-    path.write_text(json.dumps(res, indent=2))
     log(f"wrote {path}")
-    failed = [s for s, e in res["sampling"].items() if any("error" in r for sys_ in ("http", "offline")
-                                                          for r in e.get(sys_, {}).values())]
+    failed = sorted({s for v in res.get("variants", {"": res}).values() for s, e in v["sampling"].items()
+                     if any("error" in r for sys_ in ("http", "offline") for r in e.get(sys_, {}).values())})
     if failed:
         log(f"sampling settings that failed: {', '.join(failed)}")
         sys.exit(1)
