@@ -350,6 +350,7 @@ class DecodeGraphs:
         """The kind of graph mixed-mode iterations replay."""
         return PAIRED if self.launch.mixed == "one" else MIXED
 
+    @torch.inference_mode()              # callers outside a step (benchmarks, start-up) capture as a step runs
     def capture_all(self, with_lora: bool = True, mixed: bool = False) -> None:
         """Capture every graph not captured yet: decode graphs of the base kind, with LoRA (``with_lora``) and of
         mixed mode (``mixed``), and the mixed graphs (prefills beside decodes) of the same kinds."""
