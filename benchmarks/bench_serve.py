@@ -180,7 +180,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, adapter_dirs: dict[str, str], port: int, serve_args: str) -> subprocess.Popen:
+def start_server(args, adapter_dirs: dict[str, str], port: int, serve_args: str | None = None) -> subprocess.Popen:
+    """``vlora serve`` with ``serve_args`` (default: ``args.serve_args``)."""
+    serve_args = args.serve_args if serve_args is None else serve_args
     prof = ["-m", "cProfile", "-o", str(args.profile)] if args.profile else []
     cmd = [sys.executable, *prof, "-m", "vlora.cli", "serve", "--model", args.model, "--device", args.device,
            "--dtype", args.dtype, "--port", str(port), "--log-level", "warning", "--no-check-base-model"]
