@@ -29,8 +29,8 @@ stream, or fewer tokens than asked).
 Reported per rate: requests sent, finished and failed; TTFT p50 / p99 and inter-token p50 / p99 (all requests'
 gaps pooled); output tok/s (all output tokens over the time from the rate's first send to its last token); and
 whether it meets the SLO: TTFT p99 <= ``--slo-ttft-s`` (1 s) and inter-token p99 <= ``--slo-itl-ms`` (60 ms)
-with every request finished and none failed. The SLO rate is the highest rate of the sweep that meets it (null
-when none does). Writes ``traffic-<device>.json``, ``traffic-<device>.md`` (a table) and
+with every request finished and none failed. The SLO rate is the highest rate of the sweep that meets it with
+every lower rate meeting it too (null when the lowest does not). Writes ``traffic-<device>.json``, ``traffic-<device>.md`` (a table) and
 ``traffic-<device>.png`` (latency vs rate, the SLO lines drawn) after each rate, so that a run cut short keeps
 what finished. Progress lines go to stderr.
 
@@ -250,8 +250,14 @@ async def server_counts(client) -> dict[str, float]:
 
 
 def slo_rate(rates: list[dict]) -> float | None:
-    """The highest rate that meets the SLO, or None."""
-    return max((r["rate"] for r in rates if r["meets_slo"]), default=None)
+    """The highest rate that meets the SLO with every lower rate of the sweep meeting it too, or None. A rate
+    held above one missed is luck of its draw (each rate's trace has its own lengths), not a rate to promise."""
+    held = None
+    for r in sorted(rates, key=lambda r: r["rate"]):
+        if not r["meets_slo"]:
+            break
+        held = r["rate"]
+    return held
 
 
 def fmt(x: float | None, digits: int = 0) -> str:
@@ -292,7 +298,8 @@ def write_md(res: dict, path: Path) -> None:
             f"{100 * a['base_share']:g}% base; sampled decoding.", "",
             *table(res), "",
             f"SLO (TTFT p99 <= {a['slo_ttft_s']:g} s, inter-token p99 <= {a['slo_itl_ms']:g} ms, none failed): "
-            + (f"highest rate meeting it {slo:g} req/s." if slo is not None else "no rate meets it."), ""]
+            + (f"highest rate meeting it with every lower rate meeting it too: {slo:g} req/s." if slo is not None
+               else "the lowest rate misses it."), ""]
     path.write_text("\n".join(text))
 
 

@@ -80,6 +80,16 @@ def test_sigma_gaps_and_percentiles():
     assert percentile(list(range(1, 101)), 99) == 99 and percentile([5, 1, 3], 50) == 3
 
 
+def test_the_slo_rate_is_held_by_every_rate_below_it():
+    def sweep(*met):
+        return [{"rate": r, "meets_slo": m} for r, m in zip((4, 8, 12, 16), met)]
+
+    assert bench_traffic.slo_rate(sweep(True, True, False, True)) == 8      # 16 held by its draw: not promised
+    assert bench_traffic.slo_rate(sweep(True, True, True, True)) == 16
+    assert bench_traffic.slo_rate(sweep(False, True, True, True)) is None
+    assert bench_traffic.slo_rate(list(reversed(sweep(True, False, True, True)))) == 4
+
+
 @pytest.mark.parametrize("bad", [["--rates", "2,x"], ["--rates", "0"], ["--duration", "-1"],
                                  ["--prompt-median", "300", "--prompt-p99", "200"], ["--base-share", "1.5"],
                                  ["--model", "llama"], ["--adapters", "0"]])
