@@ -78,3 +78,21 @@ def prefill_logits(eng, seqs) -> list[torch.Tensor]:
         rows += s.num_tokens
         eng.allocator.free(s.seq.blocks)
     return [out[seq.request_id] for seq in seqs]
+
+
+def children(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux)."""
+    try:
+        kids = [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in children(k)]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

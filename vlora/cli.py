@@ -142,7 +142,7 @@ def cmd_serve(args) -> int:
         finally:
             front.close()
         return 0
-    if _pick(ServerConfig, args).engine_process:
+    if args.engine_process:
         client, server_config, facts = serving_engine_process(args)
         try:
             print(f"serving {server_config.served_model_name or client.info.model_name} on {facts['device']} with "

@@ -63,8 +63,8 @@ def test_serve_hub_model_and_adapter_from_the_cache_offline(hub, monkeypatch):
 
     answers = []
 
-    def serve(engine, config, log_level="info"):
-        with TestClient(build_app(engine, config)) as client:
+    def serve(engine, config, log_level="info", stop_client=False):
+        with TestClient(build_app(engine, config, stop_client)) as client:
             models = client.get("/v1/models").json()
             r = client.post("/v1/completions", json={"model": "a", "prompt": [1, 2, 3], "max_tokens": 4,
                                                      "ignore_eos": True})

@@ -26,3 +26,11 @@ def refuses():
 
 def exits(code: int):
     os._exit(code)
+
+
+def slow(seconds: float):
+    """A build that takes ``seconds`` (a large model's), then fails."""
+    import time
+
+    time.sleep(seconds)
+    raise RuntimeError("built nothing")

@@ -8,16 +8,20 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import pytest
 
+from tests.helpers import alive, children
 from tests.server import process_builds
 from tests.server.conftest import ADAPTERS, API_KEY, QUESTIONS, LiveServer
 from vlora.config import ConfigError, ServerConfig
-from vlora.engine.client import AdapterNotFound, EngineFailed, Job, QueueFull
+from vlora.engine.client import AdapterNotFound, EngineFailed, Job, QueueFull, RequestFailed
 from vlora.lora.adapter import AdapterError
 from vlora.engine.process_client import EngineProcess, EngineStartFailed
 from vlora.sampling_params import SamplingParams
@@ -180,8 +184,38 @@ def test_refusals_cross_as_the_engines_exceptions_and_change_nothing():
         client.close()
 
 
-def test_shutdown_drains_what_runs_and_the_process_exits():
+def test_a_failed_request_fails_its_call_and_the_calls_others_finish_as_in_one_process():
+    """The call's first request has finished, another fails, the third is aborted: the group gets the
+    failure with the failed request's whole output, on_finish sees all three, nothing is left routed."""
     client = _tiny()
+    bad = SamplingParams(max_tokens=6, temperature=1.0)
+    object.__setattr__(bad, "temperature", 1e-300)      # probabilities not finite: its sampling fails
+    finished = {}
+
+    async def run():
+        client.start()
+        group = await client.submit(
+            [Job([1, 2, 3], None, SamplingParams(max_tokens=1), "a0"),
+             Job([4, 5], None, SamplingParams(max_tokens=40, ignore_eos=True), "b0"),
+             Job([6, 7, 8, 9], None, bad, "c0")],
+            lambda out, t: finished.setdefault(out.request_id, out.finish_reason))
+        with pytest.raises(RequestFailed, match="c0 failed: sampling failed") as failed:
+            await asyncio.wait_for(group.results(), 60)        # a failure that never arrives: TimeoutError
+        assert await client.shutdown(10) is True
+        return failed.value.output
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        client.close()
+    assert out.request_id == "c0" and out.prompt_token_ids == [6, 7, 8, 9] and out.finish_reason == "error"
+    assert finished == {"a0": "length", "b0": "abort", "c0": "error"}
+    assert not client._routes and not client._decoder._held and client.failure is None
+
+
+def test_shutdown_drains_what_runs_and_the_process_exits():
+    fatal = []
+    client = _tiny(on_fatal=fatal.append)
 
     async def run():
         client.start()
@@ -195,8 +229,33 @@ def test_shutdown_drains_what_runs_and_the_process_exits():
     assert drained is True
     assert [len(o.token_ids) for o in outs] == [40, 20] and all(o.finish_reason == "length" for o in outs)
     assert client.process.exitcode == 0
+    assert client.failure is None and not fatal             # a stop asked for is no failure
 
 
 def test_start_failure_is_reported_when_the_process_exits_early():
     with pytest.raises(EngineStartFailed, match="exit code 3"):
         EngineProcess(partial(process_builds.exits, 3), log_level="warning")
+
+
+def test_an_engine_process_whose_server_dies_while_it_builds_exits():
+    """The server's process killed during a long build (its atexit never runs): the engine's process does not
+    go on building and holding the device."""
+    script = ("from functools import partial; from tests.server import process_builds; "
+              "from vlora.engine.process_client import EngineProcess; "
+              "EngineProcess(partial(process_builds.slow, 300), log_level='warning')")
+    server = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 60
+        while not (engine := children(server.pid)):
+            assert server.poll() is None and time.monotonic() < deadline, "no engine process started"
+            time.sleep(0.1)
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 30
+        while (left := [p for p in engine if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"engine processes left behind: {left}"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import alive, children
 from tests.server.conftest import API_KEY, LiveServer, make_llm
 from vlora.config import ServerConfig
 
@@ -108,29 +109,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _children(pid: int) -> list[int]:
-    """Every process under ``pid`` (Linux)."""
-    try:
-        kids = [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
-    return kids + [g for k in kids for g in _children(k)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_vlora_serve_drains_on_sigterm():
     port = _free_port()
     env = {**os.environ, "VLORA_API_KEY": "cli-key"}
     proc = subprocess.Popen([sys.executable, "-m", "vlora.cli", "serve", "--port", str(port),
                              "--kv-cache-memory-gb", "0.1", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer cli-key"}
     try:
         deadline = time.monotonic() + 180
@@ -143,7 +127,7 @@ def test_vlora_serve_drains_on_sigterm():
             except httpx.TransportError:
                 time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").status_code == 401
-        engine_procs = _children(proc.pid)          # the engine's process (vlora serve's default) and its own
+        engine_procs = children(proc.pid)          # the engine's process (vlora serve's default) and its own
         assert engine_procs
         ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]]
         # the demo adapters by default: the trained ones where `vlora adapters demo` has built them, else random ones
@@ -153,14 +137,14 @@ def test_vlora_serve_drains_on_sigterm():
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=120) as s:
             lines = s.iter_lines()
             events_until_content(lines)
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)     # the whole group, as a service manager stops a service
             events = [line for line in lines if line]
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         # uvicorn re-raises the signal once it has shut down gracefully
         assert proc.wait(60) in (0, -signal.SIGTERM)
         deadline = time.monotonic() + 10            # the adapter readers see their parent go within a second
-        while (left := [p for p in engine_procs if _alive(p)]) and time.monotonic() < deadline:
+        while (left := [p for p in engine_procs if alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, f"processes left behind: {left}"
     finally:

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -40,6 +43,8 @@ from vlora.engine.sequence import RequestOutput
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("!i")
+STATE_EVERY_S = 0.1
+"""How often the engine's stats reach the server's process when no output or reply carries them."""
 
 
 def frame(msg) -> bytes:
@@ -96,10 +101,12 @@ class _Relay:
         if isinstance(item, RequestOutput):
             self.items.append(self.encoder.encode(item))
         else:                       # the whole group fails: a None request id marks a failure
-            failed = getattr(item, "output", None) if isinstance(item, RequestFailed) else None
+            failed = item.output if isinstance(item, RequestFailed) else None
             wire = None if failed is None else self.encoder.encode(failed)
-            self.encoder.forget(group.request_ids)
-            self.items.append((None, group.request_ids[0], refusal(item), wire))
+            if failed is None:      # the engine failed: nothing more comes for the group
+                self.encoder.forget(group.request_ids)
+            # (one request failed: the group's others still send their abort outputs, as in one process)
+            self.items.append((None, tuple(group.request_ids), refusal(item), wire))
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
@@ -128,8 +135,14 @@ class _Core:
         self.done = asyncio.Event()
 
     def send(self, msg: tuple) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(frame(msg))
+        if self.writer.is_closing():
+            return
+        try:
+            data = frame(msg)
+        except Exception as e:      # an engine bug: the server fails what runs and exits for a restart
+            log.exception("engine core: a %r message cannot be pickled", msg[0])
+            data = frame(("fatal", f"a message of the engine process cannot be pickled: {e!r}"))
+        self.writer.write(data)
 
     def reply(self, call_id: int, result=None, exc: BaseException | None = None) -> None:
         self.relay.flush()                     # outputs delivered before the reply reach the server first
@@ -174,22 +187,35 @@ class _Core:
 
     async def serve(self, reader: asyncio.StreamReader) -> None:
         read = asyncio.ensure_future(self._read(reader))
+        publish = asyncio.ensure_future(self._publish_state())
         await self.done.wait()
         read.cancel()
+        publish.cancel()
         try:
             await self.writer.drain()
         except ConnectionError:         # the server's process has gone already
             pass
         self.writer.close()
 
+    async def _publish_state(self) -> None:
+        """The engine's stats and adapter names where they changed without an output or a reply to carry them
+        (a request admitted, the engine gone idle), every STATE_EVERY_S."""
+        while True:
+            await asyncio.sleep(STATE_EVERY_S)
+            stats, names = self.relay.state()
+            if stats is not None or names is not None:
+                self.send(("out", [], stats, names))
+
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
                 self.handle(await read_frame(reader))
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        # the server's process is gone: nobody reads the outputs; abort everything and stop
-        log.warning("engine core: the server's process closed the connection; stopping")
+            # the server's process is gone: nobody reads the outputs; abort everything and stop
+            log.warning("engine core: the server's process closed the connection; stopping")
+        except Exception as e:      # a message this side cannot read: nothing after it can be trusted
+            log.exception("engine core: unreadable message; stopping")
+            self.send(("fatal", f"the engine process could not read a message: {e!r}"))
         self.writer.close()
         await self.engine.shutdown(0)
         self.done.set()
@@ -221,11 +247,18 @@ async def _serve(conn, engine: AsyncEngine, extra: dict) -> None:
     await c.serve(reader)
 
 
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+
 def run(conn, build: Callable[[], tuple], max_queued_requests: int, start_loader: bool, log_level: str) -> None:
     """The process's body: ``build()`` -> (engine, extra picklable facts for the server's process); then serve
     until the server's process asks for shutdown or goes away."""
-    # Ctrl-C reaches the whole process group: the server's process decides when and how this one stops
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a server's process killed while this one builds (minutes on a large model) would leave it holding the GPU
+    threading.Thread(target=_exit_with_parent, name="vlora-core-parent", daemon=True).start()
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(levelname)s:     [engine core] %(name)s: %(message)s")
     try:
@@ -237,12 +270,17 @@ def run(conn, build: Callable[[], tuple], max_queued_requests: int, start_loader
             LOADER.start()
     except BaseException as e:
         try:
-            pickle.dumps(e)
-            conn.send(("failed", e, traceback.format_exc()))
+            pickle.loads(pickle.dumps(e))       # the server's process must be able to rebuild it
         except Exception:
-            conn.send(("failed", EngineFailed(f"{type(e).__name__}: {e}"), traceback.format_exc()))
+            e = EngineFailed(f"{type(e).__name__}: {e}")
+        conn.send(("failed", e, traceback.format_exc()))
         conn.close()
         return
+    # built: from now on Ctrl-C, and a service manager's stop, which reach the whole process group, are the
+    # server's process's to act on (it drains what runs, then stops this one); the connection's end stops it
+    # whatever happened there
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         asyncio.run(_serve(conn, async_engine, extra))
     except BaseException:

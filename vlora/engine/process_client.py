@@ -29,6 +29,10 @@ from vlora.engine.sequence import RequestOutput
 log = logging.getLogger(__name__)
 
 
+SHUTDOWN_GRACE_S = 30.0
+"""Seconds past its drain timeout that the engine's process has to answer a shutdown before it is stopped."""
+
+
 class EngineStartFailed(RuntimeError):
     """The engine-core process ended before its engine was ready."""
 
@@ -60,6 +64,7 @@ class EngineProcess:
         self.failure: BaseException | None = None
         self._accepting = True
         self._closed = False
+        self._stopping = False
         self._sock: socket.socket | None = None
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -110,9 +115,12 @@ class EngineProcess:
         self.begin_shutdown()
         drained = not self._lost                # a process that died has failed what it ran
         if self._reader is not None and not self._lost:
+            self._stopping = True               # the connection's end that follows is no failure
             try:
-                drained = await self._call("shutdown", timeout)
-            except EngineFailed:
+                # the process aborts what runs after ``timeout``; a process that does not answer is stopped
+                drained = await asyncio.wait_for(self._call("shutdown", timeout),
+                                                 None if timeout is None else timeout + SHUTDOWN_GRACE_S)
+            except (EngineFailed, asyncio.TimeoutError):
                 drained = False
         self._close_stream()
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -257,16 +265,20 @@ class EngineProcess:
             del self._routes[out.request_id]
         group.deliver(out)
 
-    def _fail_group(self, request_id: str, refused, wire) -> None:
-        group = self._routes.get(request_id)
+    def _fail_group(self, request_ids: tuple[str, ...], refused, wire) -> None:
+        failed = None if wire is None else self._decoder.decode(wire)     # before anything of the group is forgotten
+        group = next((self._routes[r] for r in request_ids if r in self._routes), None)
         if group is None:
             return
-        self._unroute(group)
         if refused.kind == "RequestFailed":
-            exc = RequestFailed(refused.message, None if wire is None else self._decoder.decode(wire))
+            # the group's other requests stay routed: their abort outputs come next, and reach the group (its
+            # on_finish) as in one process
+            if failed is not None and self._routes.get(failed.request_id) is group:
+                del self._routes[failed.request_id]
+            group.deliver(RequestFailed(refused.message, failed))
         else:
-            exc = rebuild(refused)
-        group.deliver(exc)
+            self._unroute(group)
+            group.deliver(rebuild(refused))
 
     def _unroute(self, group: RequestGroup) -> None:
         for rid in group.request_ids:
@@ -280,10 +292,11 @@ class EngineProcess:
             return
         self._lost = True
         self._accepting = False
-        stopped = self._closed and failure is None
+        stopped = (self._closed or self._stopping) and failure is None
         if stopped:
             failure = EngineFailed("the engine process was stopped")
         elif failure is None:
+            self.process.join(0.2)              # reaped, where it has exited, for its exit code
             code = self.process.exitcode
             failure = EngineFailed("the engine process exited" + ("" if code is None else f" (exit code {code})"))
         if not stopped:

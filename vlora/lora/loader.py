@@ -258,7 +258,8 @@ def _worker_start() -> None:
     CPU server) a worker at any normal priority takes a share of one core, and the forward's threads wait for the
     one that lost it; between steps, and on a GPU host with cores to spare, it runs at full speed. It ends when
     its parent does, however the parent ends (:func:`_end_with`)."""
-    # the pid that started this process, not os.getppid(): a parent gone before this runs has made that init's
+    # the pid that started this process, not os.getppid(): for a parent gone before this runs, that is already
+    # the pid of whichever process adopted this one
     parent = multiprocessing.parent_process()
     threading.Thread(target=_end_with, args=(os.getppid() if parent is None else parent.pid,),
                      name="vlora-loader-parent", daemon=True).start()
