@@ -96,3 +96,14 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def still_alive(pids: list[int], timeout: float) -> list[int]:
+    """Those of ``pids`` still running after up to ``timeout`` s (a bounded wait for them to end, not a timing
+    check)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import alive, children
+from tests.helpers import children, still_alive
 from tests.server import process_builds
 from tests.server.conftest import ADAPTERS, API_KEY, QUESTIONS, LiveServer
 from vlora.config import ConfigError, ServerConfig
@@ -251,10 +251,7 @@ def test_an_engine_process_whose_server_dies_while_it_builds_exits():
             time.sleep(0.1)
         server.kill()
         server.wait()
-        deadline = time.monotonic() + 30
-        while (left := [p for p in engine if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"engine processes left behind: {left}"
+        assert not (left := still_alive(engine, 30)), f"engine processes left behind: {left}"
     finally:
         if server.poll() is None:
             server.kill()

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import alive, children
+from tests.helpers import children, still_alive
 from tests.server.conftest import API_KEY, LiveServer, make_llm
 from vlora.config import ServerConfig
 
@@ -143,10 +143,8 @@ def test_vlora_serve_drains_on_sigterm():
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         # uvicorn re-raises the signal once it has shut down gracefully
         assert proc.wait(60) in (0, -signal.SIGTERM)
-        deadline = time.monotonic() + 10            # the adapter readers see their parent go within a second
-        while (left := [p for p in engine_procs if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not left, f"processes left behind: {left}"
+        # the adapter readers see their parent go within a second
+        assert not (left := still_alive(engine_procs, 10)), f"processes left behind: {left}"
     finally:
         if proc.poll() is None:
             proc.kill()
