@@ -1007,7 +1007,10 @@ def serve(engine: Engine | EngineClient, config: ServerConfig, log_level: str = 
     # an engine that cannot go on has answered its requests; the process stops (exit status 1) so that a
     # supervisor restarts it, rather than answering 503 for good
     client.on_fatal = lambda exc: setattr(server, "should_exit", True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:       # uvicorn re-raises Ctrl-C once it has shut down gracefully: no traceback
+        raise SystemExit(130) from None
     if client.failure is not None:
         raise SystemExit(f"vlora: the engine failed ({client.failure!r}); exiting for a restart")
 
