@@ -118,7 +118,12 @@ def test_a_disconnected_stream_is_aborted_in_the_engine_process(proc_live):
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 break                        # running; leaving the block closes the connection
+    # its abort output reaches the server's counters (finish "abort"), and the engine's pages are freed
+    assert proc_live.wait_metric("vlora_requests_total", 1, adapter="demo-r16", finish_reason="abort") == 1
     wait_idle(proc_live.async_engine)
+    deadline = time.monotonic() + 30
+    while proc_live.async_engine.stats.num_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert proc_live.async_engine.stats.num_blocks_used == 0
 
 
