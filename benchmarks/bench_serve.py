@@ -18,7 +18,8 @@ tokens over the time from the first request sent to the last token received)
 and time to first token (mean, p50, p90; offline: from the moment all requests
 were added), and HTTP / offline ratios; for the server, the CPU time of its
 event-loop thread (HTTP, JSON, SSE) and of its other threads (the engine) per
-output token. Writes ``serve-<device>.json``.
+output token. Writes ``serve-<device>.json`` and ``serve-<device>.png`` (output tok/s and mean TTFT, offline
+and each server).
 
 Sampled decoding (``--sampling``, default ``greedy,sampled``; the settings of ``bench_e2e.py``: greedy,
 sampled, seeded, min_tokens, penalties, logprobs): each label runs every setting named, back to back, in both
@@ -357,6 +358,45 @@ def ratios(res: dict) -> list[str]:
     return lines + notes + failures
 
 
+def plot(res: dict, path: Path) -> None:
+    """Output tok/s and mean TTFT per label and sampling setting: offline, then each server, the HTTP / offline
+    ratio over each server's bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = res.get("variants") or {"HTTP": res}
+    cases = [(label, s) for label in LABELS for s in res["sampling"]]
+    systems = ["offline", *servers]
+    width = 0.8 / len(systems)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    for ax, key, unit in ((axes[0], "tok_s", "output tok/s"), (axes[1], "ttft", "mean TTFT (ms)")):
+        for i, system in enumerate(systems):
+            values, ratios_ = [], []
+            for label, setting in cases:
+                entry = res["sampling"][setting] if system == "offline" else servers[system]["sampling"][setting]
+                r = entry.get("offline" if system == "offline" else "http", {}).get(label, {})
+                value = r.get("tok_s") if key == "tok_s" else 1e3 * r["ttft_s"]["mean"] if "ttft_s" in r else None
+                values.append(float("nan") if value is None else value)
+                ratio = entry.get(f"http_over_offline_{'tok_s' if key == 'tok_s' else 'ttft_mean'}", {}).get(label)
+                ratios_.append(None if system == "offline" else ratio)
+            xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(cases))]
+            bars = ax.bar(xs, values, width, label=system)
+            for bar, ratio in zip(bars, ratios_):
+                if ratio is not None:
+                    ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(cases)), [f"{label}\n{setting}" for label, setting in cases])
+        ax.set_ylabel(unit)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"HTTP against offline: {res['model']}, {res['requests']} requests of {res['input_len']}/"
+                 f"{res['output_len']} tokens, {res['device']} (over the bars: HTTP / offline)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_variants(text: str) -> list[tuple[str, str]]:
     """``NAME=OPTIONS;...`` as (name, options) pairs; empty: one server, named "default", with no options added."""
     if not text.strip():
@@ -448,6 +488,7 @@ def main() -> None:
             variants[name]["serve_args"] = serve_args
             res, lines = assemble(base, offline_runs, variants, args.sampling)
             path.write_text(json.dumps(res, indent=2))          # after each server: a later one may not finish
+            plot(res, path.with_suffix(".png"))
     for line in lines:
         log(line)
     log(f"wrote {path}")
