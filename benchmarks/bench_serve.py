@@ -66,6 +66,7 @@ from bench_e2e import (SAMPLING, fmt_ttft, log, make_prompts, output_check, pars
 
 from vlora import SamplingParams  # noqa: E402
 from vlora.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig  # noqa: E402
+from vlora.bench.processes import descendants  # noqa: E402
 from vlora.builder import build_engine  # noqa: E402
 
 LABELS = ("adapters", "base")
@@ -131,21 +132,12 @@ def _offline_runs(args, engine, prompts, names) -> dict:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    """Every process under ``pid`` (Linux)."""
-    try:
-        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return kids + [g for k in kids for g in _children(k)]
-
-
 def thread_cpu_s(pid: int) -> dict[tuple[int, int], float]:
     """CPU seconds (user + system) of every thread of process ``pid`` and of the processes under it (the engine's
     process, by default), by (process id, thread id) (Linux)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for p in [pid, *_children(pid)]:
+    for p in [pid, *descendants(pid)]:
         try:
             tasks = list(Path(f"/proc/{p}/task").iterdir())
         except OSError:

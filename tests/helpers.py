@@ -80,15 +80,6 @@ def prefill_logits(eng, seqs) -> list[torch.Tensor]:
     return [out[seq.request_id] for seq in seqs]
 
 
-def children(pid: int) -> list[int]:
-    """Every process under ``pid`` (Linux)."""
-    try:
-        kids = [int(k) for k in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
-    return kids + [g for k in kids for g in children(k)]
-
-
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie does not)."""
     try:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import children, still_alive
+from tests.helpers import still_alive
 from tests.server import process_builds
 from tests.server.conftest import ADAPTERS, API_KEY, QUESTIONS, LiveServer
+from vlora.bench.processes import descendants
 from vlora.config import ConfigError, ServerConfig
 from vlora.engine.client import AdapterNotFound, EngineFailed, Job, QueueFull, RequestFailed
 from vlora.lora.adapter import AdapterError
@@ -251,7 +252,7 @@ def test_an_engine_process_whose_server_dies_while_it_builds_exits():
     server = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[2])
     try:
         deadline = time.monotonic() + 60
-        while not (engine := children(server.pid)):
+        while not (engine := descendants(server.pid)):
             assert server.poll() is None and time.monotonic() < deadline, "no engine process started"
             time.sleep(0.1)
         server.kill()

@@ -13,8 +13,9 @@ import time
 import httpx
 import pytest
 
-from tests.helpers import children, still_alive
+from tests.helpers import still_alive
 from tests.server.conftest import API_KEY, LiveServer, make_llm
+from vlora.bench.processes import descendants
 from vlora.config import ServerConfig
 
 HI = [{"role": "user", "content": "Tell me a long story."}]
@@ -127,7 +128,7 @@ def test_vlora_serve_drains_on_sigterm():
             except httpx.TransportError:
                 time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").status_code == 401
-        engine_procs = children(proc.pid)          # the engine's process (vlora serve's default) and its own
+        engine_procs = descendants(proc.pid)    # the engine's process (vlora serve's default) and its own
         assert engine_procs
         ids = [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]]
         # the demo adapters by default: the trained ones where `vlora adapters demo` has built them, else random ones

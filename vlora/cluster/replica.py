@@ -32,12 +32,13 @@ from vlora.cluster.policy import ReplicaReport
 from vlora.config import EngineConfig
 from vlora.builder import build_engine, profile_policy, warm_grammars
 from vlora.engine.async_engine import AsyncEngine
-from vlora.engine.client import (REFUSALS, AdapterNotFound, EngineFailed, EngineStats, Job, QueueFull, Refusal,
-                                 RequestFailed, ShuttingDown, raise_refusal, refusal)
+from vlora.engine.client import (AdapterNotFound, EngineFailed, EngineStats, Job, QueueFull, Refusal, ShuttingDown,
+                                 refusal)
 from vlora.engine.engine import Engine, RequestError
 from vlora.engine.observer import StepObserver, StepRecord
 from vlora.lora.adapter import AdapterError
 from vlora.sampling_params import SamplingError
+
 
 @dataclass(frozen=True)
 class ReplicaStatus:

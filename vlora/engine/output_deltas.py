@@ -81,6 +81,12 @@ class _Held:
         self.prompt_logprobs = None
 
 
+def _join(items: list, start: int, tail: list) -> list:
+    """``items[:start] + tail`` as a new list, copying ``items`` once where the tail continues it (every step
+    of a request but a rewrite)."""
+    return items + tail if start == len(items) else items[:start] + tail
+
+
 class DeltaDecoder:
     """The server side: one per stream; holds, per request, the state the tails extend."""
 
@@ -93,10 +99,10 @@ class DeltaDecoder:
         held = self._held.get(rid)
         if held is None:
             held = self._held[rid] = _Held(prompt)
-        held.tokens = held.tokens[:tok_from] + tok_tail       # a new list: an earlier output keeps its own
+        held.tokens = _join(held.tokens, tok_from, tok_tail)   # a new list: an earlier output keeps its own
         held.text = held.text[:text_from] + text_tail
         if lp_tail is not None:
-            held.logprobs = (held.logprobs or [])[:lp_from] + lp_tail
+            held.logprobs = _join(held.logprobs or [], lp_from, lp_tail)
         if plp is not None:
             held.prompt_logprobs = plp
         if finished:
