@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=0)
-    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--rank", default="16", help="adapter rank, or comma-separated ranks the adapters cycle through "
+                                                 "(bench_e2e's: 8,16,32,64)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kv-gb", type=float, default=None, help="unified pool, GiB (default: the engine's)")
@@ -51,6 +52,10 @@ def main() -> None:
                     help="a forward that costs next to nothing: time the host work alone")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="queue each decode behind the one in flight (the engine's async_scheduling)")
+    ap.add_argument("--replay-kernels", action="store_true",
+                    help="also the GPU kernels of the timed steps as they run (graph replays): each kernel's time per "
+                         "step, and how much of the step the GPU is busy")
+    ap.add_argument("--trace", type=Path, default=None, help="write those steps' Chrome trace here")
     ap.add_argument("--no-cprofile", action="store_true", help="time the phases only (cProfile slows the host)")
     ap.add_argument("--arrival", type=int, default=0,
                     help="instead of the eager decode forward's kernels: a new request of this many prompt tokens "
@@ -62,7 +67,7 @@ def main() -> None:
         torch.set_num_threads(1)
     llm = LLM(args.model, device=args.device, max_num_seqs=args.batch + bool(args.arrival),
               kv_cache_memory_gb=args.kv_gb,
-              max_num_batched_tokens=max(8192, args.batch), max_model_len=args.input_len + 2 * args.steps + 64 + ARRIVAL_STEPS,
+              max_num_batched_tokens=max(8192, args.batch), max_model_len=args.input_len + 3 * args.steps + 64 + ARRIVAL_STEPS,
               check_base_model=False, async_scheduling=args.async_scheduling,
               **(dict(kernels="triton", lora_kernel="triton") if cpu and args.stub_forward else {}))
     eng = llm.engine
@@ -73,12 +78,14 @@ def main() -> None:
     shape = ModelShape(cfg.name, cfg.num_layers, ins, outs)
     tmp = tempfile.mkdtemp()
     names = [None] * args.batch
+    ranks = [int(r) for r in args.rank.split(",")]
     for j in range(args.adapters):
-        llm.register_adapter(f"a{j}", write_random_adapter(Path(tmp) / f"a{j}", shape, args.rank, j, std=0.01))
+        rank = ranks[j % len(ranks)]
+        llm.register_adapter(f"a{j}", write_random_adapter(Path(tmp) / f"a{j}", shape, rank, j, std=0.01))
     if args.adapters:
         names = [f"a{i % args.adapters}" for i in range(args.batch)]
     prompts = torch.randint(3, cfg.vocab_size, (args.batch, args.input_len)).tolist()
-    sp = SamplingParams(max_tokens=2 * args.steps + 8 + ARRIVAL_STEPS * bool(args.arrival), ignore_eos=True)
+    sp = SamplingParams(max_tokens=3 * args.steps + 8 + ARRIVAL_STEPS * bool(args.arrival), ignore_eos=True)
     for p, a in zip(prompts, names):
         eng.add_request(p, a, sp)
     while any(s.num_computed < len(s.prompt_token_ids) for s in eng.scheduler.unfinished()):
@@ -107,6 +114,8 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(args.top)
         print(s.getvalue())
+    if cuda and (args.replay_kernels or args.trace):
+        replay_kernels(eng, args)
     if args.arrival:
         arrivals(eng, args, names[0], cuda)
         return
@@ -174,6 +183,42 @@ def arrivals(eng, args, adapter: str | None, cuda: bool) -> None:
             print(out.getvalue())
     for key in ("cpu_time_total",) + (("cuda_time_total",) if cuda else ()):
         print(prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=60))
+
+
+def replay_kernels(eng, args) -> None:
+    """The GPU kernels of ``args.steps`` engine steps as the engine runs them (graph replays, side streams and
+    all): per kernel name its GPU time per step, then the time the GPU is busy with any kernel (the union of
+    their intervals) against the span from the first kernel to the last."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            eng.step()
+        torch.cuda.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+        print(f"trace of {args.steps} steps -> {args.trace}")
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    if not spans:
+        print("no GPU kernels recorded (the profiler saw none inside the graph replays)")
+        return
+    per_name: dict[str, list[float]] = {}
+    busy, end = 0.0, spans[0][0]
+    for s, e, name in spans:
+        per_name.setdefault(name, []).append(e - s)
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    total = sum(sum(v) for v in per_name.values())
+    print(f"GPU kernels over {args.steps} steps: {len(spans) / args.steps:.0f} per step; busy (union) "
+          f"{busy / args.steps:.0f} us per step of a {(end - spans[0][0]) / args.steps:.0f} us span; "
+          f"kernel time summed {total / args.steps:.0f} us per step (above the union where streams overlap)")
+    rows = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:args.top]
+    print(f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel")
+    for name, ds in rows:
+        print(f"{sum(ds) / args.steps:9.1f} {len(ds) / args.steps:10.1f} {sum(ds) / len(ds):8.2f}  {name[:110]}")
 
 
 def stub_forward(eng) -> None:
