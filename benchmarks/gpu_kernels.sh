@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The LoRA kernels on one GPU, one part per device call of under 10 minutes:
 #   tune:    `vlora tune` of ranks $RANKS (default 128,256) for the Llama-2-7B groups, merged into a copy of the
-#            shipped table: the decode buckets (1, 16, 64 tokens) first, then prefill (256, 1,024, 4,096), each
-#            part within its time budget ($DECODE_S, $PREFILL_S seconds)
+#            shipped table: the decode buckets (1, 4, 16, 64 tokens) first, then prefill (256, 1,024, 4,096), each
+#            part within its time budget ($DECODE_S, $PREFILL_S seconds), segment buckets $SEGMENTS (1,4,16,64)
 #   profile: where a batch-64 decode step's GPU time goes as the engine runs it (graph replays, side streams):
 #            profile_step --replay-kernels with 32 adapters of ranks 8-64, then the base model
 #   grid:    bench_lora_kernels' full grid (ranks 8-256) on the table $TABLE (default: the shipped one)
@@ -26,11 +26,11 @@ case $part in
     tune)
         table=$out/tune/$gpu.json
         cp "vlora/kernels/configs/$gpu.json" "$table" 2>/dev/null || echo "no shipped table for $gpu: a new one"
-        for step in "1,16,64 ${DECODE_S:-170}" "256,1024,4096 ${PREFILL_S:-200}"; do
+        for step in "1,4,16,64 ${DECODE_S:-200}" "256,1024,4096 ${PREFILL_S:-200}"; do
             set -- $step
             timeout $(( $2 + 60 )) python3 -c "import sys; from vlora.cli import main; sys.exit(main())" tune \
-                --preset llama-7b --ranks "${RANKS:-128,256}" --tokens "$1" --segments 1,4,16 --budget-s "$2" \
-                --output "$table" >> "$out/tune/tune.log" 2>&1
+                --preset llama-7b --ranks "${RANKS:-128,256}" --tokens "$1" --segments "${SEGMENTS:-1,4,16,64}" --budget-s "$2" \
+                --workers "${WORKERS:-14}" --output "$table" >> "$out/tune/tune.log" 2>&1
             echo "tune tokens $1 exit $?"; grep -E "tuned ->" "$out/tune/tune.log" | tail -1
         done ;;
     profile)

@@ -376,7 +376,7 @@ def cmd_tune(args) -> int:
         if not set(got) <= set(allowed):
             raise ValueError(f"--{what} must be among {','.join(map(str, allowed))}")
     new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=tokens,
-               segment_buckets=segments, budget_s=args.budget_s)
+               segment_buckets=segments, budget_s=args.budget_s, workers=args.workers)
     table.entries.update(new.entries)
     if args.merge and table.meta:       # what the entries kept from the earlier table were tuned with
         new.meta["merged_into"] = {k: v for k, v in table.meta.items() if k != "merged_into"}
@@ -436,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--model", default=None, help="model whose projection shapes to tune for (default: embedded)")
     tun.add_argument("--preset", choices=["llama-7b", "llama-13b", "bench-grid"], default=None,
                      help="tune for a preset shape set instead of a model")
-    tun.add_argument("--ranks", default=None, help="comma-separated adapter ranks (default 8,16,32,64,128)")
+    tun.add_argument("--ranks", default=None, help="comma-separated adapter ranks (default 8,16,32,64,128,256)")
     tun.add_argument("--tokens", default=None,
                      help="comma-separated token-count buckets to tune (default: all, 1 to 8192)")
     tun.add_argument("--segments", default=None, help="comma-separated segment-count buckets (default: 1,4,16,64)")
@@ -446,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
                      help="keep the existing table's other entries")
     tun.add_argument("--budget-s", type=float, default=None, help="stop after this many seconds")
+    tun.add_argument("--workers", type=int, default=None,
+                     help="processes compiling the candidate kernels ahead of their timing (default: half the cores, "
+                          "at most 16; 1 compiles each in the timing loop)")
     tun.set_defaults(func=cmd_tune)
     _add_adapters_parser(sub)
     return parser

@@ -65,7 +65,7 @@ def test_worker_builds_its_share(tmp_path):
     path = tmp_path / "variants.json"
     path.write_text(json.dumps(rows))
     env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "vlora.engine.warmup", str(path), "0", "4", "float32", "cpu", "pdl"],
+    done = subprocess.run([sys.executable, "-m", "vlora.kernels.prebuild", str(path), "0", "4", "float32", "cpu", "pdl"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
 

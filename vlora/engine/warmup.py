@@ -14,16 +14,11 @@ decode attention) runs in every decode graph capture.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from vlora.kernels.segments import SegmentMeta
+from vlora.kernels.prebuild import launch_items, prebuild_lora
 from vlora.kernels.tuning import SEGMENT_BUCKETS, TOKEN_BUCKETS
 from vlora.lora.batch import GROUPS
 
@@ -73,29 +68,6 @@ def lora_variants(table, group_in: dict[str, int], widths: dict[str, tuple[int, 
     return variants
 
 
-def _launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...], dtype, device,
-                 pdl: bool = True, paired: bool = False) -> None:
-    """One segment of one row at rank ``r`` through ``shrink`` and ``expand``; ``paired``: with a second adapter
-    of rank ``r`` (the same weights) in the same launches."""
-    from vlora.kernels.atmm import lora_expand, lora_shrink
-
-    ns = len(GROUPS[g])
-    w = torch.zeros(max(ns * r * k, r * sum(widths)) + 16, dtype=dtype, device=device)
-    one = lambda value, dt=torch.int32: torch.full((1,), value, dtype=dt, device=device)     # noqa: E731
-    meta = SegmentMeta(starts=one(0), lens=one(1), ranks=one(r), scales=one(0.0, torch.float32), max_len=1,
-                       num_rows=1, pair_ranks=one(r) if paired else None,
-                       pair_scales=one(0.0, torch.float32) if paired else None)
-    x = torch.zeros(1, k, dtype=dtype, device=device)
-    y = torch.zeros(1, sum(widths), dtype=dtype, device=device)
-    a_off, rtot = one(0, torch.int64), one(ns * r)
-    b_off = torch.zeros(1, ns, dtype=torch.int64, device=device)
-    vcol = torch.tensor([[j * r for j in range(ns)]], dtype=torch.int32, device=device)
-    v = lora_shrink(x, w, a_off, rtot, meta, ns * r * (2 if paired else 1), shrink, aligned=True, pdl=pdl,
-                    pair=(a_off, rtot) if paired else None)
-    lora_expand(y, v, w, b_off, vcol, widths, meta, expand, aligned=True, max_rank=r, pdl=pdl,
-                pair=(b_off, vcol, rtot) if paired else None)
-
-
 def _launch_attention(runner) -> int:
     from vlora.kernels.attention import paged_decode, paged_prefill
 
@@ -115,46 +87,6 @@ def _launch_attention(runner) -> int:
         if parts >= -(-512 // heads):  # attention.decode_parts: at most ceil(512 / heads) parts (batch 1)
             return n
         parts *= 2
-
-
-def _launch_items(items: list[tuple], dtype: torch.dtype, device: torch.device, pdl: bool = True) -> None:
-    for g, r, shrink, expand, k, widths, paired in items:
-        _launch_lora(g, r, shrink, expand, k, widths, dtype, device, pdl, paired)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, workers: int,
-                  pdl: bool = True) -> None:
-    """Compile LoRA variants in ``workers`` fresh interpreters (a compile is mostly single-threaded), so that the
-    engine's own launches load them from Triton's disk cache. Each worker holds a CUDA context; any failure
-    leaves the work to the engine's own launches."""
-    if workers < 2 or len(items) < 2 * workers:
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "variants.json"
-        path.write_text(json.dumps([[g, r, sh.as_list(), ex.as_list(), k, list(w), p]
-                                    for g, r, sh, ex, k, w, p in items]))
-        procs = [subprocess.Popen([sys.executable, "-m", "vlora.engine.warmup", str(path), str(i), str(workers),
-                                   str(dtype).removeprefix("torch."), str(device), "pdl" if pdl else "no-pdl"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(workers)]
-        for p in procs:
-            try:
-                p.wait(timeout=1200)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-def _main(argv: list[str]) -> None:
-    """Worker: ``python -m vlora.engine.warmup VARIANTS.json INDEX WORKERS DTYPE DEVICE pdl|no-pdl`` builds its
-    share."""
-    from vlora.kernels.atmm import TileConfig
-
-    path, index, workers, dtype, device, pdl = argv
-    rows = json.loads(Path(path).read_text())[int(index)::int(workers)]
-    items = [(g, r, TileConfig(*sh), TileConfig(*ex), k, tuple(w), p) for g, r, sh, ex, k, w, p in rows]
-    with torch.inference_mode():
-        _launch_items(items, getattr(torch, dtype), torch.device(device), pdl == "pdl")
 
 
 def lora_items(table, group_in: dict[str, int], widths: dict[str, tuple[int, ...]], max_rank: int,
@@ -211,7 +143,7 @@ def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, 
                            max_tokens, max_segments, dtype.itemsize, pairs)
         pdl = runner.lora_launch.pdl              # the variants the engine launches: GDC is a compile-time flag
         prebuild_lora(items, dtype, runner.device, workers, pdl)
-        _launch_items(items, dtype, runner.device, pdl)
+        launch_items(items, dtype, runner.device, pdl)
         launches += len(items)
     if merges:                          # the merge kernels read the stacked weights, not the tiling table
         weights = next(iter(runner.modes.weights.values()))
@@ -224,6 +156,3 @@ def build_kernels(runner, max_tokens: int, max_segments: int, workers: int = 1, 
             f"{workers} compile processes)")
     return out
 
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

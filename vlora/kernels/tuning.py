@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import statistics
 import time
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).parent / "configs"
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 SEGMENT_BUCKETS = (1, 4, 16, 64)
-RANKS = (8, 16, 32, 64, 128)
+RANKS = (8, 16, 32, 64, 128, 256)
 
 
 def pow2_bucket(n: int, cap: int | None = None) -> int:
@@ -214,19 +215,30 @@ PRESETS = {   # packed groups to tune for: a served model's four groups, or the 
 
 def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = torch.bfloat16,
          token_buckets=TOKEN_BUCKETS, segment_buckets=SEGMENT_BUCKETS, ranks=RANKS,
-         progress: bool = True, budget_s: float | None = None) -> TilingTable:
-    """Profile every config of the search space on every bucket; returns the best-per-key table."""
+         progress: bool = True, budget_s: float | None = None, workers: int | None = None,
+         chunk: int = 16) -> TilingTable:
+    """Profile every config of the search space on every bucket; returns the best-per-key table.
+
+    Buckets go in chunks of ``chunk`` (shrink, expand) pairs: ``workers`` processes (default: half the host's
+    cores, at most 16) first compile the chunk's shrink candidates, which are then timed; then the expand
+    candidates with the planes the chunk's fastest shrinks hand over, then timed as pairs. A compile is a second
+    or more of host work and a timing a few milliseconds, so compiled one by one in the timing loop they were
+    most of a tune's time."""
     from tqdm import tqdm
 
+    from vlora.kernels.prebuild import prebuild_lora
+
     dev = torch.device("cuda")
+    if workers is None:
+        workers = min(16, max(1, (os.cpu_count() or 2) // 2))
     pairs = []              # one (shrink, expand) pair per group and bucket; groups may share either key
-    for (_, (k_in, widths)), t, s, r in itertools.product(groups.items(), token_buckets, segment_buckets, ranks):
+    for (name, (k_in, widths)), t, s, r in itertools.product(groups.items(), token_buckets, segment_buckets, ranks):
         if s > t:
             continue
         if s > 1 and t // s == 0:
             continue
-        pairs.append((t, s, r, k_in, widths))
-    pairs.sort(key=lambda j: -j[0])          # large token counts first: they matter most and tune slowest
+        pairs.append((name, t, s, r, k_in, widths))
+    pairs.sort(key=lambda j: -j[1])          # large token counts first: they matter most and tune slowest
     table = TilingTable(meta={"gpu": torch.cuda.get_device_name(), "dtype": str(dtype).removeprefix("torch."),
                               "triton": __import__("triton").__version__, "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"),
@@ -236,45 +248,92 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
     shrinks: dict[str, dict[int, tuple[float, TileConfig]]] = {}   # shrink key -> planes -> fastest (s, config)
     expands: dict[str, TileConfig] = {}                              # expand keys chosen already
     done: set[tuple[str, str]] = set()
-    bar = tqdm(pairs, desc="tuning ATMM", disable=not progress)
-    for t, s, r, k_in, widths in bar:
+    built: set[tuple] = set()
+    bar = tqdm(total=len(pairs), desc="tuning ATMM", disable=not progress)
+    for c0 in range(0, len(pairs), chunk):
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
-        skey = shape_key("shrink", t, s, k_in, len(widths) * r)
-        ekey = shape_key("expand", t, s, sum(widths), r)
-        if (skey, ekey) in done:
-            continue
-        done.add((skey, ekey))
-        if skey not in shrinks:
+        todo = []
+        for name, t, s, r, k_in, widths in pairs[c0:c0 + chunk]:
+            skey = shape_key("shrink", t, s, k_in, len(widths) * r)
+            ekey = shape_key("expand", t, s, sum(widths), r)
+            if (skey, ekey) not in done:
+                done.add((skey, ekey))
+                todo.append((name, t, s, r, k_in, widths, skey, ekey))
+        fresh = {j[6]: j for j in todo if j[6] not in shrinks}
+        prebuild_lora(_new(built, shrink_items(fresh.values())), dtype, dev, workers)
+        for name, t, s, r, k_in, widths, skey, _ in fresh.values():
             cases = [_case("shrink", t, s, k_in, r, widths, dtype, dev) for _ in range(REPLICAS)]
             fastest = shrinks[skey] = {}
             for cfg in search_space("shrink", t, s, len(widths) * r):
                 sec = _time(cases, cfg)
                 if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
                     fastest[cfg.planes] = (sec, cfg)
-        # the expand reads the planes of the shrink of the same batch: the pair is chosen together, from the
-        # fastest shrink handing over one plane and the fastest handing over several. A key another pair chose
-        # already keeps its choice (a shrink key is shared by groups of one input width, an expand key by groups
-        # of one output width: o and down).
-        options = shrinks[skey]
-        if len(options) > 2:
-            several = min((o for p, o in options.items() if p > 1), key=lambda o: o[0])
-            options = {p: o for p, o in options.items() if p == 1 or o is several}
-        space = [expands[ekey]] if ekey in expands else search_space("expand", t, s, r)
-        best = None
-        for planes, (s_sec, s_cfg) in sorted(options.items()):
-            cases = [_case("expand", t, s, sum(widths), r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
-            for cfg in space:
-                sec = s_sec + _time(cases, cfg)
-                if sec < float("inf") and (best is None or sec < best[0]):
-                    best = (sec, planes, s_cfg, cfg)
-        if best is None:
-            continue
-        sec, planes, s_cfg, e_cfg = best
-        table.entries[skey], table.entries[ekey] = s_cfg, e_cfg
-        shrinks[skey], expands[ekey] = {planes: options[planes]}, e_cfg
-        bar.set_postfix_str(f"{skey} + {ekey} {sec * 1e6:.1f}us")
+            # the expand reads the planes of the shrink of the same batch: the pair is chosen together, from the
+            # fastest shrink handing over one plane and the fastest handing over several
+            if len(fastest) > 2:
+                several = min((o for p, o in fastest.items() if p > 1), key=lambda o: o[0])
+                shrinks[skey] = {p: o for p, o in fastest.items() if p == 1 or o is several}
+        spaces = {j[7]: [expands[j[7]]] if j[7] in expands else search_space("expand", j[1], j[2], j[3]) for j in todo}
+        prebuild_lora(_new(built, expand_items(todo, shrinks, spaces)), dtype, dev, workers)
+        for name, t, s, r, k_in, widths, skey, ekey in todo:
+            bar.update(1)
+            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                break
+            # A key another pair chose already keeps its choice (a shrink key is shared by groups of one input
+            # width, an expand key by groups of one output width: o and down).
+            options = shrinks[skey]
+            space = [expands[ekey]] if ekey in expands else spaces[ekey]
+            best = None
+            for planes, (s_sec, s_cfg) in sorted(options.items()):
+                cases = [_case("expand", t, s, sum(widths), r, widths, dtype, dev, planes) for _ in range(REPLICAS)]
+                for cfg in space:
+                    sec = s_sec + _time(cases, cfg)
+                    if sec < float("inf") and (best is None or sec < best[0]):
+                        best = (sec, planes, s_cfg, cfg)
+            if best is None:
+                continue
+            sec, planes, s_cfg, e_cfg = best
+            table.entries[skey], table.entries[ekey] = s_cfg, e_cfg
+            shrinks[skey], expands[ekey] = {planes: options[planes]}, e_cfg
+            bar.set_postfix_str(f"{skey} + {ekey} {sec * 1e6:.1f}us")
+    bar.close()
     return table
+
+
+def shrink_items(jobs) -> list[tuple]:
+    """Variants to build for timing the shrink candidates of these (name, tokens, segments, rank, in features,
+    widths, ...) jobs: each candidate with a fallback expand (items for :mod:`vlora.kernels.prebuild`)."""
+    items = []
+    for name, t, s, r, k_in, widths, *_ in jobs:
+        expand = heuristic_config("expand", t, s, sum(widths), r, 1)
+        items += [(name, r, cfg, expand, k_in, tuple(widths), False)
+                  for cfg in search_space("shrink", t, s, len(widths) * r)]
+    return items
+
+
+def expand_items(jobs, shrinks: dict[str, dict[int, tuple[float, TileConfig]]],
+                 spaces: dict[str, list[TileConfig]]) -> list[tuple]:
+    """Variants to build for timing the expand candidates (``spaces`` by expand key) of these jobs, each after the
+    shrinks it is timed with (``shrinks``: shrink key -> planes -> (seconds, config)): the expand reads as many
+    planes as its shrink hands over, and a variant is built per count."""
+    items = []
+    for name, t, s, r, k_in, widths, skey, ekey in jobs:
+        for _, s_cfg in shrinks.get(skey, {}).values():
+            items += [(name, r, s_cfg, cfg, k_in, tuple(widths), False) for cfg in spaces[ekey]]
+    return items
+
+
+def _new(built: set, items: list[tuple]) -> list[tuple]:
+    """The items whose variants are not in ``built`` yet (now marked built): a variant is its shapes and configs,
+    whichever bucket asked for it."""
+    out = []
+    for name, r, sh, ex, k, widths, paired in items:
+        key = (r, sh, ex, k, widths)
+        if key not in built:
+            built.add(key)
+            out.append((name, r, sh, ex, k, widths, paired))
+    return out
 
 
 def _time(cases, cfg: TileConfig) -> float:
