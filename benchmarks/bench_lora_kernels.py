@@ -151,7 +151,7 @@ def decode_specs(k: int, n: int, b: int, which: tuple[str, ...] = ("d16", "d64",
     distinct = sorted(i % nd for i in range(b))                 # round-robin, then grouped by adapter
     weights = [1 / (i + 1) ** ZIPF_ALPHA for i in range(32)]
     for w in which:
-        if w in ("d16", "d64"):
+        if w.startswith("d"):                                  # d<rank>: distinct adapters of that rank
             r = int(w[1:])
             specs.append(CaseSpec(f"dec-distinct-r{r} B{b}", "decode", k, n, b, [r] * nd, distinct))
         else:

@@ -14,8 +14,8 @@ Three modes (``LoRAConfig.lora_overlap``, carried by the batch as ``launch.overl
 
 * ``shrink``: ``v = x·A`` on the side stream, the expand ``y += s·v·B`` after
   the projection on the main stream;
-* ``full`` (default): the delta buffer zeroed, the shrink, and the expand into
-  it on the side stream, then one add ``y += delta`` on the main stream;
+* ``full`` (default): shrink and expand into a zeroed delta buffer on the side
+  stream, then one add ``y += delta`` on the main stream;
 * ``off``: both after the projection, on the main stream.
 
 Mixed mode (the merged adapter subtracted from the rows of the others) runs
@@ -79,7 +79,7 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
     delta = None
     if overlap == "full":
         k0 = passes[0].kernel[group]
-        delta = torch.empty(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
+        delta = torch.zeros(x.shape[0], sum(k0.widths), dtype=x.dtype, device=x.device)
     side.wait_stream(main)
     second = None
     if len(passes) > 1:             # mixed mode: the second pass's shrink runs beside the first's
@@ -88,8 +88,6 @@ def lora_linear(x: torch.Tensor, proj: nn.Linear, lora: LoRABatch | None, layer:
         with torch.cuda.stream(second):
             vs[1] = _shrink(x, passes[1], layer, group, vs[1], lane=1)
     with torch.cuda.stream(side):
-        if delta is not None:       # zeroed here, off the main stream, and before the shrink: the expand stays
-            delta.zero_()           # its programmatic dependent
         vs[0] = _shrink(x, passes[0], layer, group, vs[0])      # the planes each hands over
         if second is not None:
             side.wait_stream(second)
