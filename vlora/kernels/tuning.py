@@ -257,9 +257,11 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
         for name, t, s, r, k_in, widths in pairs[c0:c0 + chunk]:
             skey = shape_key("shrink", t, s, k_in, len(widths) * r)
             ekey = shape_key("expand", t, s, sum(widths), r)
-            if (skey, ekey) not in done:
-                done.add((skey, ekey))
-                todo.append((name, t, s, r, k_in, widths, skey, ekey))
+            if (skey, ekey) in done:                   # another group's pair of the same keys
+                bar.update(1)
+                continue
+            done.add((skey, ekey))
+            todo.append((name, t, s, r, k_in, widths, skey, ekey))
         fresh = {j[6]: j for j in todo if j[6] not in shrinks}
         prebuild_lora(_new(built, shrink_items(fresh.values())), dtype, dev, workers)
         for name, t, s, r, k_in, widths, skey, _ in fresh.values():
@@ -274,10 +276,10 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             if len(fastest) > 2:
                 several = min((o for p, o in fastest.items() if p > 1), key=lambda o: o[0])
                 shrinks[skey] = {p: o for p, o in fastest.items() if p == 1 or o is several}
-        spaces = {j[7]: [expands[j[7]]] if j[7] in expands else search_space("expand", j[1], j[2], j[3]) for j in todo}
+        spaces = {ekey: [expands[ekey]] if ekey in expands else search_space("expand", t, s, r)
+                  for _, t, s, r, _, _, _, ekey in todo}
         prebuild_lora(_new(built, expand_items(todo, shrinks, spaces)), dtype, dev, workers)
         for name, t, s, r, k_in, widths, skey, ekey in todo:
-            bar.update(1)
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 break
             # A key another pair chose already keeps its choice (a shrink key is shared by groups of one input
@@ -291,6 +293,7 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
                     sec = s_sec + _time(cases, cfg)
                     if sec < float("inf") and (best is None or sec < best[0]):
                         best = (sec, planes, s_cfg, cfg)
+            bar.update(1)
             if best is None:
                 continue
             sec, planes, s_cfg, e_cfg = best
