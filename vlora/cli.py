@@ -352,7 +352,7 @@ def cmd_tune(args) -> int:
     import torch
 
     from vlora.kernels.tuning import (CONFIG_DIR, PRESETS, RANKS, SEGMENT_BUCKETS, TOKEN_BUCKETS, TilingTable,
-                                      gpu_name, model_shapes, tune)
+                                      gpu_name, model_shapes, shared_keys, tune)
 
     if not torch.cuda.is_available():
         print("error: vlora tune profiles the Triton kernels on a CUDA GPU; none is visible", file=sys.stderr)
@@ -375,14 +375,26 @@ def cmd_tune(args) -> int:
     for what, got, allowed in (("tokens", tokens, TOKEN_BUCKETS), ("segments", segments, SEGMENT_BUCKETS)):
         if not set(got) <= set(allowed):
             raise ValueError(f"--{what} must be among {','.join(map(str, allowed))}")
+    # a merge keeps the configs of the keys that pairs outside this run read too (the pairs that chose them
+    # were timed with them): the run's pairs on those keys are tuned around them
+    fixed = {k: table.entries[k] for k in shared_keys(groups, tokens, segments, ranks) if k in table.entries}
+    earlier = dict(table.meta)              # what the entries kept from the earlier table were tuned with
+    earlier_list = earlier.pop("earlier", [])
+    if "merged_into" in earlier:            # tables written before the list
+        earlier_list = [earlier.pop("merged_into")] + earlier_list
+    earlier_list = ([earlier] if earlier else []) + earlier_list
+
+    def save(new: TilingTable) -> None:
+        merged = TilingTable({**{k: c.as_list() for k, c in table.entries.items()},
+                              **{k: c.as_list() for k, c in new.entries.items()}},
+                             dict(new.meta, **({"earlier": earlier_list} if earlier_list else {})))
+        merged.save(out)
+
     new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=tokens,
-               segment_buckets=segments, budget_s=args.budget_s, workers=args.workers)
-    table.entries.update(new.entries)
-    if args.merge and table.meta:       # what the entries kept from the earlier table were tuned with
-        new.meta["merged_into"] = {k: v for k, v in table.meta.items() if k != "merged_into"}
-    table.meta = new.meta
-    table.save(out)
-    print(f"{len(new.entries)} shape buckets tuned -> {out}", file=sys.stderr)
+               segment_buckets=segments, budget_s=args.budget_s, workers=args.workers, fixed=fixed, on_chunk=save)
+    save(new)
+    print(f"{len(new.entries)} shape buckets tuned ({len(fixed)} kept as the merged table had them) -> {out}",
+          file=sys.stderr)
     return 0
 
 

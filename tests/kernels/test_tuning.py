@@ -15,12 +15,12 @@ def fake_tune(monkeypatch, plane_cost_us: float, reduce_cost_us: float, groups=N
     its planes) and an expand 5 µs + ``plane_cost_us`` per plane it reads. ``timings`` collects
     (op, planes read, config) of every timing."""
     def case(op, tokens, segments, dim, r, widths, dtype, dev, planes=1):
-        return (op, planes)
+        return (op, planes, dim, r, tuple(widths), tokens, segments)
 
     def timed(cases, cfg: TileConfig) -> float:
-        op, planes = cases[0]
+        op, planes = cases[0][:2]
         if timings is not None:
-            timings.append((op, planes, cfg))
+            timings.append(cases[0] + (cfg,))
         if op == "shrink":
             return (10.0 / cfg.split_k + (reduce_cost_us if cfg.reduce else 0.0)) * 1e-6
         return (5.0 + plane_cost_us * planes + cfg.block_m / 1000) * 1e-6
@@ -75,9 +75,79 @@ def test_every_timed_candidate_is_built_ahead_by_the_workers(monkeypatch):
     groups = {"o": (4096, (4096,)), "down": (11008, (4096,)), "qkv": (4096, (4096, 1024, 1024))}
     fake_tune(monkeypatch, 0.5, 1.0, groups=groups, timings=timings, token_buckets=(16, 1024),
               segment_buckets=(1, 4), ranks=(16, 128), workers=4, chunk=5)
-    shrinks = {(it[4], it[2]) for it in built}
-    expands = {(it[5], it[2].planes, it[3]) for it in built}
+    # a variant is its configs and the shapes they are compiled for: in features, slice widths, rank, planes
+    shrinks = {(it[4], it[5], it[1], it[2]) for it in built}
+    expands = {(it[5], it[1], it[2].planes, it[3]) for it in built if it[3] is not None}
     assert timings and built
-    assert {t[2] for t in timings if t[0] == "shrink"} <= {cfg for _, cfg in shrinks}
-    assert {(t[1], t[2]) for t in timings if t[0] == "expand"} <= {(p, cfg) for _, p, cfg in expands}
+    timed_shrinks = {(dim, widths, r, cfg) for op, _, dim, r, widths, *_, cfg in timings if op == "shrink"}
+    assert timed_shrinks <= {(k, w, r, cfg) for k, w, r, cfg in shrinks}
+    timed_expands = {(widths, r, planes, cfg) for op, planes, _, r, widths, *_, cfg in timings if op == "expand"}
+    assert timed_expands <= expands
     assert len(built) == len({(it[1], it[2], it[3], it[4], it[5]) for it in built})     # each variant once
+
+
+def test_a_merge_keeps_the_keys_that_pairs_outside_the_run_read():
+    """qkv at rank 64 (rank total 192) reads the shrink key of rank total 256, as o at rank 256 does: a run of
+    ranks 128 and 256 must keep it; rank total 512 (qkv at 128, gate_up at 256) is the run's alone."""
+    groups = tuning.PRESETS["llama-7b"]
+    shared = tuning.shared_keys(groups, tuning.TOKEN_BUCKETS, tuning.SEGMENT_BUCKETS, (128, 256))
+    assert tuning.shape_key("shrink", 64, 64, 4096, 192) in shared
+    assert tuning.shape_key("shrink", 64, 64, 4096, 512) not in shared
+    assert tuning.shape_key("expand", 64, 64, 4096, 256) not in shared       # o and down are both in the run
+    # o shares its shrink keys with the kernel grid's 4096 -> 11008 group: a run of the model alone keeps them
+    model = tuning.shared_keys(groups, tuning.TOKEN_BUCKETS, tuning.SEGMENT_BUCKETS, tuning.RANKS)
+    assert tuning.shape_key("shrink", 64, 64, 4096, 16) in model
+    every = {f"{name}{i}": g for i, preset in enumerate(tuning.PRESETS.values()) for name, g in preset.items()}
+    assert not tuning.shared_keys(every, tuning.TOKEN_BUCKETS, tuning.SEGMENT_BUCKETS, tuning.RANKS)
+
+
+def test_a_fixed_key_keeps_its_config_and_its_pair_is_tuned_around_it(monkeypatch):
+    """o at rank 64 on a shrink key whose config a merge keeps (one that hands over 4 planes, though the cost
+    model prefers summing them in the shrink): the shrink is timed with that config alone, the expand with its
+    planes."""
+    skey = tuning.shape_key("shrink", 1024, 1, 4096, 64)
+    kept = TileConfig(16, 64, 128, 4, 4, 3)
+    timings: list[tuple] = []
+    table = fake_tune(monkeypatch, 2.0, 1.0, groups={"o": (4096, (4096,))}, timings=timings, fixed={skey: kept})
+    assert table.entries[skey] == kept
+    assert {t[-1] for t in timings if t[0] == "shrink"} == {kept}
+    assert {t[1] for t in timings if t[0] == "expand"} == {4}
+
+
+def test_vlora_tune_merges_around_the_shared_keys_and_keeps_the_earlier_runs(monkeypatch, tmp_path):
+    """`vlora tune --merge` of ranks 128/256: the merged table's key that qkv at rank 64 reads is handed to the
+    tuner as fixed, the table is saved after each chunk and at the end, and the earlier runs' records are kept
+    (the timings replaced: no GPU)."""
+    import json
+
+    from vlora import cli
+    from vlora.kernels.limits import _limits
+
+    shared = tuning.shape_key("shrink", 64, 64, 4096, 192)
+    own = tuning.shape_key("shrink", 64, 64, 4096, 512)
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"gpu": "g", "date": "2026-11-25", "merged_into": {"date": "2026-11-21"},
+                                "entries": {shared: [16, 128, 128, 2, 4, 3, 1, 1, 0, 0],
+                                            own: [16, 128, 128, 8, 4, 3, 1, 1, 0, 0]}}))
+    seen = {}
+
+    def fake(groups, **kw):
+        seen.update(kw)
+        table = tuning.TilingTable(meta={"gpu": "g", "date": "2026-11-29"})
+        table.entries[own] = TileConfig(32, 128, 256, 4, 4, 3)
+        kw["on_chunk"](table)
+        seen["after_chunk"] = json.loads(path.read_text())
+        return table
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _limits.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "tune", fake)
+    assert cli.main(["tune", "--preset", "llama-7b", "--ranks", "128,256", "--output", str(path)]) == 0
+    _limits.cache_clear()
+    assert seen["fixed"] == {shared: TileConfig(16, 128, 128, 2, 4, 3)}
+    saved = json.loads(path.read_text())
+    assert seen["after_chunk"]["entries"][own] == saved["entries"][own] == [32, 128, 256, 4, 4, 3, 1, 1, 0, 0]
+    assert saved["entries"][shared] == [16, 128, 128, 2, 4, 3, 1, 1, 0, 0]
+    assert saved["date"] == "2026-11-29"
+    assert [e["date"] for e in saved["earlier"]] == ["2026-11-25", "2026-11-21"]

@@ -23,7 +23,8 @@ from vlora.kernels.segments import SegmentMeta
 def launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...], dtype, device,
                 pdl: bool = True, paired: bool = False) -> None:
     """One segment of one row at rank ``r`` through ``shrink`` and ``expand``; ``paired``: with a second adapter
-    of rank ``r`` (the same weights) in the same launches. ``g`` only names the group."""
+    of rank ``r`` (the same weights) in the same launches; ``expand`` None: the shrink alone. ``g`` only names
+    the group."""
     from vlora.kernels.atmm import lora_expand, lora_shrink
 
     ns = len(widths)
@@ -39,8 +40,9 @@ def launch_lora(g: str, r: int, shrink, expand, k: int, widths: tuple[int, ...],
     vcol = torch.tensor([[j * r for j in range(ns)]], dtype=torch.int32, device=device)
     v = lora_shrink(x, w, a_off, rtot, meta, ns * r * (2 if paired else 1), shrink, aligned=True, pdl=pdl,
                     pair=(a_off, rtot) if paired else None)
-    lora_expand(y, v, w, b_off, vcol, widths, meta, expand, aligned=True, max_rank=r, pdl=pdl,
-                pair=(b_off, vcol, rtot) if paired else None)
+    if expand is not None:
+        lora_expand(y, v, w, b_off, vcol, widths, meta, expand, aligned=True, max_rank=r, pdl=pdl,
+                    pair=(b_off, vcol, rtot) if paired else None)
 
 
 def launch_items(items: list[tuple], dtype: torch.dtype, device: torch.device, pdl: bool = True) -> None:
@@ -60,7 +62,7 @@ def prebuild_lora(items: list[tuple], dtype: torch.dtype, device: torch.device, 
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "variants.json"
-        path.write_text(json.dumps([[g, r, sh.as_list(), ex.as_list(), k, list(w), p]
+        path.write_text(json.dumps([[g, r, sh.as_list(), ex and ex.as_list(), k, list(w), p]
                                     for g, r, sh, ex, k, w, p in items]))
         procs = [subprocess.Popen([sys.executable, "-m", "vlora.kernels.prebuild", str(path), str(i), str(workers),
                                    str(dtype).removeprefix("torch."), str(device), "pdl" if pdl else "no-pdl"],
@@ -79,7 +81,7 @@ def _main(argv: list[str]) -> None:
 
     path, index, workers, dtype, device, pdl = argv
     rows = json.loads(Path(path).read_text())[int(index)::int(workers)]
-    items = [(g, r, TileConfig(*sh), TileConfig(*ex), k, tuple(w), p) for g, r, sh, ex, k, w, p in rows]
+    items = [(g, r, TileConfig(*sh), ex and TileConfig(*ex), k, tuple(w), p) for g, r, sh, ex, k, w, p in rows]
     with torch.inference_mode():
         launch_items(items, getattr(torch, dtype), torch.device(device), pdl == "pdl")
 

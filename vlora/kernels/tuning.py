@@ -216,14 +216,18 @@ PRESETS = {   # packed groups to tune for: a served model's four groups, or the 
 def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = torch.bfloat16,
          token_buckets=TOKEN_BUCKETS, segment_buckets=SEGMENT_BUCKETS, ranks=RANKS,
          progress: bool = True, budget_s: float | None = None, workers: int | None = None,
-         chunk: int = 16) -> TilingTable:
+         chunk: int = 16, fixed: dict[str, TileConfig] | None = None,
+         on_chunk: Callable[[TilingTable], object] | None = None) -> TilingTable:
     """Profile every config of the search space on every bucket; returns the best-per-key table.
 
     Buckets go in chunks of ``chunk`` (shrink, expand) pairs: ``workers`` processes (default: half the host's
     cores, at most 16) first compile the chunk's shrink candidates, which are then timed; then the expand
     candidates with the planes the chunk's fastest shrinks hand over, then timed as pairs. A compile is a second
     or more of host work and a timing a few milliseconds, so compiled one by one in the timing loop they were
-    most of a tune's time."""
+    most of a tune's time. ``fixed``: keys whose config the run keeps (a merged table's keys that pairs outside
+    the run read too, :func:`shared_keys`); a pair with such a key is tuned around it. ``on_chunk`` gets the table
+    after each chunk (a caller saves it, so that a run cut short keeps what it tuned). ``budget_s`` is checked
+    before each chunk's compiles and before each pair."""
     from tqdm import tqdm
 
     from vlora.kernels.prebuild import prebuild_lora
@@ -245,13 +249,15 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
                               "timing": f"CUDA graph of {REPLICAS} calls on copies of the data, median replay after a "
                                         "read-only L2 flush; a shrink with the expand that reads its planes"})
     t0 = time.perf_counter()
+    fixed = fixed or {}
+    over = lambda: budget_s is not None and time.perf_counter() - t0 > budget_s     # noqa: E731
     shrinks: dict[str, dict[int, tuple[float, TileConfig]]] = {}   # shrink key -> planes -> fastest (s, config)
-    expands: dict[str, TileConfig] = {}                              # expand keys chosen already
+    expands: dict[str, TileConfig] = {k: c for k, c in fixed.items() if k.startswith("expand:")}   # chosen already
     done: set[tuple[str, str]] = set()
     built: set[tuple] = set()
     bar = tqdm(total=len(pairs), desc="tuning ATMM", disable=not progress)
     for c0 in range(0, len(pairs), chunk):
-        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+        if over():
             break
         todo = []
         for name, t, s, r, k_in, widths in pairs[c0:c0 + chunk]:
@@ -263,11 +269,11 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             done.add((skey, ekey))
             todo.append((name, t, s, r, k_in, widths, skey, ekey))
         fresh = {j[6]: j for j in todo if j[6] not in shrinks}
-        prebuild_lora(_new(built, shrink_items(fresh.values())), dtype, dev, workers)
+        prebuild_lora(_new(built, shrink_items(fresh.values(), fixed)), dtype, dev, workers)
         for name, t, s, r, k_in, widths, skey, _ in fresh.values():
             cases = [_case("shrink", t, s, k_in, r, widths, dtype, dev) for _ in range(REPLICAS)]
             fastest = shrinks[skey] = {}
-            for cfg in search_space("shrink", t, s, len(widths) * r):
+            for cfg in _shrink_space(skey, t, s, len(widths) * r, fixed):
                 sec = _time(cases, cfg)
                 if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
                     fastest[cfg.planes] = (sec, cfg)
@@ -276,11 +282,13 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             if len(fastest) > 2:
                 several = min((o for p, o in fastest.items() if p > 1), key=lambda o: o[0])
                 shrinks[skey] = {p: o for p, o in fastest.items() if p == 1 or o is several}
+        if over():
+            break
         spaces = {ekey: [expands[ekey]] if ekey in expands else search_space("expand", t, s, r)
                   for _, t, s, r, _, _, _, ekey in todo}
         prebuild_lora(_new(built, expand_items(todo, shrinks, spaces)), dtype, dev, workers)
         for name, t, s, r, k_in, widths, skey, ekey in todo:
-            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            if over():
                 break
             # A key another pair chose already keeps its choice (a shrink key is shared by groups of one input
             # width, an expand key by groups of one output width: o and down).
@@ -300,18 +308,48 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
             table.entries[skey], table.entries[ekey] = s_cfg, e_cfg
             shrinks[skey], expands[ekey] = {planes: options[planes]}, e_cfg
             bar.set_postfix_str(f"{skey} + {ekey} {sec * 1e6:.1f}us")
+        if on_chunk is not None:
+            on_chunk(table)
     bar.close()
     return table
 
 
-def shrink_items(jobs) -> list[tuple]:
+def _shrink_space(skey: str, tokens: int, segments: int, rank_total: int,
+                  fixed: dict[str, TileConfig]) -> list[TileConfig]:
+    return [fixed[skey]] if skey in fixed else search_space("shrink", tokens, segments, rank_total)
+
+
+def shared_keys(groups: dict[str, tuple[int, tuple[int, ...]]], token_buckets, segment_buckets, ranks,
+                others: dict[str, tuple[int, tuple[int, ...]]] | None = None) -> set[str]:
+    """Keys of this run's pairs that pairs outside it read too: the other ranks, buckets and groups (``others``:
+    default the presets' groups) of the full grid. A packed group's rank total is rounded up to a power of two,
+    so a shrink key serves several ranks (qkv at rank 64 and o at rank 256 both read ``R256``), and o and down
+    share their expand keys. Merged into a table, such a key keeps its config (:func:`tune`'s ``fixed``): the
+    pairs that chose it were timed with it."""
+    def keys(grp, tokens, segs, rks):
+        out = {}
+        for (_, (k_in, widths)), t, s, r in itertools.product(grp.items(), tokens, segs, rks):
+            if s <= t:
+                out[(k_in, tuple(widths), t, s, r)] = (shape_key("shrink", t, s, k_in, len(widths) * r),
+                                                       shape_key("expand", t, s, sum(widths), r))
+        return out
+
+    every = dict(groups)
+    for preset in PRESETS.values() if others is None else [others]:
+        every.update({f"{k_in}>{widths}": (k_in, widths) for k_in, widths in preset.values()})
+    run = keys(groups, token_buckets, segment_buckets, ranks)
+    outside = {k for pair, ks in keys(every, TOKEN_BUCKETS, SEGMENT_BUCKETS, RANKS).items() if pair not in run
+               for k in ks}
+    return {k for ks in run.values() for k in ks} & outside
+
+
+def shrink_items(jobs, fixed: dict[str, TileConfig] | None = None) -> list[tuple]:
     """Variants to build for timing the shrink candidates of these (name, tokens, segments, rank, in features,
-    widths, ...) jobs: each candidate with a fallback expand (items for :mod:`vlora.kernels.prebuild`)."""
+    widths, shrink key, ...) jobs (items for :mod:`vlora.kernels.prebuild`, the shrink alone)."""
     items = []
-    for name, t, s, r, k_in, widths, *_ in jobs:
-        expand = heuristic_config("expand", t, s, sum(widths), r, 1)
-        items += [(name, r, cfg, expand, k_in, tuple(widths), False)
-                  for cfg in search_space("shrink", t, s, len(widths) * r)]
+    for name, t, s, r, k_in, widths, skey, *_ in jobs:
+        items += [(name, r, cfg, None, k_in, tuple(widths), False)
+                  for cfg in _shrink_space(skey, t, s, len(widths) * r, fixed or {})]
     return items
 
 
@@ -332,7 +370,7 @@ def _new(built: set, items: list[tuple]) -> list[tuple]:
     whichever bucket asked for it."""
     out = []
     for name, r, sh, ex, k, widths, paired in items:
-        key = (r, sh, ex, k, widths)
+        key = (r, sh, ex, k, tuple(widths))
         if key not in built:
             built.add(key)
             out.append((name, r, sh, ex, k, widths, paired))
