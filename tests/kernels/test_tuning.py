@@ -76,7 +76,7 @@ def test_every_timed_candidate_is_built_ahead_by_the_workers(monkeypatch):
     fake_tune(monkeypatch, 0.5, 1.0, groups=groups, timings=timings, token_buckets=(16, 1024),
               segment_buckets=(1, 4), ranks=(16, 128), workers=4, chunk=5)
     # a variant is its configs and the shapes they are compiled for: in features, slice widths, rank, planes
-    shrinks = {(it[4], it[5], it[1], it[2]) for it in built}
+    shrinks = {(it[4], it[5], it[1], it[2]) for it in built if it[3] is None}
     expands = {(it[5], it[1], it[2].planes, it[3]) for it in built if it[3] is not None}
     assert timings and built
     timed_shrinks = {(dim, widths, r, cfg) for op, _, dim, r, widths, *_, cfg in timings if op == "shrink"}
@@ -151,3 +151,12 @@ def test_vlora_tune_merges_around_the_shared_keys_and_keeps_the_earlier_runs(mon
     assert saved["entries"][shared] == [16, 128, 128, 2, 4, 3, 1, 1, 0, 0]
     assert saved["date"] == "2026-11-29"
     assert [e["date"] for e in saved["earlier"]] == ["2026-11-25", "2026-11-21"]
+
+
+def test_a_fixed_expand_key_is_timed_with_its_config_alone(monkeypatch):
+    ekey = tuning.shape_key("expand", 1024, 1, 4096, 64)
+    kept = TileConfig(64, 128, 32, 1, 4, 2, 1, 1)
+    timings: list[tuple] = []
+    table = fake_tune(monkeypatch, 2.0, 1.0, groups={"o": (4096, (4096,))}, timings=timings, fixed={ekey: kept})
+    assert table.entries[ekey] == kept
+    assert {t[-1] for t in timings if t[0] == "expand"} == {kept}

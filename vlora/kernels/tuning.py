@@ -88,7 +88,9 @@ class TilingTable:
         path.parent.mkdir(parents=True, exist_ok=True)
         head = json.dumps(self.meta, indent=1)[:-2]
         rows = ",\n".join(f"  {json.dumps(k)}: {json.dumps(c.as_list())}" for k, c in sorted(self.entries.items()))
-        path.write_text(f"{head},\n \"entries\": {{\n{rows}\n }}\n}}\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(f"{head},\n \"entries\": {{\n{rows}\n }}\n}}\n")
+        os.replace(tmp, path)           # whole or not at all: a tune killed mid-save leaves the last table
 
     def get(self, op: str, tokens: int, segments: int, dim: int, rank: int) -> TileConfig:
         cfg = self.entries.get(shape_key(op, tokens, segments, dim, rank))
@@ -277,6 +279,12 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
                 sec = _time(cases, cfg)
                 if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
                     fastest[cfg.planes] = (sec, cfg)
+            if not fastest and skey in fixed:       # the kept config does not run here: search after all
+                log.warning("%s: the merged table's config %s does not run; searching", skey, fixed[skey])
+                for cfg in search_space("shrink", t, s, len(widths) * r):
+                    sec = _time(cases, cfg)
+                    if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
+                        fastest[cfg.planes] = (sec, cfg)
             # the expand reads the planes of the shrink of the same batch: the pair is chosen together, from the
             # fastest shrink handing over one plane and the fastest handing over several
             if len(fastest) > 2:
@@ -322,7 +330,8 @@ def _shrink_space(skey: str, tokens: int, segments: int, rank_total: int,
 def shared_keys(groups: dict[str, tuple[int, tuple[int, ...]]], token_buckets, segment_buckets, ranks,
                 others: dict[str, tuple[int, tuple[int, ...]]] | None = None) -> set[str]:
     """Keys of this run's pairs that pairs outside it read too: the other ranks, buckets and groups (``others``:
-    default the presets' groups) of the full grid. A packed group's rank total is rounded up to a power of two,
+    default the presets' groups) of the full grid, as the tuner times them (one adapter per segment; mixed
+    mode's paired launches, whose shrink reads the two ranks' total, are never timed as pairs). A packed group's rank total is rounded up to a power of two,
     so a shrink key serves several ranks (qkv at rank 64 and o at rank 256 both read ``R256``), and o and down
     share their expand keys. Merged into a table, such a key keeps its config (:func:`tune`'s ``fixed``): the
     pairs that chose it were timed with it."""
