@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The LoRA kernels on one GPU, one part per device call of under 10 minutes:
 #   tune:    `vlora tune` of ranks $RANKS (default 128,256) for the Llama-2-7B groups, merged into a copy of the
-#            shipped table: the decode buckets (1, 4, 16, 64 tokens) first, then prefill (256, 1,024, 4,096), each
-#            part within its time budget ($DECODE_S, $PREFILL_S seconds), segment buckets $SEGMENTS (1,4,16,64)
+#            shipped table: the decode buckets ($DECODE_TOKENS: 1,4,16,64) first, then prefill ($PREFILL_TOKENS:
+#            256,1024,4096), each part within its time budget ($DECODE_S, $PREFILL_S seconds), segment buckets
+#            $SEGMENTS (1,4,16,64); a merge keeps the keys other ranks' pairs read, and the table is saved after
+#            every chunk of pairs
 #   profile: where a batch-64 decode step's GPU time goes as the engine runs it (graph replays, side streams):
 #            profile_step --replay-kernels with 32 adapters of ranks 8-64, then the base model
 #   grid:    bench_lora_kernels' full grid (ranks 8-256) on the table $TABLE (default: the shipped one)
 #   e2e:     bench_e2e (32 adapters and base, greedy and sampled, no tuning flags)
 # VLORA_COMMIT names the commit measured where the machine's git does not know it.
-# Usage: [RANKS=128,256] [TABLE=path] benchmarks/gpu_kernels.sh OUT PART
+# Usage: [RANKS=128,256] [DECODE_TOKENS=...] [PREFILL_TOKENS=...] [TABLE=path] benchmarks/gpu_kernels.sh OUT PART
 # Writes OUT/PART/: tune: the merged table <gpu>.json and tune.log; profile: profile-{lora,base}.log;
 # grid: lora_kernels-<gpu>.json/.png and grid.log; e2e: e2e-<gpu>.json and e2e.log.
 set -uo pipefail
@@ -26,7 +28,7 @@ case $part in
     tune)
         table=$out/tune/$gpu.json
         cp "vlora/kernels/configs/$gpu.json" "$table" 2>/dev/null || echo "no shipped table for $gpu: a new one"
-        for step in "1,4,16,64 ${DECODE_S:-200}" "256,1024,4096 ${PREFILL_S:-200}"; do
+        for step in "${DECODE_TOKENS:-1,4,16,64} ${DECODE_S:-200}" "${PREFILL_TOKENS:-256,1024,4096} ${PREFILL_S:-200}"; do
             set -- $step
             timeout $(( $2 + 60 )) python3 -c "import sys; from vlora.cli import main; sys.exit(main())" tune \
                 --preset llama-7b --ranks "${RANKS:-128,256}" --tokens "$1" --segments "${SEGMENTS:-1,4,16,64}" --budget-s "$2" \
