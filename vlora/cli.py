@@ -385,9 +385,8 @@ def cmd_tune(args) -> int:
     earlier_list = ([earlier] if earlier else []) + earlier_list
 
     def save(new: TilingTable) -> None:
-        merged = TilingTable({**{k: c.as_list() for k, c in table.entries.items()},
-                              **{k: c.as_list() for k, c in new.entries.items()}},
-                             dict(new.meta, **({"earlier": earlier_list} if earlier_list else {})))
+        merged = TilingTable(meta=dict(new.meta, **({"earlier": earlier_list} if earlier_list else {})))
+        merged.entries = {**table.entries, **new.entries}
         merged.save(out)
 
     new = tune(groups, dtype=getattr(torch, args.dtype), ranks=ranks, token_buckets=tokens,

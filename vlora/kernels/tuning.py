@@ -274,17 +274,10 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
         prebuild_lora(_new(built, shrink_items(fresh.values(), fixed)), dtype, dev, workers)
         for name, t, s, r, k_in, widths, skey, _ in fresh.values():
             cases = [_case("shrink", t, s, k_in, r, widths, dtype, dev) for _ in range(REPLICAS)]
-            fastest = shrinks[skey] = {}
-            for cfg in _shrink_space(skey, t, s, len(widths) * r, fixed):
-                sec = _time(cases, cfg)
-                if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
-                    fastest[cfg.planes] = (sec, cfg)
+            fastest = shrinks[skey] = _fastest_by_planes(cases, _shrink_space(skey, t, s, len(widths) * r, fixed))
             if not fastest and skey in fixed:       # the kept config does not run here: search after all
                 log.warning("%s: the merged table's config %s does not run; searching", skey, fixed[skey])
-                for cfg in search_space("shrink", t, s, len(widths) * r):
-                    sec = _time(cases, cfg)
-                    if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
-                        fastest[cfg.planes] = (sec, cfg)
+                fastest = shrinks[skey] = _fastest_by_planes(cases, search_space("shrink", t, s, len(widths) * r))
             # the expand reads the planes of the shrink of the same batch: the pair is chosen together, from the
             # fastest shrink handing over one plane and the fastest handing over several
             if len(fastest) > 2:
@@ -322,6 +315,16 @@ def tune(groups: dict[str, tuple[int, tuple[int, ...]]], dtype: torch.dtype = to
     return table
 
 
+def _fastest_by_planes(cases, configs: list[TileConfig]) -> dict[int, tuple[float, TileConfig]]:
+    """Planes handed over -> (seconds, config) of the fastest shrink of ``configs`` that runs."""
+    fastest: dict[int, tuple[float, TileConfig]] = {}
+    for cfg in configs:
+        sec = _time(cases, cfg)
+        if sec < fastest.get(cfg.planes, (float("inf"),))[0]:
+            fastest[cfg.planes] = (sec, cfg)
+    return fastest
+
+
 def _shrink_space(skey: str, tokens: int, segments: int, rank_total: int,
                   fixed: dict[str, TileConfig]) -> list[TileConfig]:
     return [fixed[skey]] if skey in fixed else search_space("shrink", tokens, segments, rank_total)
@@ -331,9 +334,9 @@ def shared_keys(groups: dict[str, tuple[int, tuple[int, ...]]], token_buckets, s
                 others: dict[str, tuple[int, tuple[int, ...]]] | None = None) -> set[str]:
     """Keys of this run's pairs that pairs outside it read too: the other ranks, buckets and groups (``others``:
     default the presets' groups) of the full grid, as the tuner times them (one adapter per segment; mixed
-    mode's paired launches, whose shrink reads the two ranks' total, are never timed as pairs). A packed group's rank total is rounded up to a power of two,
-    so a shrink key serves several ranks (qkv at rank 64 and o at rank 256 both read ``R256``), and o and down
-    share their expand keys. Merged into a table, such a key keeps its config (:func:`tune`'s ``fixed``): the
+    mode's paired launches, whose shrink reads the two ranks' total, are never timed as pairs). A packed group's
+    rank total is rounded up to a power of two, so a shrink key serves several ranks (qkv at rank 64 and o at
+    rank 256 both read ``R256``), and o and down share their expand keys. Merged into a table, such a key keeps its config (:func:`tune`'s ``fixed``): the
     pairs that chose it were timed with it."""
     def keys(grp, tokens, segs, rks):
         out = {}
