@@ -9,11 +9,16 @@ adapters of ranks ``--ranks`` (round-robin, every adapter used by as many reques
    tokens/s, and the median decode step of the full batch inside the engine loop (CUDA-graph replay, logits and
    sampling included) with and without adapters, whose difference is the LoRA share of the step;
 2. one request, with an adapter and without: the batch-1 decode step, and its LoRA share;
-3. at TP > 1, the all-reduces alone, on every rank at once, for the decode messages of batch 1 and of the full
+3. the GPU time between decode graph replays, per rank (rank 0 from its replays' events, each worker from its
+   own), at batch 1 and the full batch with adapters: the host work async scheduling does not hide;
+4. at TP > 1, the all-reduces alone, on every rank at once, for the decode messages of batch 1 and of the full
    batch (batch x hidden elements), NCCL and torch's symmetric-memory one-shot, eager and replayed from a CUDA
-   graph; times 2 x layers, the all-reduce time of one decode step.
+   graph; times 2 x layers, the all-reduce time of one decode step. Under ``--all-reduce auto`` the engine's
+   own start-up timings and choices are recorded too.
 
-Output: ``tp.json`` and ``tp.md`` (a summary table) under ``--out`` (``tp-13b.*`` or ``tp-34b.*`` for one model).
+Output: ``tp.json`` and ``tp.md`` (a summary table) under ``--out`` (``tp-13b.*`` or ``tp-34b.*`` for one model),
+written again as each configuration finishes; a configuration writes its part after each measurement, so a run
+cut by a time limit keeps what it measured.
 
     python benchmarks/bench_tp.py --out benchmarks/results                   # two GPUs, the issue's setting
     python benchmarks/bench_tp.py --configs 13b --out benchmarks/results     # one model per run (shorter runs)
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_e2e import StepTimer, log, run_offline, sampling_params  # noqa: E402
 
 from vlora import LLM, SamplingParams  # noqa: E402
+from vlora.bench.phases import PhaseTimer  # noqa: E402
 from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
@@ -67,7 +74,37 @@ def write_adapters(model: str, n: int, ranks: list[int], root: Path, dtype: torc
                                               dtype=dtype)) for j in range(n)}
 
 
-def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str]) -> dict:
+def gaps(args, llm, prompts, adapters, sp, batch: int, tp: int) -> dict:
+    """One run of ``batch`` requests with rank 0's phase timer and the workers' replay events on: the median GPU
+    time between decode replays of the full batch, per rank (microseconds), and rank 0's host time per step."""
+    eng = llm.engine
+    timer = PhaseTimer(eng)
+    if tp > 1:
+        eng.model.gap_trace(None)
+    try:
+        llm.generate(prompts[:batch], None if adapters is None else adapters[:batch], sp)
+    finally:
+        timer.close()
+    summary = timer.summary(batch)
+    out = {"rank0_gpu_gap_us": summary.get("gpu_gap_us"), "rank0_host_us": summary.get("host_us"),
+           "rank0_step_us": summary.get("wall_us")}
+    if tp > 1:
+        with tempfile.TemporaryDirectory(prefix="vlora-gaps-") as tmp:
+            path = str(Path(tmp) / "rank{rank}.json")
+            eng.model.gap_trace(path)
+            for rank in range(1, tp):
+                f = Path(path.format(rank=rank))
+                deadline = time.monotonic() + 60
+                while not f.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.1)                   # the worker's write ends
+                got = json.loads(f.read_text())["gaps"] if f.exists() else []
+                xs = [g["gap_ms"] for g in got if g["rows"] == batch]
+                out[f"rank{rank}_gpu_gap_us"] = 1e3 * statistics.median(xs) if xs else None
+    return out
+
+
+def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str], path: Path) -> dict:
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, preset(model)["vocab_size"], (args.requests, args.input_len), generator=g).tolist()
@@ -80,7 +117,14 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str]) -> dict:
     eng = llm.engine
     res = {"model": model, "tp": tp, "all_reduce": args.all_reduce, "start_s": time.perf_counter() - t0,
            "pool": eng.sizing.describe(), "async_scheduling": args.async_scheduling}
-    log(f"{model} TP={tp}: started in {res['start_s']:.0f} s; {res['pool']}")
+    if tp > 1:
+        res["all_reduce_chosen"] = eng.model.all_reduce
+        res["all_reduce_timings"] = eng.model.all_reduce_timings
+    log(f"{model} TP={tp}: started in {res['start_s']:.0f} s; {res['pool']}; all-reduce "
+        f"{res.get('all_reduce_chosen', '-')}")
+
+    def save():                                  # after each measurement: a cut run keeps what it measured
+        path.write_text(json.dumps(res, indent=2))
     try:
         t0 = time.perf_counter()
         for n, p in adapter_dirs.items():
@@ -107,6 +151,7 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str]) -> dict:
                 res[f"{label}_step_ms_b{args.requests}{tag}"] = timer.decode_median_ms(args.requests)
                 log(f"  e2e {label} {setting}: {res[f'{label}_tok_s{tag}']:.0f} output tok/s, decode step "
                     f"(B={args.requests}) {res[f'{label}_step_ms_b{args.requests}{tag}']} ms")
+                save()
         res["overlapped_iterations"] = eng.num_overlapped - overlapped    # decodes queued behind another
         for label, adapters in (("adapters", names[:1]), ("base", None)):
             timer = StepTimer(eng, dev)
@@ -114,11 +159,17 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str]) -> dict:
             timer.close()
             res[f"{label}_step_ms_b1"] = timer.decode_median_ms(1)
             log(f"  batch 1 {label}: decode step {res[f'{label}_step_ms_b1']} ms")
+            save()
+        for b in (1, args.requests):
+            res[f"gaps_b{b}"] = gaps(args, llm, prompts, names, sp, b, tp)
+            log(f"  GPU time between replays, batch {b}, adapters (us, per rank): {res[f'gaps_b{b}']}")
+            save()
         for b in (1, args.requests):
             lo, base = res[f"adapters_step_ms_b{b}"], res[f"base_step_ms_b{b}"]
             res[f"lora_share_b{b}"] = None if lo is None or base is None else (lo - base) / lo
         if tp > 1:
             res["all_reduce_ms"] = probe_all_reduces(args, eng, dev)
+        save()
     finally:
         llm.close()
     return res
@@ -169,6 +220,11 @@ def summarize(res: dict, requests: int) -> list[str]:
             (f"e2e output tok/s, {res['adapters']} adapters, sampled", "adapters_tok_s_sampled"),
             ("e2e output tok/s, base, sampled", "base_tok_s_sampled"),
             ("decodes queued behind another (async scheduling)", "overlapped_iterations")]
+    def gap(r, b):
+        g = r.get(f"gaps_b{b}") or {}
+        ranks = sorted(k for k in g if k.endswith("_gpu_gap_us"))
+        return " / ".join(_fmt(g[k]) for k in ranks) if ranks else "-"
+
     lines = [f"# Tensor parallelism ({res['device']}, {res['dtype']}, {res['date']})", "",
              f"Workload: {requests} requests, {res['input_len']} in / {res['output_len']} out, "
              f"{res['adapters']} adapters of ranks {res['ranks']}; all_reduce {res['all_reduce']}."]
@@ -176,6 +232,10 @@ def summarize(res: dict, requests: int) -> list[str]:
         lines += ["", "| Llama-2-13B shape | TP=1 | TP=2 | TP=2 / TP=1 |", "|---|---|---|---|"]
         lines += [f"| {label} | {_fmt(one.get(key))} | {_fmt(two.get(key))} | {_fmt(ratio(key))} |"
                   for label, key in rows]
+        lines += [f"| GPU time between decode replays, batch {b}, adapters, per rank (us) | {gap(one, b)} | "
+                  f"{gap(two, b)} | |" for b in (1, requests)]
+        if two.get("all_reduce_chosen"):
+            lines += ["", f"All-reduce at TP=2: {two['all_reduce_chosen']}."]
     ar = two.get("all_reduce_ms", {})
     if ar:
         lines += ["", "All-reduces alone at TP=2 (both ranks), per decode step (2 x layers calls):", "",
@@ -210,7 +270,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=None, help="default 32 (dry run: 2)")
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="default 8,16,32,64 (dry run: 8,16)")
-    ap.add_argument("--all-reduce", choices=["nccl", "symm_mem"], default="nccl", help="the engines' all-reduce")
+    ap.add_argument("--all-reduce", choices=["auto", "nccl", "symm_mem"], default="auto",
+                    help="the engines' all-reduce (auto: per message size, as timed at start-up)")
     ap.add_argument("--max-batched-tokens", type=int, default=None, help="default: the engine's for the device")
     ap.add_argument("--reduce-reps", type=int, default=200, help="all-reduces per timing")
     ap.add_argument("--sampling", default="greedy,sampled",
@@ -238,8 +299,7 @@ def main() -> None:
     if args.phase is not None:                     # a child: one configuration, its result as JSON on stdout's file
         size, model, tp = phases[args.phase]
         dirs = {p.name: str(p) for p in sorted(args.adapter_root.iterdir())}
-        res = run_phase(args, model, tp, dirs)
-        (args.out / f"phase{args.phase}.json").write_text(json.dumps(res, indent=2))
+        run_phase(args, model, tp, dirs, args.out / f"phase{args.phase}.json")
         return
     if not dry and torch.cuda.device_count() < 2:
         sys.exit("bench_tp needs 2 GPUs (or --dry-run)")
@@ -247,6 +307,14 @@ def main() -> None:
                device=torch.cuda.get_device_name(0) if not dry else "cpu", requests=args.requests,
                input_len=args.input_len, output_len=args.output_len, adapters=args.adapters, ranks=args.ranks,
                all_reduce=args.all_reduce)
+    name = "tp" if set(args.configs.split(",")) == {"13b", "34b"} else "tp-" + args.configs.replace(",", "-")
+
+    def write() -> list[str]:                  # after each configuration: a cut run keeps those that finished
+        lines = summarize(res, args.requests)
+        (args.out / f"{name}.json").write_text(json.dumps(res, indent=2))
+        (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        return lines
+
     with tempfile.TemporaryDirectory(prefix="vlora-tp-") as tmp:
         written: dict[str, Path] = {}
         for i, (size, model, tp) in enumerate(phases):
@@ -261,16 +329,13 @@ def main() -> None:
                    "--out", str(args.out)] + sys.argv[1:]
             proc = subprocess.run(cmd)
             path = args.out / f"phase{i}.json"
-            if proc.returncode != 0 or not path.exists():
-                res[key] = {"error": f"exit code {proc.returncode}"}
+            res[key] = json.loads(path.read_text()) if path.exists() else {}    # what it measured, if it failed
+            path.unlink(missing_ok=True)
+            if proc.returncode != 0:
+                res[key]["error"] = f"exit code {proc.returncode}"
                 log(f"{key} failed (exit code {proc.returncode})")
-                continue
-            res[key] = json.loads(path.read_text())
-            path.unlink()
-    lines = summarize(res, args.requests)
-    name = "tp" if set(args.configs.split(",")) == {"13b", "34b"} else "tp-" + args.configs.replace(",", "-")
-    (args.out / f"{name}.json").write_text(json.dumps(res, indent=2))
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+            write()
+    lines = write()
     print("\n".join(lines))
     log(f"wrote {args.out}/{name}.json and {name}.md")
 

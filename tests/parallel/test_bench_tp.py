@@ -4,6 +4,7 @@ summary it feeds."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -16,14 +17,19 @@ import bench_tp  # noqa: E402
 
 def test_dry_run_phase_and_summary(tmp_path):
     args = argparse.Namespace(device="cpu", dtype="float32", requests=2, input_len=6, output_len=2, adapters=2,
-                              ranks=[8, 16], all_reduce="nccl", max_batched_tokens=None, reduce_reps=3,
+                              ranks=[8, 16], all_reduce="auto", max_batched_tokens=None, reduce_reps=3,
                               sampling="greedy,sampled", async_scheduling="on")
     dirs = bench_tp.write_adapters("random:tiny-llama", 2, [8, 16], tmp_path, torch.float32)
-    res = bench_tp.run_phase(args, "random:tiny-llama", 2, dirs)
+    bench_tp.run_phase(args, "random:tiny-llama", 2, dirs, tmp_path / "phase.json")
+    res = json.loads((tmp_path / "phase.json").read_text())       # written as each measurement finishes
     assert res["adapters_tok_s"] > 0 and res["base_tok_s"] > 0
     assert res["adapters_step_ms_b2"] > 0 and res["base_step_ms_b1"] > 0
     assert res["adapters_tok_s_sampled"] > 0 and res["base_tok_s_sampled"] > 0 and res["async_scheduling"] == "on"
     assert "overlapped_iterations" in res
+    assert res["all_reduce_chosen"] == "nccl" and res["all_reduce_timings"] == []     # gloo: no calibration
+    for b in (1, 2):        # on the CPU no GPU gaps; the worker's trace arrives (an empty one)
+        assert set(res[f"gaps_b{b}"]) == {"rank0_gpu_gap_us", "rank0_host_us", "rank0_step_us", "rank1_gpu_gap_us"}
+        assert res[f"gaps_b{b}"]["rank0_step_us"] > 0
     ar = res["all_reduce_ms"]
     assert set(ar) == {"nccl_eager_b1", "nccl_eager_b2"} and ar["nccl_eager_b2"]["bytes"] == 2 * 64 * 4
     assert ar["nccl_eager_b1"]["per_step_ms"] == ar["nccl_eager_b1"]["per_call_ms"] * 2 * 2
@@ -33,3 +39,4 @@ def test_dry_run_phase_and_summary(tmp_path):
     assert "| e2e output tok/s, 2 adapters |" in text and "| batch 2 (512 B) |" in text
     assert "| e2e output tok/s, 2 adapters, sampled |" in text
     assert "34b_tp2 failed: exit code 1" in text
+    assert "| GPU time between decode replays, batch 2, adapters, per rank (us) | - / - | - / - | |" in text

@@ -155,7 +155,7 @@ def test_tp2_on_two_gpus_gives_the_tokens_of_one(tiny_llama):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
+@pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem", "auto"])
 def test_tp2_cuda_graph_decode_on_two_gpus_equals_one_gpu_eager(tiny_llama, all_reduce):
     """Triton kernels, adapters in each rank's pool and decode replayed from CUDA graphs captured on both ranks
     (their all-reduces inside), against one GPU running eagerly; then in mixed mode."""
@@ -168,6 +168,9 @@ def test_tp2_cuda_graph_decode_on_two_gpus_equals_one_gpu_eager(tiny_llama, all_
     want_mixed = greedy(one)
     two = LLM(str(path), tensor_parallel_size=2, all_reduce=all_reduce, **kw)
     try:
+        if all_reduce == "auto":           # calibrated at start-up: both kinds timed at every decode size
+            timings = two.engine.model.all_reduce_timings
+            assert timings and all(t["nccl_ms"] > 0 and t["one_shot_ms"] > 0 for t in timings)
         graphs = two.engine.runner.graphs
         assert graphs is not None and two.engine.runner.use_kernels
         two.engine.runner.capture_graphs(mixed=True)      # every rank captures the same graphs, in order

@@ -2,14 +2,18 @@
 
 Every row-parallel projection (``o``, ``down``) ends in one all-reduce of its partial output: two per layer,
 each a small message at decode (batch x hidden elements: 10 KiB at batch 1, 640 KiB at batch 64 on a 5120-wide
-bf16 model). Two implementations, chosen by ``ModelConfig.all_reduce``:
+bf16 model). Three choices, by ``ModelConfig.all_reduce``:
 
-* ``nccl``: ``torch.distributed.all_reduce`` (gloo on the CPU). Always available; the fallback of the other.
+* ``nccl``: ``torch.distributed.all_reduce`` (gloo on the CPU). Always available; the fallback of the others.
 * ``symm_mem``: torch's symmetric-memory one-shot all-reduce (``torch.ops.symm_mem.one_shot_all_reduce_out``):
   every rank copies its partial output into a buffer that all ranks map over NVLink, and one kernel per rank
   reads the peers' buffers and sums them. It needs no NVLink multicast (``multimem``), and is one kernel
   launch with no proxy thread, which is what a small message's latency is made of. Messages larger than its
   buffer go to NCCL.
+* ``auto`` (the default): per message size, whichever of the two was faster when the group started
+  (:func:`calibrate`: both replayed from CUDA graphs, as decode runs them, at the decode messages of 1, 2, 4, ...
+  rows up to the one-shot's buffer). The ranks take the slower rank's time of each, so they choose alike.
+  On the CPU, or where the one-shot cannot run (float16, a torch without it), it is NCCL (gloo).
 
 Both are captured in the decode CUDA graphs. NCCL's communicator is created by an eager all-reduce when the
 group starts (a collective's first call sets it up, which a graph capture cannot do).
@@ -17,11 +21,15 @@ group starts (a collective's first call sets it up, which a graph capture cannot
 
 from __future__ import annotations
 
+import bisect
+import logging
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 # What every rank's process sets before its communicator starts (values already set win):
 COMMUNICATION_ENV = {
@@ -37,7 +45,7 @@ def apply_communication_env() -> None:
     for key, value in COMMUNICATION_ENV.items():
         os.environ.setdefault(key, value)
 
-ALL_REDUCES = ("nccl", "symm_mem")
+ALL_REDUCES = ("auto", "nccl", "symm_mem")
 SYMM_MEM_BYTES = 2 << 20          # the one-shot buffer: decode messages up to 2 MiB (batch 128 at hidden 8192, bf16)
 
 
@@ -58,7 +66,7 @@ def init_group(rank: int, world: int, store, device: torch.device, timeout_s: fl
         torch.cuda.synchronize(device)
 
 
-def _nccl(t: torch.Tensor) -> torch.Tensor:
+def nccl_all_reduce(t: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(t)
     return t
 
@@ -84,24 +92,93 @@ class SymmMemAllReduce:
         symm_mem.rendezvous(self.buffer, group)
         self.op = torch.ops.symm_mem.one_shot_all_reduce_out
 
+    @property
+    def capacity(self) -> int:
+        """The largest message it sends itself, in elements."""
+        return self.buffer.numel()
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel()
         small = n <= self.buffer.numel() and (n * t.element_size()) % 16 == 0     # its kernel's alignment
         if not small or t.dtype != self.buffer.dtype or not t.is_contiguous():
-            return _nccl(t)
+            return nccl_all_reduce(t)
         staged = self.buffer[:n]
         staged.copy_(t.view(-1))
         self.op(staged, "sum", self.group, t.view(-1))
         return t
 
 
+class SizedAllReduce:
+    """``auto``: each message goes to the one-shot or to NCCL by its size, as :func:`calibrate` measured. Until
+    then (and past the largest size measured) every message goes to NCCL."""
+
+    def __init__(self, one_shot, nccl=nccl_all_reduce):
+        self.one_shot, self.nccl = one_shot, nccl     # one_shot: a callable with ``capacity`` (elements)
+        self.sizes: list[int] = []                    # the sizes measured (elements), ascending
+        self.use_one_shot: list[bool] = []            # per size: the one-shot was faster
+        self.timings: list[dict] = []                 # per size: both times (ms per call, the slower rank's)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        i = bisect.bisect_left(self.sizes, t.numel())     # the smallest size measured that holds the message
+        if i < len(self.sizes) and self.use_one_shot[i]:
+            return self.one_shot(t)
+        return self.nccl(t)
+
+    def parts(self) -> dict:
+        """The kinds it chooses between, by name (benchmark probes reuse them instead of a second rendezvous)."""
+        return {"nccl": self.nccl, "symm_mem": self.one_shot}
+
+    def describe(self) -> str:
+        if not self.sizes:
+            return "auto: NCCL (not calibrated)"
+        chosen = [f"{d['elements']}:{'one-shot' if d['one_shot'] else 'nccl'}" for d in self.timings]
+        return "auto (elements: choice) " + ", ".join(chosen) + ", larger: nccl"
+
+
+def calibrate(reduce: SizedAllReduce, row: int, dtype: torch.dtype, device: torch.device, reps: int = 100,
+              timer=None) -> list[dict]:
+    """Time NCCL and the one-shot at the decode messages of 1, 2, 4, ... rows of ``row`` elements (up to the
+    one-shot's capacity), replayed from CUDA graphs, and set ``reduce``'s choice per size. Every rank calls it
+    at the same point with the same arguments; the times are the slower rank's (a MAX all-reduce), so every
+    rank makes the same choices and their collectives pair up. ``timer(fn, numel)`` (tests) replaces the
+    measurement."""
+    if timer is None:
+        def timer(fn, numel):
+            return min(time_all_reduce(fn, numel, dtype, device, reps, graphed=True) for _ in range(2))
+    sizes, rows = [], 1
+    while rows * row <= reduce.one_shot.capacity:
+        sizes.append(rows * row)
+        rows *= 2
+    times = torch.tensor([[timer(reduce.nccl, n), timer(reduce.one_shot, n)] for n in sizes],
+                         dtype=torch.float64, device=device).reshape(len(sizes), 2)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    times = times.cpu().tolist()
+    reduce.sizes = sizes
+    reduce.use_one_shot = [one < nccl for nccl, one in times]
+    reduce.timings = [{"elements": n, "nccl_ms": nccl, "one_shot_ms": one, "one_shot": one < nccl}
+                      for n, (nccl, one) in zip(sizes, times)]
+    return reduce.timings
+
+
 def make_reduce(kind: str, dtype: torch.dtype, device: torch.device):
-    """The in-place sum over the ranks that follows every row-parallel projection."""
+    """The in-place sum over the ranks that follows every row-parallel projection (``auto``: a
+    :class:`SizedAllReduce` still to be calibrated)."""
+    if kind not in ALL_REDUCES:
+        raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {kind!r}")
     if kind == "nccl" or device.type != "cuda":
-        return _nccl
+        return nccl_all_reduce
     if kind == "symm_mem":
         return SymmMemAllReduce(dtype, device)
-    raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCES)}, got {kind!r}")
+    try:            # the same on every rank: the dtype and torch decide, not the rank
+        return SizedAllReduce(SymmMemAllReduce(dtype, device))
+    except (ValueError, RuntimeError) as e:
+        log.info("all_reduce auto: NCCL for every message (%s)", e)
+        return nccl_all_reduce
+
+
+def reduce_parts(kind: str, reduce) -> dict:
+    """A rank's all-reduces by name: the model's own, and the parts of an ``auto`` one."""
+    return {kind: reduce, **(reduce.parts() if isinstance(reduce, SizedAllReduce) else {})}
 
 
 def time_all_reduce(reduce, numel: int, dtype: torch.dtype, device: torch.device, reps: int,

@@ -46,7 +46,7 @@ class WorkerSpec:
     max_model_len: int | None
     seed: int
     timeout_s: float            # collectives and start-up
-    all_reduce: str = "nccl"    # see collectives.py
+    all_reduce: str = "auto"    # see collectives.py
     host_adapters: bool = False  # the LoRA kernels read adapters from the pool: their slices stay on the host
     build_timeout_s: float = 1800.0   # a worker's load of its model
     tokenizer: str | None = None  # the model config's: a random decoder's vocabulary grows to it
@@ -129,7 +129,7 @@ class TensorParallelGroup:
                 self.noticed = True
                 raise EngineFatal(f"tensor-parallel worker {rank} exited (code {proc.exitcode}){self.reasons()}")
 
-    def send(self, msg: StepMessage | Probe) -> None:
+    def send(self, msg: StepMessage | Probe | GapTrace) -> None:
         self.check()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:

@@ -64,6 +64,15 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class GapTrace:
+    """Start recording the GPU time between this worker's graph replays (``path`` None), or stop and write what
+    was recorded as JSON to ``path`` with ``{rank}`` replaced by the worker's rank (benchmarks): a message of its
+    own, never part of a step's."""
+
+    path: str | None
+
+
+@dataclass(frozen=True)
 class StepMessage:
     kv_shape: tuple[int, ...] | None          # rank 0's pages [P + 1, L, 2, block, Hkv_local, D]: the same here
     batch: ForwardBatch | None = None         # a forward (on the CPU, ``lora`` None)

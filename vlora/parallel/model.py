@@ -10,6 +10,7 @@ slices at the same offsets.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,14 @@ from vlora.engine.faults import EngineFatal, describe
 from vlora.engine.modes import ModeSwitcher, ShardWeights
 from vlora.lora.batch import PackedAdapter
 from vlora.models.forward_batch import ForwardBatch
-from vlora.parallel.collectives import make_reduce, time_all_reduce
+from vlora.parallel.collectives import (SizedAllReduce, calibrate, make_reduce, nccl_all_reduce, reduce_parts,
+                                        time_all_reduce)
 from vlora.parallel.group import TensorParallelGroup, WorkerSpec
-from vlora.parallel.messages import (GraphSetup, Probe, Replay, StepMessage, by_name, lora_of, passes, strip,
-                                     tensors_to)
+from vlora.parallel.messages import (GapTrace, GraphSetup, Probe, Replay, StepMessage, by_name, lora_of, passes,
+                                     strip, tensors_to)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
+
+log = logging.getLogger(__name__)
 
 
 def _cpu(obj):
@@ -44,8 +48,16 @@ class TensorParallelModel(nn.Module):
         self.local_cfg = self.shard.local_config(inner.cfg)
         self.kv_heads_per_rank = len(self.shard.kv_heads)
         self.device = device
-        self.reduces = {group.spec.all_reduce: make_reduce(group.spec.all_reduce, group.spec.dtype, device)}
-        shard_decoder(inner, self.shard, self.reduces[group.spec.all_reduce])
+        kind = group.spec.all_reduce
+        reduce = make_reduce(kind, group.spec.dtype, device)
+        self.reduces = reduce_parts(kind, reduce)      # by name: benchmark probes reuse them
+        shard_decoder(inner, self.shard, reduce)
+        if isinstance(reduce, SizedAllReduce):         # the workers calibrate theirs at the same point
+            calibrate(reduce, inner.cfg.hidden_size, group.spec.dtype, device)
+        self.all_reduce = reduce.describe() if isinstance(reduce, SizedAllReduce) else \
+            "nccl" if reduce is nccl_all_reduce else kind          # auto on the CPU, or without the one-shot
+        self.all_reduce_timings = getattr(reduce, "timings", [])
+        log.info("tensor parallelism (TP=%d): all-reduce %s", group.world, self.all_reduce)
         self.stacked = getattr(inner, "stacked", None)
         self.registry = None                     # the engine's adapters: those it forgets are dropped everywhere
         self.modes: ShardModes | None = None     # rank 0's merges (the workers follow them)
@@ -167,6 +179,11 @@ class TensorParallelModel(nn.Module):
                 self.reduces[kind] = make_reduce(kind, dtype, self.device)
             return time_all_reduce(self.reduces[kind], numel, dtype, self.device, reps, graphed)
         return self._guard(probe)
+
+    def gap_trace(self, path: str | None) -> None:
+        """Tell the workers to start recording the GPU time between their graph replays (``path`` None), or to
+        stop and write it, one JSON file per worker: ``path`` with ``{rank}`` replaced (benchmarks)."""
+        self._guard(lambda: self.group.send(GapTrace(path)))
 
     def close(self) -> None:
         """Release rank 0's graphs before the group goes: its NCCL communicators are torn down only once no

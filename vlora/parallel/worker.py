@@ -9,6 +9,7 @@ shapes on every rank, so the same offsets fit, and the kernels' metadata rank 0 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 
@@ -23,9 +24,9 @@ from vlora.lora.batch import PackedAdapter
 from vlora.lora.device_store import aligned, matrices, group_offsets
 from vlora.memory.pool import zeros
 from vlora.memory.swapper import host_slot_buffer
-from vlora.parallel.collectives import make_reduce, time_all_reduce
-from vlora.parallel.messages import (GraphSetup, Probe, Replay, StepMessage, lora_of, segments_of, tensors_to,
-                                     with_buffer)
+from vlora.parallel.collectives import SizedAllReduce, calibrate, make_reduce, reduce_parts, time_all_reduce
+from vlora.parallel.messages import (GapTrace, GraphSetup, Probe, Replay, StepMessage, lora_of, segments_of,
+                                     tensors_to, with_buffer)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 
 
@@ -54,6 +55,7 @@ class Worker:
         # all-reduce kind -> its function; the model's own is reused by probes, as rank 0 does: a second
         # symmetric-memory rendezvous on this rank alone would wait forever for rank 0's
         self.reduces = dict(reduces or {})
+        self.replay_events: list | None = None          # (rows, start, end) per replay while a GapTrace runs
 
     def handle(self, msg: StepMessage) -> None:
         for name, a in msg.adapters.items():
@@ -111,6 +113,20 @@ class Worker:
             self.reduces[p.kind] = make_reduce(p.kind, self.dtype, self.device)
         time_all_reduce(self.reduces[p.kind], p.numel, self.dtype, self.device, p.reps, p.graphed)
 
+    def gap_trace(self, t: GapTrace, rank: int) -> None:
+        """Start recording an event pair around each graph replay, or stop and write, per pair of consecutive
+        replays, the GPU time between them and the later one's rows (benchmarks)."""
+        if t.path is None:
+            self.replay_events = []
+            return
+        events, self.replay_events = self.replay_events or [], None
+        if events:
+            events[-1][2].synchronize()
+        gaps = [{"rows": rows, "gap_ms": events[k - 1][2].elapsed_time(start)}
+                for k, (rows, start, _) in enumerate(events) if k]
+        with open(t.path.format(rank=rank), "w") as f:
+            json.dump({"rank": rank, "replays": len(events), "gaps": gaps}, f)
+
     def _place(self, part: PackedAdapter, epoch: int, first: int) -> None:
         """Copy this rank's slices of an adapter into the pool from element ``first`` on, laid out as rank 0's
         store lays out its own (back to back, each matrix aligned)."""
@@ -143,8 +159,15 @@ class Worker:
         if r.src is not None:                    # queued behind the iteration before: its tokens, from rank 0
             prev = torch.empty(r.prev_rows, dtype=torch.int64, device=self.device)
             dist.broadcast(prev, src=0)
+        timed = self.replay_events is not None and self.device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         self.graphs.run(r.ids, r.positions, r.slots, r.lens, r.tables, [len(t) for t in r.tables],
                         list(segments_of(r.segments, part)), list(segments_of(r.minus, part)), r.src, prev)
+        if timed:
+            end.record()
+            self.replay_events.append((len(r.ids), start, end))
 
 
 def build_model(spec, device: torch.device, rank: int, world: int):
@@ -195,14 +218,18 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         shard = Shard.of(model.cfg, rank, world)
         reduce = make_reduce(spec.all_reduce, spec.dtype, device)
         shard_decoder(model, shard, reduce)
-        worker = Worker(model, shard, device, spec.dtype, spec.host_adapters, {spec.all_reduce: reduce})
+        if isinstance(reduce, SizedAllReduce):     # with rank 0, which calibrates its own at the same point
+            calibrate(reduce, model.cfg.hidden_size, spec.dtype, device)
+        worker = Worker(model, shard, device, spec.dtype, spec.host_adapters, reduce_parts(spec.all_reduce, reduce))
         with torch.inference_mode():
             while True:
-                msg: StepMessage | Probe | None = pickle.loads(conn.recv_bytes())
+                msg: StepMessage | Probe | GapTrace | None = pickle.loads(conn.recv_bytes())
                 if msg is None:
                     os._exit(0)          # nothing to flush; leaving the group would wait on the others
                 if isinstance(msg, Probe):
                     worker.probe(msg)
+                elif isinstance(msg, GapTrace):
+                    worker.gap_trace(msg, rank)
                 else:
                     worker.handle(msg)
     except EOFError:                     # rank 0 went away
