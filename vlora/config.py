@@ -47,8 +47,8 @@ class ModelConfig:
     """Build every Triton kernel variant the engine can launch at start-up (CUDA only; compiled once into Triton's disk cache), so that no request waits for a compile."""
     tensor_parallel_size: int = 1
     """Split the model over this many GPUs (one worker process each; on a CPU, processes with gloo): attention heads and MLP columns per rank, one all-reduce after each row-parallel projection; each rank's pool holds its slices of the adapters and of the KV (and, under fastlibra, its host memory its slices of the cached KV swapped out: host_kv_gb per rank)."""
-    all_reduce: str = "auto"
-    """Tensor parallelism: the all-reduce after each row-parallel projection: auto (per message size, the faster of nccl and symm_mem as timed when the group starts; nccl on the CPU), nccl (torch.distributed), or symm_mem (torch's symmetric-memory one-shot all-reduce over NVLink peer memory for messages up to 2 MiB, NCCL above)."""
+    all_reduce: str = "nccl"
+    """Tensor parallelism: the all-reduce after each row-parallel projection: nccl (torch.distributed), auto (per message size, the faster of nccl and symm_mem as timed when the group starts; nccl on the CPU), or symm_mem (torch's symmetric-memory one-shot all-reduce over NVLink peer memory for messages up to 2 MiB, NCCL above)."""
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "triton", "torch"):

@@ -37,7 +37,7 @@ class LLM:
                  max_pixels_per_image: int = 16_000_000, memory_policy: str = "unified", host_kv_gb: float = 4.0,
                  adapter_pool_fraction: float = 0.1, gpu_memory_utilization: float = 0.9, merged_copy: bool = False,
                  lora_overlap: str = "full", lora_pdl: bool = True, tensor_parallel_size: int = 1,
-                 all_reduce: str = "auto", replicas: int = 1, ray_address: str | None = None,
+                 all_reduce: str = "nccl", replicas: int = 1, ray_address: str | None = None,
                  cluster_policy: str = "round_robin", async_scheduling: bool = True, tokenizer: str | None = None,
                  config: EngineConfig | None = None):
         """``replicas`` > 1 (or a ``ray_address``): that many engine replicas on Ray, placed by

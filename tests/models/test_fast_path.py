@@ -85,6 +85,18 @@ def mixed_graphs_engine(path, paths, pm, n: int = len(GRAPH_PROMPTS), **kw):
     return llm, want
 
 
+def test_mixed_graph_iteration_that_samples_no_row_on_cpu(tmp_path):
+    """A prompt alone, longer than the token budget: its first chunk, replayed from a mixed graph with no
+    decode beside it, samples nothing (no row's logits are kept); the tokens are PEFT's."""
+    path, paths, pm = build(tmp_path)
+    llm, _ = mixed_graphs_engine(path, paths, pm, 0, kernels="triton", lora_kernel="triton")
+    prompt = PROMPTS[0] + PROMPTS[1] + PROMPTS[2]
+    assert len(prompt) > 8
+    out = llm.generate([prompt], [NAMES[1]], SamplingParams(max_tokens=3, min_tokens=3, ignore_eos=True))
+    assert out[0].token_ids == peft_greedy(pm, prompt, NAMES[1], 3)
+    assert llm.engine.runner.iterations["mixed_graph"] > 0
+
+
 def check_mixed_graphs(path, paths, pm, **kw):
     """Prompts prefilled beside decodes replay mixed graphs, base-only and with LoRA: every token equal to
     PEFT's. Prompts that want their logprobs run eagerly. (V-LoRA's mixed mode: tests/engine/test_modes.py.)"""

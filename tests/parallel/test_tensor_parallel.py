@@ -187,9 +187,9 @@ import sys
 from vlora import LLM, SamplingParams
 
 if __name__ == "__main__":
-    path, a8 = sys.argv[1], sys.argv[2]
+    path, a8, all_reduce = sys.argv[1], sys.argv[2], sys.argv[3]
     llm = LLM(path, adapters={"a8": a8}, block_size=4, num_blocks=64, max_model_len=128, dtype="float32",
-              device="cuda", tensor_parallel_size=2)
+              device="cuda", tensor_parallel_size=2, all_reduce=all_reduce)
     llm.generate([[1, 2, 3]], "a8", SamplingParams(max_tokens=4, ignore_eos=True))     # graphs captured
     eng = llm.engine
     eng.add_request([5, 6, 7], "a8", SamplingParams(max_tokens=100, ignore_eos=True))
@@ -203,9 +203,11 @@ if __name__ == "__main__":
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tp2_worker_killed_during_graph_decode_ends_the_process(tiny_llama, tmp_path):
+@pytest.mark.parametrize("all_reduce", ["nccl", "auto"])
+def test_tp2_worker_killed_during_graph_decode_ends_the_process(tiny_llama, tmp_path, all_reduce):
     """A collective replayed from a CUDA graph has no timeout: the process must still end, non-zero, saying why
-    (EngineFatal, or rank 0's watchdog when it is blocked on the GPU)."""
+    (EngineFatal, or rank 0's watchdog when it is blocked on the GPU), also where the one-shot all-reduce (a
+    kernel that waits for its peer's signal) is in the graphs."""
     import subprocess
     import sys
 
@@ -215,8 +217,8 @@ def test_tp2_worker_killed_during_graph_decode_ends_the_process(tiny_llama, tmp_
     t0 = time.monotonic()
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(script), str(path), str(adapters["a8"])], capture_output=True,
-                          text=True, timeout=300, cwd=root, env=env)
+    proc = subprocess.run([sys.executable, str(script), str(path), str(adapters["a8"]), all_reduce],
+                          capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert proc.returncode != 0 and "tensor-parallel" in proc.stderr, proc.stderr[-2000:]
     assert time.monotonic() - t0 < 240
 

@@ -228,13 +228,13 @@ class ModelRunner:
         logits = self._replay_mixed(ordered)
         if logits is not None:                         # prefills beside decodes, from a mixed graph
             self.iterations["mixed_graph"] += 1
-            picked = [i for i, s in enumerate(ordered) if s.samples]
-            if len(picked) < len(ordered):
-                logits = logits[torch.tensor(picked, device=logits.device)]
             allowed = self.masks.fill(samplers)       # overlaps the forward
             self._launched()
-            if not samplers:
+            if not samplers:                          # prompt chunks alone, none at its prompt's end
                 return {}
+            picked = [i for i, s in enumerate(ordered) if s.samples]
+            if len(picked) < len(ordered):
+                logits = logits[torch.tensor(picked, dtype=torch.long, device=logits.device)]
             tokens = self.sampler.sample(logits, samplers, allowed=allowed).result()
             return {seq.request_id: t for seq, t in zip(samplers, tokens)}
         self.iterations["eager"] += 1

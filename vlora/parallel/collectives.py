@@ -10,7 +10,7 @@ bf16 model). Three choices, by ``ModelConfig.all_reduce``:
   reads the peers' buffers and sums them. It needs no NVLink multicast (``multimem``), and is one kernel
   launch with no proxy thread, which is what a small message's latency is made of. Messages larger than its
   buffer go to NCCL.
-* ``auto`` (the default): per message size, whichever of the two was faster when the group started
+* ``auto``: per message size, whichever of the two was faster when the group started
   (:func:`calibrate`: both replayed from CUDA graphs, as decode runs them, at the decode messages of 1, 2, 4, ...
   rows up to the one-shot's buffer). The ranks take the slower rank's time of each, so they choose alike.
   On the CPU, or where the one-shot cannot run (float16, a torch without it), it is NCCL (gloo).

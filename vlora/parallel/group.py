@@ -46,7 +46,7 @@ class WorkerSpec:
     max_model_len: int | None
     seed: int
     timeout_s: float            # collectives and start-up
-    all_reduce: str = "auto"    # see collectives.py
+    all_reduce: str = "nccl"    # see collectives.py
     host_adapters: bool = False  # the LoRA kernels read adapters from the pool: their slices stay on the host
     build_timeout_s: float = 1800.0   # a worker's load of its model
     tokenizer: str | None = None  # the model config's: a random decoder's vocabulary grows to it
