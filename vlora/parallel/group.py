@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from vlora.engine.faults import EngineFatal, describe
 from vlora.parallel.collectives import apply_communication_env, init_group, tcp_store
-from vlora.parallel.messages import Probe, StepMessage
+from vlora.parallel.messages import GapTrace, Probe, StepMessage
 from vlora.parallel.worker import run_worker
 
 
