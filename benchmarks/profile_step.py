@@ -12,11 +12,14 @@ emulation, so the graph path's host side is what is timed.
     python benchmarks/profile_step.py --model random:tiny-llama --device cpu --batch 256 --adapters 32 \
         --stub-forward --input-len 32        # the host work of a 256-sequence decode step on this CPU
     python benchmarks/profile_step.py --batch 16 --adapters 4 --input-len 128 --arrival 4    # a request joins
+    python benchmarks/profile_step.py --model random:llama-2-13b --batch 1 --tensor-parallel-size 2 \
+        --all-reduce auto --replay-kernels --no-cprofile     # rank 0's kernels of a TP=2 batch-1 decode step
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import cProfile
 import io
 import pstats
@@ -57,6 +60,11 @@ def main() -> None:
                          "step, and how much of the step the GPU is busy")
     ap.add_argument("--trace", type=Path, default=None, help="write those steps' Chrome trace here")
     ap.add_argument("--no-cprofile", action="store_true", help="time the phases only (cProfile slows the host)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the model over this many GPUs (rank 0's host phases and kernels are profiled; the "
+                         "workers replay alongside)")
+    ap.add_argument("--all-reduce", choices=["auto", "nccl", "symm_mem"], default="nccl",
+                    help="the all-reduce under tensor parallelism (see ModelConfig.all_reduce)")
     ap.add_argument("--arrival", type=int, default=0,
                     help="instead of the eager decode forward's kernels: a new request of this many prompt tokens "
                          "joins the decoding batch, several times; the steps until it is prefilled are timed, then "
@@ -69,7 +77,9 @@ def main() -> None:
               kv_cache_memory_gb=args.kv_gb,
               max_num_batched_tokens=max(8192, args.batch), max_model_len=args.input_len + 3 * args.steps + 64 + ARRIVAL_STEPS,
               check_base_model=False, async_scheduling=args.async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size, all_reduce=args.all_reduce,
               **(dict(kernels="triton", lora_kernel="triton") if cpu and args.stub_forward else {}))
+    atexit.register(llm.close)                 # under tensor parallelism: the workers go first
     eng = llm.engine
     cfg = eng.model.cfg
     if args.stub_forward:
