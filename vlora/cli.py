@@ -346,27 +346,39 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_tune(args) -> int:
-    import json
+def tp_groups(model: str | None, sizes: list[int]) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """The packed LoRA groups one rank of ``model`` launches at each tensor-parallel size (its shard's shapes, as
+    the engine cuts them): name (``@tpN`` past 1) -> (in features, output slice widths)."""
+    from vlora.engine.runner import lora_groups
+    from vlora.models.loader import model_config
+    from vlora.parallel.partition import Shard
 
+    cfg = model_config(model)
+    groups = {}
+    for tp in sizes:
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+        widths, ins = lora_groups(Shard.of(cfg, 0, tp).local_config(cfg))
+        groups.update({name + (f"@tp{tp}" if tp > 1 else ""): (ins[name], widths[name]) for name in widths})
+    return groups
+
+
+def cmd_tune(args) -> int:
     import torch
 
     from vlora.kernels.tuning import (CONFIG_DIR, PRESETS, RANKS, SEGMENT_BUCKETS, TOKEN_BUCKETS, TilingTable,
-                                      gpu_name, model_shapes, shared_keys, tune)
+                                      gpu_name, shared_keys, tune)
 
+    sizes = [int(x) for x in args.tensor_parallel_size.split(",")]
+    if args.preset:
+        if sizes != [1]:
+            raise ValueError("--tensor-parallel-size applies to --model (a preset is one GPU's shapes)")
+        groups = PRESETS[args.preset]
+    else:
+        groups = tp_groups(args.model, sizes)
     if not torch.cuda.is_available():
         print("error: vlora tune profiles the Triton kernels on a CUDA GPU; none is visible", file=sys.stderr)
         return 2
-    if args.preset:
-        groups = PRESETS[args.preset]
-    else:
-        from vlora.models.loader import resolve_model_dir
-
-        cfg = json.loads((resolve_model_dir(args.model) / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        groups = model_shapes(cfg["hidden_size"], heads * head_dim,
-                              cfg.get("num_key_value_heads", heads) * head_dim, cfg["intermediate_size"])
     out = args.output or CONFIG_DIR / f"{gpu_name()}.json"
     table = TilingTable.load(path=out) if args.merge and out.is_file() else TilingTable()
     ranks = tuple(int(r) for r in args.ranks.split(",")) if args.ranks else RANKS
@@ -444,7 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--quiet", action="store_true", help="no progress bars")
     ben.set_defaults(func=cmd_bench)
     tun = sub.add_parser("tune", help="profile ATMM tile configs on this GPU and write its tiling table")
-    tun.add_argument("--model", default=None, help="model whose projection shapes to tune for (default: embedded)")
+    tun.add_argument("--model", default=None,
+                     help="model whose projection shapes to tune for: a directory, a Hub id or random:<preset> "
+                          "(default: the embedded one)")
+    tun.add_argument("--tensor-parallel-size", default="1",
+                     help="comma-separated tensor-parallel sizes whose per-rank shapes of --model to tune (e.g. 1,2)")
     tun.add_argument("--preset", choices=["llama-7b", "llama-13b", "bench-grid"], default=None,
                      help="tune for a preset shape set instead of a model")
     tun.add_argument("--ranks", default=None, help="comma-separated adapter ranks (default 8,16,32,64,128,256)")

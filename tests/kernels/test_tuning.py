@@ -160,3 +160,26 @@ def test_a_fixed_expand_key_is_timed_with_its_config_alone(monkeypatch):
     table = fake_tune(monkeypatch, 2.0, 1.0, groups={"o": (4096, (4096,))}, timings=timings, fixed={ekey: kept})
     assert table.entries[ekey] == kept
     assert {t[-1] for t in timings if t[0] == "expand"} == {kept}
+
+
+def test_tune_takes_the_per_rank_shapes_of_a_tensor_parallel_model(monkeypatch, tmp_path):
+    """`vlora tune --model random:llama-2-13b --tensor-parallel-size 1,2` tunes the groups one rank launches at
+    each size: column-parallel outputs and row-parallel inputs halved at TP=2."""
+    from vlora import cli
+
+    seen = {}
+
+    def fake(groups, **kw):
+        seen.update(groups)
+        return tuning.TilingTable(meta={"gpu": "g"})
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tuning, "tune", fake)
+    argv = ["tune", "--model", "random:llama-2-13b", "--tensor-parallel-size", "1,2", "--output",
+            str(tmp_path / "t.json")]
+    assert cli.main(argv) == 0
+    assert seen == {"qkv": (5120, (5120, 5120, 5120)), "o": (5120, (5120,)), "gate_up": (5120, (13824, 13824)),
+                    "down": (13824, (5120,)), "qkv@tp2": (5120, (2560, 2560, 2560)), "o@tp2": (2560, (5120,)),
+                    "gate_up@tp2": (5120, (6912, 6912)), "down@tp2": (6912, (5120,))}
+    assert cli.main(["tune", "--preset", "llama-7b", "--tensor-parallel-size", "2"]) == 2     # a preset is TP=1
+    assert cli.main(["tune", "--model", "random:llama-2-13b", "--tensor-parallel-size", "3"]) == 2   # 40 heads

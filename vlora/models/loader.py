@@ -312,6 +312,8 @@ RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded ran
                         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "codellama-34b": dict(hidden_size=8192, intermediate_size=22016, num_hidden_layers=48, num_attention_heads=64,
                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=16384, rms_norm_eps=1e-5),
+    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5),
 }
@@ -321,17 +323,23 @@ def is_random_spec(model) -> bool:
     return isinstance(model, str) and model.startswith("random:")
 
 
-def lora_shape(model: str | None) -> ModelShape:
-    """What an adapter of ``model`` (a model argument, as ``resolve_model_dir`` or ``random:<preset>`` take it)
-    must fit, read from its config without loading its weights."""
+def model_config(model: str | None):
+    """The decoder config of ``model`` (a model argument, as ``resolve_model_dir`` or ``random:<preset>`` take
+    it), read without loading its weights."""
     from transformers import AutoConfig, LlamaConfig
 
     if is_random_spec(model):
         name = model.removeprefix("random:")
-        cfg = decoder_config(LlamaConfig(**RANDOM_PRESETS[name]), name=f"random-{name}")
-    else:
-        model_dir = resolve_model_dir(model)
-        cfg = decoder_config(AutoConfig.from_pretrained(model_dir), model_dir.name)
+        if name not in RANDOM_PRESETS:
+            raise ModelLoadError(f"unknown random model {name!r} (known: {', '.join(RANDOM_PRESETS)})")
+        return decoder_config(LlamaConfig(**RANDOM_PRESETS[name]), name=f"random-{name}")
+    model_dir = resolve_model_dir(model)
+    return decoder_config(AutoConfig.from_pretrained(model_dir), model_dir.name)
+
+
+def lora_shape(model: str | None) -> ModelShape:
+    """What an adapter of ``model`` must fit (see :func:`model_config`)."""
+    cfg = model_config(model)
     ins, outs = cfg.lora_in_out()
     return ModelShape(cfg.name, cfg.num_layers, ins, outs)
 
