@@ -263,6 +263,32 @@ def test_tp2_seeded_sampling_and_logprobs_equal_one_process(tiny_llama):
         assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
 
 
+def test_tp2_vocab_parallel_head_and_embedding_give_the_logprobs_of_one_process(tmp_path):
+    """Each rank holds half the vocabulary's rows of the (tied) embedding and LM head, the last rank's padded (301
+    tokens): lookups summed, logits gathered, eagerly (prompt logprobs, prefill) and in the decode graphs'
+    emulation; the tokens, their logprobs and the prompt logprobs are one process's."""
+    path, adapters = build(tmp_path, kv_heads=2, vocab_size=301, tie_word_embeddings=True)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    prompts = [p + [300, 299] for p in PROMPTS]           # ids of the last rank's slice
+    want = engine(path, adapters, 1).generate(prompts, NAMES, sp)
+    two = engine(path, adapters, 2)
+    try:
+        inner = two.engine.model.inner
+        assert inner.embed.weight.shape[0] == 151 and inner.lm_head is None
+        assert inner.vocab_part.shard.start == 0
+        got = two.generate(prompts, NAMES, sp)
+    finally:
+        two.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
+        assert [[i for i, _ in t.top] for t in g.logprobs] == [[i for i, _ in t.top] for t in w.logprobs]
+        gp, wp = g.prompt_logprobs[1:], w.prompt_logprobs[1:]       # the first prompt token has none
+        assert len(gp) == len(wp) > 0
+        assert [t.logprob for t in gp] == pytest.approx([t.logprob for t in wp], abs=1e-4)
+        assert [[i for i, _ in t.top] for t in gp] == [[i for i, _ in t.top] for t in wp]
+
+
 def test_tp2_random_preset_gives_the_tokens_of_one_process():
     """A ``random:<preset>`` model's shards hold the whole seeded model's values (each weight drawn whole, in
     pieces, and sliced), so TP=2 gives TP=1's greedy tokens, as a checkpoint does."""

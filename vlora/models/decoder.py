@@ -315,9 +315,13 @@ class DecoderLM(nn.Module):
                      or c.num_experts)
         return plain and c.hidden_act == "silu" and c.head_dim % 2 == 0
 
+    # tensor parallelism: the vocabulary's rows this rank holds and the collectives that make them whole
+    # (vlora.parallel.partition.VocabParallel); None: the whole embedding and LM head
+    vocab_part = None
+
     def forward(self, fb: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states after the final norm. kv_cache: the pool's pages [num_pages, L, 2, block_size, Hkv, D]."""
-        h = self.embed(fb.input_ids)
+        h = self.embed(fb.input_ids) if self.vocab_part is None else self.vocab_part.embed(self.embed, fb.input_ids)
         if self.cfg.embed_scale is not None:
             h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         deep = ()                            # Qwen3-VL: rows added to the image tokens after each early layer
@@ -377,9 +381,12 @@ class DecoderLM(nn.Module):
         if fast:
             from vlora.kernels.gemv import linear
 
-            logits = linear(hidden, w).float()
+            logits = linear(hidden, w)
         else:
-            logits = F.linear(hidden, w).float()
+            logits = F.linear(hidden, w)
+        if self.vocab_part is not None:          # this rank's columns: every rank's, side by side
+            logits = self.vocab_part.gather(logits)
+        logits = logits.float()
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

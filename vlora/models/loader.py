@@ -369,6 +369,7 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
     model = model.to(dtype).to_empty(device=device)          # made in its dtype: no float32 copy on the device
     model.rope = type(model.rope)(inv_freq, scaling, max_len).to(device)
     keep = getattr(model, "kept", None) or {}    # a shard's part of each projection (parallel/partition.py)
+    vocab_rows = getattr(model, "kept_vocab", None)    # and its rows of the embedding and the LM head
     with torch.no_grad():
         for i, (pname, p) in enumerate(model.named_parameters()):
             if pname.endswith("norm.weight"):
@@ -377,6 +378,9 @@ def build_random_decoder(spec: str, dtype: torch.dtype, device: torch.device, ma
                 p.zero_()
             else:                                  # std 1/sqrt(fan_in): activations keep their scale
                 part = keep.get(pname.split(".")[-2]) if pname.startswith("layers.") else None
+                if pname in ("embed.weight", "lm_head") and vocab_rows is not None:
+                    part = vocab_rows
+                    p.zero_()                      # the last rank's padding rows
                 _draw_part(p, whole[pname], ((seed * 1_000_003 + i) * 65_537) % 2**62, whole[pname][-1] ** -0.5,
                            part)
     model = model.eval().requires_grad_(False)

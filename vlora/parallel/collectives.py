@@ -71,6 +71,20 @@ def nccl_all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_gather_columns(t: torch.Tensor, world: int) -> torch.Tensor:
+    """[n, v] on every rank -> [n, world * v] on every rank, rank r's columns at ``[r * v, (r + 1) * v)``
+    (the vocab-parallel logits; captured in the decode graphs on CUDA)."""
+    t = t.contiguous()
+    if t.device.type == "cuda":
+        out = torch.empty((world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t)
+    else:                                         # gloo has no all_gather_into_tensor
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        out = torch.stack(parts)
+    return out.permute(1, 0, 2).reshape(t.shape[0], world * t.shape[1])
+
+
 class SymmMemAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer (see the module doc); NCCL past its size."""
 

@@ -5,8 +5,9 @@ its runner builds the ``ForwardBatch``; :class:`~vlora.parallel.model.TensorPara
 (the engine's model) sends it to every worker as one pickled
 :class:`~vlora.parallel.messages.StepMessage` over a pipe per worker, then runs
 rank 0's shard. Workers run theirs on the same batch; the row-parallel
-projections' all-reduces keep the ranks in step. Rank 0 alone computes logits
-(the LM head is replicated) and samples. No worker re-derives anything.
+projections' all-reduces keep the ranks in step. The LM head is vocab-parallel:
+every rank computes its slice of the logits of the rows that sample, rank 0
+gathers them and alone samples. No worker re-derives anything.
 Every rank's pool has the same pages (the KV of its own heads, and its slices
 of the resident adapters), so page ids and pool offsets mean the same on all of them.
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from vlora.engine.faults import EngineFatal, describe
 from vlora.parallel.collectives import apply_communication_env, init_group, tcp_store
-from vlora.parallel.messages import GapTrace, Probe, StepMessage
+from vlora.parallel.messages import GapTrace, Logits, Probe, StepMessage
 from vlora.parallel.worker import run_worker
 
 
@@ -129,7 +130,7 @@ class TensorParallelGroup:
                 self.noticed = True
                 raise EngineFatal(f"tensor-parallel worker {rank} exited (code {proc.exitcode}){self.reasons()}")
 
-    def send(self, msg: StepMessage | Probe | GapTrace) -> None:
+    def send(self, msg: StepMessage | Logits | Probe | GapTrace) -> None:
         self.check()
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:

@@ -64,6 +64,16 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Logits:
+    """Rank 0 computes logits eagerly (the rows that sample, prompt logprobs): the workers receive its ``rows``
+    hidden rows by broadcast and add their slices of the vocabulary to the gather (``fast``: the projection
+    kernel, as rank 0 runs it)."""
+
+    rows: int
+    fast: bool
+
+
+@dataclass(frozen=True)
 class GapTrace:
     """Start recording the GPU time between this worker's graph replays (``path`` None), or stop and write what
     was recorded as JSON to ``path`` with ``{rank}`` replaced by the worker's rank (benchmarks): a message of its

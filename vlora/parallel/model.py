@@ -24,8 +24,8 @@ from vlora.models.forward_batch import ForwardBatch
 from vlora.parallel.collectives import (SizedAllReduce, calibrate, make_reduce, nccl_all_reduce, reduce_parts,
                                         time_all_reduce)
 from vlora.parallel.group import TensorParallelGroup, WorkerSpec
-from vlora.parallel.messages import (GapTrace, GraphSetup, Probe, Replay, StepMessage, by_name, lora_of, passes,
-                                     strip, tensors_to)
+from vlora.parallel.messages import (GapTrace, GraphSetup, Logits, Probe, Replay, StepMessage, by_name, lora_of,
+                                     passes, strip, tensors_to)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,17 @@ class TensorParallelModel(nn.Module):
         return self.inner(dataclasses.replace(fb, lora=lora_of(segs, parts.__getitem__)), kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
-        return self.inner.compute_logits(hidden, fast)
+        """Logits of ``hidden``'s rows, eagerly: the workers get the rows by broadcast and add their slices of the
+        vocabulary to the gather (the decode graphs gather theirs inside the replay)."""
+        if self.inner.vocab_part is None:
+            return self.inner.compute_logits(hidden, fast)
+
+        def run():
+            h = hidden.contiguous()
+            self.group.send(Logits(h.shape[0], fast))
+            dist.broadcast(h, src=0)
+            return self.inner.compute_logits(h, fast)
+        return self._guard(run)
 
     def decode_graphs(self, model, kv_cache, max_batch, max_blocks, scratch_slot, lora_setup=None, columns=512,
                       launch=None):
@@ -217,7 +227,7 @@ class ShardModes(ModeSwitcher):
 class ShardGraphs(DecodeGraphs):
     """Rank 0's decode graphs over its shard. Every capture and replay is announced to the workers first, so
     every rank captures the same graphs in the same order (their all-reduces pair up) and replays them
-    together. The workers' graphs end at the hidden state; rank 0's add the logits."""
+    together. Every rank's graphs compute its slice of the logits and gather them; rank 0's keep them."""
 
     capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
     eager_when_capture_fails = False          # the workers capture and replay it too

@@ -4,7 +4,10 @@ Column-parallel (each rank computes some output columns, no collective): ``qkv``
 (its attention heads, and the KV heads their groups read) and ``gate_up`` (a
 slice of the MLP width). Row-parallel (each rank holds some input columns and
 produces a partial sum): ``o`` and ``down``, followed by one all-reduce each.
-Embedding, norms and the LM head are replicated.
+Norms are replicated. The embedding and the LM head are vocab-parallel
+(:class:`VocabShard`): each rank holds a slice of the vocabulary's rows; a
+lookup is summed over the ranks (one more all-reduce per forward), and the
+logits of the rows that sample are gathered from every rank.
 
 KV heads are split when their count divides by ``world``; when ``world`` is a
 multiple of it, each KV head is replicated on the ranks whose query heads read
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from vlora.lora.batch import GroupWeights, PackedAdapter, SliceB
+from vlora.parallel.collectives import all_gather_columns
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,52 @@ class Shard:
         return torch.arange(self.mlp.start, self.mlp.stop)
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows rank ``rank`` holds of the embedding and the LM head: ``[start, start + size)``, the
+    last rank's padded with zero rows to ``size`` where ``world`` does not divide the vocabulary."""
+
+    start: int
+    size: int
+    vocab: int
+    world: int
+
+    @staticmethod
+    def of(vocab: int, rank: int, world: int) -> "VocabShard":
+        size = -(-vocab // world)
+        return VocabShard(rank * size, size, vocab, world)
+
+    def rows(self) -> torch.Tensor:
+        """The whole weight's rows this rank holds (its padding excluded)."""
+        return torch.arange(self.start, min(self.start + self.size, self.vocab))
+
+    def cut(self, w: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole [vocab, hidden] weight, padded with zero rows to ``size``."""
+        mine = w[self.start:self.start + self.size]
+        pad = self.size - mine.shape[0]
+        if pad:
+            mine = torch.cat([mine, mine.new_zeros(pad, w.shape[1])])
+        return mine.contiguous()
+
+
+class VocabParallel:
+    """What a vocab-parallel decoder does with its slice (``DecoderLM.vocab_part``): the embedding lookup summed
+    over the ranks, and the logits gathered from them (every rank calls both at the same point: collectives)."""
+
+    def __init__(self, shard: VocabShard, reduce=None):
+        self.shard, self.reduce = shard, reduce
+
+    def embed(self, embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.shard.start
+        outside = (local < 0) | (local >= self.shard.size)
+        h = embedding(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0)
+        return self.reduce(h)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, size] on every rank -> [n, vocab]: the ranks' columns side by side, the padding cut."""
+        return all_gather_columns(logits, self.shard.world)[:, :self.shard.vocab]
+
+
 def _cols(heads: range, head_dim: int) -> torch.Tensor:
     return torch.arange(heads.start * head_dim, heads.stop * head_dim)
 
@@ -84,12 +134,21 @@ def shard_decoder(model, shard: Shard, reduce=None) -> None:
     if reduce is not None:
         for layer in model.layers:
             layer.reduce = reduce
+        if model.vocab_part is not None:
+            model.vocab_part.reduce = reduce
     if getattr(model, "cut_to", None) == shard:
         return
     model.cut_to = shard
     cfg = model.cfg
     local = shard.local_config(cfg)
     model.kept = keep = kept_indices(cfg, shard)        # read by a random model's build (models/loader.py)
+    vocab = VocabShard.of(cfg.vocab_size, shard.rank, shard.world)
+    model.kept_vocab = ("rows", vocab.rows())           # likewise, for the embedding and the LM head
+    model.embed.weight = nn.Parameter(vocab.cut(model.embed.weight.data), requires_grad=False)
+    model.embed.num_embeddings = vocab.size
+    if model.lm_head is not None:
+        model.lm_head = nn.Parameter(vocab.cut(model.lm_head.data), requires_grad=False)
+    model.vocab_part = VocabParallel(vocab, reduce)
     for layer in model.layers:
         for name, (axis, index) in keep.items():
             # a row-parallel (cut by columns) bias is added once

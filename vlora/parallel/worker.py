@@ -25,20 +25,24 @@ from vlora.lora.device_store import aligned, matrices, group_offsets
 from vlora.memory.pool import zeros
 from vlora.memory.swapper import host_slot_buffer
 from vlora.parallel.collectives import SizedAllReduce, calibrate, make_reduce, reduce_parts, time_all_reduce
-from vlora.parallel.messages import (GapTrace, GraphSetup, Probe, Replay, StepMessage, lora_of, segments_of,
-                                     tensors_to, with_buffer)
+from vlora.parallel.messages import (GapTrace, GraphSetup, Logits, Probe, Replay, StepMessage, lora_of,
+                                     segments_of, tensors_to, with_buffer)
 from vlora.parallel.partition import Shard, shard_adapter, shard_decoder
 
 
 class WorkerGraphs(DecodeGraphs):
-    """A worker's decode graphs: the forward up to the last all-reduce (rank 0 alone computes logits)."""
+    """A worker's decode graphs: the forward, then this rank's slice of the logits into their gather (rank 0
+    keeps the gathered logits; a worker's graph keeps only its hidden state as output)."""
 
     capture_error_mode = "thread_local"       # NCCL's watchdog thread queries its events while a capture runs
     eager_when_capture_fails = False          # rank 0 replays it too
 
     def _run_forward(self, b: int, kind: int, mixed: bool = False):
         fb, cap = self._forward_batch(b, kind, mixed)
-        return self.model(fb, self.kv_cache), cap
+        hidden = self.model(fb, self.kv_cache)
+        if self.model.vocab_part is not None:
+            self.model.compute_logits(hidden.index_select(0, fb.logits_rows) if mixed else hidden, fast=True)
+        return hidden, cap
 
 
 class Worker:
@@ -106,6 +110,12 @@ class Worker:
                 self.host[slot].copy_(self.kv[page].view(-1))
             else:
                 self.kv[page].view(-1).copy_(self.host[slot])
+
+    def logits(self, m: Logits) -> None:
+        """Rank 0's eager logits: its hidden rows by broadcast, this rank's slice into the gather."""
+        h = torch.empty(m.rows, self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        dist.broadcast(h, src=0)
+        self.model.compute_logits(h, m.fast)
 
     def probe(self, p: Probe) -> None:
         """Time an all-reduce together with rank 0 (benchmarks; nothing else runs meanwhile)."""
@@ -223,11 +233,13 @@ def run_worker(rank: int, world: int, port: int, spec, conn) -> None:
         worker = Worker(model, shard, device, spec.dtype, spec.host_adapters, reduce_parts(spec.all_reduce, reduce))
         with torch.inference_mode():
             while True:
-                msg: StepMessage | Probe | GapTrace | None = pickle.loads(conn.recv_bytes())
+                msg: StepMessage | Logits | Probe | GapTrace | None = pickle.loads(conn.recv_bytes())
                 if msg is None:
                     os._exit(0)          # nothing to flush; leaving the group would wait on the others
                 if isinstance(msg, Probe):
                     worker.probe(msg)
+                elif isinstance(msg, Logits):
+                    worker.logits(msg)
                 elif isinstance(msg, GapTrace):
                     worker.gap_trace(msg, rank)
                 else:
