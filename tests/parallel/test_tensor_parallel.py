@@ -252,15 +252,22 @@ def test_tp2_seeded_sampling_and_logprobs_equal_one_process(tiny_llama):
     path, adapters = tiny_llama
     sp = SamplingParams(max_tokens=8, temperature=1.2, top_p=0.95, top_k=30, seed=7, ignore_eos=True,
                         presence_penalty=0.5, repetition_penalty=1.3, logit_bias={4: 3.0}, logprobs=2)
-    want = engine(path, adapters, 1).generate(PROMPTS, NAMES, sp)
-    two = engine(path, adapters, 2)
-    try:
-        got = two.generate(PROMPTS, NAMES, sp)
-    finally:
-        two.close()
+    got, want = one_and_two(path, adapters, PROMPTS, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
+
+
+def one_and_two(path, adapters, prompts, sp, check=None):
+    """The outputs of ``prompts`` at TP=2 and at TP=1 (``check`` sees the TP=2 engine before it generates)."""
+    want = engine(path, adapters, 1).generate(prompts, NAMES, sp)
+    two = engine(path, adapters, 2)
+    try:
+        if check is not None:
+            check(two)
+        return two.generate(prompts, NAMES, sp), want
+    finally:
+        two.close()
 
 
 def test_tp2_vocab_parallel_head_and_embedding_give_the_logprobs_of_one_process(tmp_path):
@@ -270,15 +277,13 @@ def test_tp2_vocab_parallel_head_and_embedding_give_the_logprobs_of_one_process(
     path, adapters = build(tmp_path, kv_heads=2, vocab_size=301, tie_word_embeddings=True)
     sp = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     prompts = [p + [300, 299] for p in PROMPTS]           # ids of the last rank's slice
-    want = engine(path, adapters, 1).generate(prompts, NAMES, sp)
-    two = engine(path, adapters, 2)
-    try:
+
+    def halves(two):
         inner = two.engine.model.inner
         assert inner.embed.weight.shape[0] == 151 and inner.lm_head is None
         assert inner.vocab_part.shard.start == 0
-        got = two.generate(prompts, NAMES, sp)
-    finally:
-        two.close()
+
+    got, want = one_and_two(path, adapters, prompts, sp, halves)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert [t.logprob for t in g.logprobs] == pytest.approx([t.logprob for t in w.logprobs], abs=1e-4)
