@@ -294,6 +294,26 @@ def test_tp2_vocab_parallel_head_and_embedding_give_the_logprobs_of_one_process(
         assert [[i for i, _ in t.top] for t in gp] == [[i for i, _ in t.top] for t in wp]
 
 
+def test_tp2_mixture_of_experts_gives_the_tokens_of_one_process(tmp_path):
+    """Qwen3-MoE at TP=2: each rank holds half of every expert's width (the router whole, so both route alike)
+    and the experts' partial outputs are summed; with attention adapters, the prompts' logits and the greedy
+    tokens equal one process's."""
+    from tests.models.test_architectures import build as build_arch
+
+    path, adapters, _ = build_arch(tmp_path, "qwen3_moe")
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    seen = {}
+
+    def halves(two):
+        layer = two.engine.model.inner.layers[0]
+        assert layer.experts_down.per_expert().shape == (8, 64, 16)          # 8 experts, hidden 64, width 32 / 2
+        seen["logits"] = logits(two)
+
+    got, want = one_and_two(path, adapters, PROMPTS, sp, halves)
+    close(seen["logits"], logits(engine(path, adapters, 1)))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 def test_tp2_random_preset_gives_the_tokens_of_one_process():
     """A ``random:<preset>`` model's shards hold the whole seeded model's values (each weight drawn whole, in
     pieces, and sliced), so TP=2 gives TP=1's greedy tokens, as a checkpoint does."""

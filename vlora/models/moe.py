@@ -74,8 +74,9 @@ class MoELayer(DecoderLayer):
 
     def mlp(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         weights, experts = route(x, self.router.weight, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
-        return run_experts(x, weights, experts, self.experts_gate_up.per_expert(), self.experts_down.per_expert(),
-                           self.act)
+        # under tensor parallelism each rank's experts hold a slice of their width: partial sums, summed here
+        return self.reduce(run_experts(x, weights, experts, self.experts_gate_up.per_expert(),
+                                       self.experts_down.per_expert(), self.act))
 
 
 class MoEDecoderLM(DecoderLM):

@@ -38,9 +38,6 @@ class TensorParallelExecutor(Executor):
         """Start the workers; returns rank 0's model. An LMM's vision tower stays on rank 0
         (``vlora/parallel/__init__.py`` says why)."""
         mc, tp = self.config.model, self.config.model.tensor_parallel_size
-        if getattr(model.cfg, "num_experts", 0):
-            raise ConfigError(f"tensor_parallel_size {tp} does not support a mixture of experts (the experts are "
-                              f"not split yet)")
         # with the LoRA kernels adapters live in the pool: the workers keep their slices in host memory to place
         # them
         spec = WorkerSpec(mc.model, self.dtype, self.device.type, mc.max_model_len, mc.seed, timeout_s=60.0,

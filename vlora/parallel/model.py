@@ -73,6 +73,11 @@ class TensorParallelModel(nn.Module):
     def layers(self):
         return self.inner.layers
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether decode iterations may be captured as graphs: as the model cut (not a mixture of experts)."""
+        return getattr(self.inner, "graph_safe", True)
+
     def whole(self, name: str) -> PackedAdapter:
         return self._parts[name][0]
 

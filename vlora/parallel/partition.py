@@ -4,6 +4,9 @@ Column-parallel (each rank computes some output columns, no collective): ``qkv``
 (its attention heads, and the KV heads their groups read) and ``gate_up`` (a
 slice of the MLP width). Row-parallel (each rank holds some input columns and
 produces a partial sum): ``o`` and ``down``, followed by one all-reduce each.
+A mixture of experts cuts every expert as a dense MLP (the same slice of each
+expert's width on a rank; the router replicated, so every rank routes alike)
+and sums the experts' partial outputs with one all-reduce.
 Norms are replicated. The embedding and the LM head are vocab-parallel
 (:class:`VocabShard`): each rank holds a slice of the vocabulary's rows; a
 lookup is summed over the ranks (one more all-reduce per forward), and the
@@ -162,18 +165,25 @@ def kept_indices(cfg, shard: Shard) -> dict[str, tuple[str, torch.Tensor]]:
     """Per projection of a decoder layer, what ``shard`` keeps of the whole weight: ("rows" or "cols", their
     indices)."""
     q, kv, mlp = shard.q_cols(cfg), shard.kv_cols(cfg), shard.mlp_cols()
-    return {"qkv": ("rows", torch.cat([q, cfg.q_size + kv, cfg.q_size + cfg.kv_size + kv])),
-            "gate_up": ("rows", torch.cat([mlp, cfg.intermediate_size + mlp])),
-            "o": ("cols", q), "down": ("cols", mlp)}
+    inter = cfg.intermediate_size
+    out = {"qkv": ("rows", torch.cat([q, cfg.q_size + kv, cfg.q_size + cfg.kv_size + kv])), "o": ("cols", q)}
+    if cfg.num_experts:       # every expert's gate/up rows [E * 2I, H] and down columns [E * H, I], as a dense MLP's
+        out["experts_gate_up"] = ("rows", torch.cat([torch.cat([e * 2 * inter + mlp, e * 2 * inter + inter + mlp])
+                                                     for e in range(cfg.num_experts)]))
+        out["experts_down"] = ("cols", mlp)
+    else:
+        out["gate_up"] = ("rows", torch.cat([mlp, inter + mlp]))
+        out["down"] = ("cols", mlp)
+    return out
 
 
-def _keep(linear: nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None,
+def _keep(linear: nn.Module, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None,
           bias: bool = True) -> None:
     w = linear.weight.data
     w = w[rows.to(w.device)] if rows is not None else w[:, cols.to(w.device)]
     linear.weight = nn.Parameter(w.contiguous(), requires_grad=False)
     linear.out_features, linear.in_features = w.shape
-    if linear.bias is not None:
+    if getattr(linear, "bias", None) is not None:      # experts' weights have none
         b = linear.bias.data
         b = b[rows.to(b.device)] if rows is not None else (b if bias else torch.zeros_like(b))
         linear.bias = nn.Parameter(b.contiguous(), requires_grad=False)
