@@ -1,5 +1,6 @@
-"""Tensor parallelism on one host: a random Llama-2-13B shape at TP=1 and TP=2, then a random CodeLlama-34B shape
-(too large for one 80 GB GPU with its KV cache) at TP=2.
+"""Tensor parallelism on one host: a random Llama-2-13B shape at TP=1 and TP=2, a random CodeLlama-34B shape
+(too large for one 80 GB GPU with its KV cache) at TP=2, and on four GPUs a random Llama-2-70B shape at TP=4 with
+a check of its tokens (the shape cut to two layers, TP=4 against TP=1).
 
 Each configuration runs in its own process (a clean GPU for the next). For each, with ``--adapters`` random
 adapters of ranks ``--ranks`` (round-robin, every adapter used by as many requests):
@@ -16,12 +17,18 @@ adapters of ranks ``--ranks`` (round-robin, every adapter used by as many reques
    graph; times 2 x layers, the all-reduce time of one decode step. Under ``--all-reduce auto`` the engine's
    own start-up timings and choices are recorded too.
 
+Each configuration also records the floor of its decode steps on one GPU: the bytes its rank reads per step
+(rank 0's weights, the embedding left out; at the full batch also its KV slices of the last step) over the copy
+bandwidth measured on that GPU. ``70b-tokens`` runs the two-layer 70B shape at TP=1 and TP=4: greedy tokens of
+eight requests with adapters and without, which must be equal.
+
 Output: ``tp.json`` and ``tp.md`` (a summary table) under ``--out`` (``tp-13b.*`` or ``tp-34b.*`` for one model),
 written again as each configuration finishes; a configuration writes its part after each measurement, so a run
 cut by a time limit keeps what it measured.
 
     python benchmarks/bench_tp.py --out benchmarks/results                   # two GPUs, the issue's setting
     python benchmarks/bench_tp.py --configs 13b --out benchmarks/results     # one model per run (shorter runs)
+    python benchmarks/bench_tp.py --configs 70b-tokens,70b --out benchmarks/results    # four GPUs
     python benchmarks/bench_tp.py --dry-run --out /tmp/tp                    # CPU: a tiny model, gloo, minutes
 """
 
@@ -43,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import StepTimer, log, run_offline, sampling_params  # noqa: E402
+from bench_e2e import StepTimer, copy_bandwidth, log, run_offline, sampling_params, weight_bytes  # noqa: E402
 
 from vlora import LLM, SamplingParams  # noqa: E402
 from vlora.bench.phases import PhaseTimer  # noqa: E402
@@ -51,8 +58,13 @@ from vlora.lora.adapter import ModelShape  # noqa: E402
 from vlora.lora.random_adapter import write_random_adapter  # noqa: E402
 from vlora.models.loader import RANDOM_PRESETS  # noqa: E402
 
-PHASES = (("13b", "random:llama-2-13b", 1), ("13b", "random:llama-2-13b", 2), ("34b", "random:codellama-34b", 2))
-DRY_PHASES = (("13b", "random:tiny-llama", 1), ("13b", "random:tiny-llama", 2), ("34b", "random:tiny-llama", 2))
+PHASES = (("13b", "random:llama-2-13b", 1), ("13b", "random:llama-2-13b", 2), ("34b", "random:codellama-34b", 2),
+          ("70b-tokens", "random:llama-2-70b-2l", 1), ("70b-tokens", "random:llama-2-70b-2l", 4),
+          ("70b", "random:llama-2-70b", 4))
+DRY_PHASES = (("13b", "random:tiny-llama", 1), ("13b", "random:tiny-llama", 2), ("34b", "random:tiny-llama", 2),
+              ("70b-tokens", "random:tiny-llama", 1), ("70b-tokens", "random:tiny-llama", 2),
+              ("70b", "random:tiny-llama", 2))
+TOKEN_PROMPTS = 8           # 70b-tokens: requests, half with an adapter
 
 
 def preset(model: str) -> dict:
@@ -102,6 +114,39 @@ def gaps(args, llm, prompts, adapters, sp, batch: int, tp: int) -> dict:
                 xs = [g["gap_ms"] for g in got if g["rows"] == batch]
                 out[f"rank{rank}_gpu_gap_us"] = 1e3 * statistics.median(xs) if xs else None
     return out
+
+
+def floors(args, eng, dev) -> dict:
+    """The decode step's bytes floor on one GPU: rank 0's weights (its shard; the embedding left out, a step reads
+    only its looked-up rows) and, at the full batch, its KV slices of the last step, over the copy bandwidth."""
+    cfg = eng.model.cfg
+    inner = getattr(eng.model, "inner", eng.model)
+    kv_heads = getattr(eng.model, "kv_heads_per_rank", cfg.num_kv_heads)
+    kv_token = 2 * cfg.num_layers * kv_heads * cfg.head_dim * torch.finfo(eng.dtype).bits // 8
+    out = {"weight_bytes_per_gpu": weight_bytes(inner),
+           "kv_bytes_per_gpu_last_step": kv_token * args.requests * (args.input_len + args.output_len),
+           "copy_bw": copy_bandwidth(dev)}
+    out["floor_ms_b1"] = 1e3 * out["weight_bytes_per_gpu"] / out["copy_bw"]
+    out[f"floor_ms_b{args.requests}"] = 1e3 * (out["weight_bytes_per_gpu"] + out["kv_bytes_per_gpu_last_step"]) \
+        / out["copy_bw"]
+    return out
+
+
+def run_tokens(args, model: str, tp: int, adapter_dirs: dict[str, str], path: Path) -> None:
+    """Greedy tokens of TOKEN_PROMPTS requests, every other one with an adapter (``70b-tokens``)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, preset(model)["vocab_size"], (TOKEN_PROMPTS, 64), generator=g).tolist()
+    names = [None if j % 2 else f"a{j % len(adapter_dirs)}" for j in range(TOKEN_PROMPTS)]
+    llm = LLM(model, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, all_reduce=args.all_reduce,
+              max_model_len=256, max_lora_rank=max(args.ranks), check_base_model=False)
+    try:
+        for n, p in adapter_dirs.items():
+            llm.register_adapter(n, p)
+        out = llm.generate(prompts, names, SamplingParams(max_tokens=16, ignore_eos=True))
+        path.write_text(json.dumps({"model": model, "tp": tp, "tokens": [o.token_ids for o in out]}))
+        log(f"{model} TP={tp}: tokens of {len(out)} requests")
+    finally:
+        llm.close()
 
 
 def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str], path: Path) -> dict:
@@ -167,6 +212,13 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str], path: Pat
         for b in (1, args.requests):
             lo, base = res[f"adapters_step_ms_b{b}"], res[f"base_step_ms_b{b}"]
             res[f"lora_share_b{b}"] = None if lo is None or base is None else (lo - base) / lo
+        res.update(floors(args, eng, dev))
+        for b in (1, args.requests):
+            step = res.get(f"base_step_ms_b{b}")
+            res[f"base_step_vs_floor_b{b}"] = None if step is None else step / res[f"floor_ms_b{b}"]
+        log(f"  floors: batch 1 {res['floor_ms_b1']:.2f} ms, batch {args.requests} "
+            f"{res[f'floor_ms_b{args.requests}']:.2f} ms (copy {res['copy_bw'] / 1e9:.0f} GB/s)")
+        save()
         if tp > 1:
             res["all_reduce_ms"] = probe_all_reduces(args, eng, dev)
         save()
@@ -219,7 +271,11 @@ def summarize(res: dict, requests: int) -> list[str]:
             ("e2e output tok/s, base", "base_tok_s"),
             (f"e2e output tok/s, {res['adapters']} adapters, sampled", "adapters_tok_s_sampled"),
             ("e2e output tok/s, base, sampled", "base_tok_s_sampled"),
-            ("decodes queued behind another (async scheduling)", "overlapped_iterations")]
+            ("decodes queued behind another (async scheduling)", "overlapped_iterations"),
+            ("decode step floor on one GPU, batch 1 (ms)", "floor_ms_b1"),
+            (f"decode step floor on one GPU, batch {requests} (ms)", f"floor_ms_b{requests}"),
+            ("base decode step / floor, batch 1", "base_step_vs_floor_b1"),
+            (f"base decode step / floor, batch {requests}", f"base_step_vs_floor_b{requests}")]
     def gap(r, b):
         g = r.get(f"gaps_b{b}") or {}
         ranks = sorted(k for k in g if k.endswith("_gpu_gap_us"))
@@ -254,6 +310,20 @@ def summarize(res: dict, requests: int) -> list[str]:
                   f"{_fmt(big.get('adapters_tok_s'))} output tok/s (base {_fmt(big.get('base_tok_s'))}); "
                   f"decode step batch {requests} {_fmt(big.get(f'adapters_step_ms_b{requests}'))} ms, "
                   f"batch 1 {_fmt(big.get('adapters_step_ms_b1'))} ms."]
+    huge = next((v for k, v in res.items() if k.startswith("70b_tp")), {})
+    if huge:
+        lines += ["", f"Llama-2-70B shape at TP={huge.get('tp', '-')}, {res['adapters']} adapters: "
+                  f"{_fmt(huge.get('adapters_tok_s'))} output tok/s (base {_fmt(huge.get('base_tok_s'))}; sampled "
+                  f"{_fmt(huge.get('adapters_tok_s_sampled'))} / {_fmt(huge.get('base_tok_s_sampled'))}); base decode "
+                  f"step batch 1 {_fmt(huge.get('base_step_ms_b1'))} ms (floor {_fmt(huge.get('floor_ms_b1'))}), "
+                  f"batch {requests} {_fmt(huge.get(f'base_step_ms_b{requests}'))} ms (floor "
+                  f"{_fmt(huge.get(f'floor_ms_b{requests}'))}); with adapters batch 1 "
+                  f"{_fmt(huge.get('adapters_step_ms_b1'))} ms, batch {requests} "
+                  f"{_fmt(huge.get(f'adapters_step_ms_b{requests}'))} ms."]
+    if "70b_tokens_equal" in res:
+        lines += ["", f"70B shape cut to two layers, greedy tokens of {TOKEN_PROMPTS} requests at "
+                  f"TP={res.get('70b_tokens_tp', '-')} and TP=1: "
+                  f"{'equal' if res['70b_tokens_equal'] else 'DIFFERENT'}."]
     for key, r in res.items():
         if isinstance(r, dict) and "error" in r:
             lines += ["", f"{key} failed: {r['error']}"]
@@ -280,7 +350,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", choices=["on", "off"], default="on",
                     help="the engines' async scheduling (off: the synchronous loop, for a before/after pair)")
     ap.add_argument("--configs", default="13b,34b",
-                    help="which models to run: 13b (TP=1 and TP=2), 34b (TP=2), or both (comma-separated)")
+                    help="which configurations to run, comma-separated: 13b (TP=1 and TP=2), 34b (TP=2), 70b-tokens "
+                         "(the 70B shape cut to two layers: TP=1 and TP=4 tokens), 70b (TP=4)")
     ap.add_argument("--phase", type=int, default=None, help=argparse.SUPPRESS)      # internal: one configuration
     ap.add_argument("--adapter-root", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -299,10 +370,17 @@ def main() -> None:
     if args.phase is not None:                     # a child: one configuration, its result as JSON on stdout's file
         size, model, tp = phases[args.phase]
         dirs = {p.name: str(p) for p in sorted(args.adapter_root.iterdir())}
-        run_phase(args, model, tp, dirs, args.out / f"phase{args.phase}.json")
+        run = run_tokens if size == "70b-tokens" else run_phase
+        run(args, model, tp, dirs, args.out / f"phase{args.phase}.json")
         return
-    if not dry and torch.cuda.device_count() < 2:
-        sys.exit("bench_tp needs 2 GPUs (or --dry-run)")
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - {size for size, _, _ in phases})
+    if unknown:
+        ap.error(f"--configs: unknown {', '.join(unknown)} (known: 13b, 34b, 70b-tokens, 70b)")
+    need = max(tp for size, _, tp in phases if size in configs)
+    token_tp = max(tp for size, _, tp in phases if size == "70b-tokens")
+    if not dry and torch.cuda.device_count() < need:
+        sys.exit(f"bench_tp --configs {args.configs} needs {need} GPUs (or --dry-run)")
     res = dict(date=dt.date.today().isoformat(), torch=torch.__version__, dtype=args.dtype,
                device=torch.cuda.get_device_name(0) if not dry else "cpu", requests=args.requests,
                input_len=args.input_len, output_len=args.output_len, adapters=args.adapters, ranks=args.ranks,
@@ -318,7 +396,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vlora-tp-") as tmp:
         written: dict[str, Path] = {}
         for i, (size, model, tp) in enumerate(phases):
-            if size not in args.configs.split(","):
+            if size not in configs:
                 continue
             if model not in written:
                 written[model] = Path(tmp) / model.removeprefix("random:")
@@ -334,6 +412,10 @@ def main() -> None:
             if proc.returncode != 0:
                 res[key]["error"] = f"exit code {proc.returncode}"
                 log(f"{key} failed (exit code {proc.returncode})")
+            one, many = res.get("70b-tokens_tp1", {}), res.get(f"70b-tokens_tp{token_tp}", {})
+            if "tokens" in one and "tokens" in many:
+                res["70b_tokens_equal"] = one["tokens"] == many["tokens"]
+                res["70b_tokens_tp"] = token_tp
             write()
     lines = write()
     print("\n".join(lines))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on two GPUs of one host, one part per device call of under 10 minutes:
+# Tensor parallelism on two GPUs of one host (70b: four), one part per device call of under 10 minutes:
 #   tests-graphs, tests-other: the tensor-parallel GPU tests (pytest -m gpu tests/parallel), the decode-graph
 #             tests (three all-reduces) and the others (tokens, a killed worker under two all-reduces,
 #             FastLibra), one device call each: a process's first engine builds every Triton variant it can
@@ -10,12 +10,15 @@
 #             all-reduce $ALL_REDUCE, default auto)
 #   13b-sync: the same with async scheduling off (the before/after pair)
 #   34b:      bench_tp --configs 34b (TP=2)
+#   70b-tokens, 70b: four GPUs: bench_tp --configs 70b-tokens (the 70B shape cut to two layers, TP=4 tokens
+#             against TP=1), --configs 70b (the whole shape at TP=4, 32 adapters: about 25 GB of adapter files
+#             written first)
 # NCCL's NVLink multicast stays off (the engine sets NCCL_NVLS_ENABLE=0 in every rank; set here too).
 # VLORA_COMMIT names the commit measured where the machine's git does not know it.
 # Usage: [ALL_REDUCE=auto|nccl|symm_mem] benchmarks/gpu_tp.sh OUT PART
 # Writes OUT/PART/: env.txt, the log, and bench_tp's tp-<config>.json/.md (written as each configuration ends).
 set -uo pipefail
-out=$(realpath -m "${1:?output dir}"); part=${2:?part: tests-graphs, tests-other, profile, 13b, 13b-sync or 34b}
+out=$(realpath -m "${1:?output dir}"); part=${2:?part: tests-graphs, tests-other, profile, 13b, 13b-sync, 34b, 70b-tokens or 70b}
 mkdir -p "$out/$part"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 {
@@ -47,5 +50,6 @@ case $part in
     13b) bench 13b on 575 ;;
     13b-sync) bench 13b off 575 ;;
     34b) bench 34b on 575 ;;
+    70b-tokens|70b) bench "$part" on 575 ;;
     *) echo "unknown part $part"; exit 2 ;;
 esac

@@ -314,6 +314,9 @@ RANDOM_PRESETS = {  # model="random:<name>": shapes of a known model, seeded ran
                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=16384, rms_norm_eps=1e-5),
     "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                         num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # the 70B shape cut to two layers: a check of TP=4 against TP=1 that fits one GPU
+    "llama-2-70b-2l": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=2, num_attention_heads=64,
+                           num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5),
     "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5),
 }
