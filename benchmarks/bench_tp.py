@@ -19,8 +19,8 @@ adapters of ranks ``--ranks`` (round-robin, every adapter used by as many reques
 
 Each configuration also records the floor of its decode steps on one GPU: the bytes its rank reads per step
 (rank 0's weights, the embedding left out; at the full batch also its KV slices of the last step) over the copy
-bandwidth measured on that GPU. ``70b-tokens`` runs the two-layer 70B shape at TP=1 and TP=4: greedy tokens of
-eight requests with adapters and without, which must be equal.
+bandwidth measured on that GPU. ``70b-tokens`` runs the two-layer 70B shape at TP=1 and TP=4 in float32: greedy
+tokens of eight requests with adapters and without, which must be equal.
 
 Output: ``tp.json`` and ``tp.md`` (a summary table) under ``--out`` (``tp-13b.*`` or ``tp-34b.*`` for one model),
 written again as each configuration finishes; a configuration writes its part after each measurement, so a run
@@ -95,6 +95,10 @@ def gaps(args, llm, prompts, adapters, sp, batch: int, tp: int) -> dict:
         eng.model.gap_trace(None)
     try:
         llm.generate(prompts[:batch], None if adapters is None else adapters[:batch], sp)
+    except BaseException:
+        if tp > 1:                    # the workers stop recording (their file is not read)
+            eng.model.gap_trace(str(Path(tempfile.gettempdir()) / "vlora-gaps-unread-{rank}.json"))
+        raise
     finally:
         timer.close()
     summary = timer.summary(batch)
@@ -137,7 +141,9 @@ def run_tokens(args, model: str, tp: int, adapter_dirs: dict[str, str], path: Pa
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, preset(model)["vocab_size"], (TOKEN_PROMPTS, 64), generator=g).tolist()
     names = [None if j % 2 else f"a{j % len(adapter_dirs)}" for j in range(TOKEN_PROMPTS)]
-    llm = LLM(model, device=args.device, dtype=args.dtype, tensor_parallel_size=tp, all_reduce=args.all_reduce,
+    # float32: TP=N sums each row-parallel projection in another order than TP=1, which in bf16 can flip a greedy
+    # token between near-tied logits; in float32 a difference means a bug
+    llm = LLM(model, device=args.device, dtype="float32", tensor_parallel_size=tp, all_reduce=args.all_reduce,
               max_model_len=256, max_lora_rank=max(args.ranks), check_base_model=False)
     try:
         for n, p in adapter_dirs.items():

@@ -88,15 +88,26 @@ def all_gather_columns(t: torch.Tensor, world: int) -> torch.Tensor:
 class SymmMemAllReduce:
     """One-shot all-reduce through a symmetric-memory buffer (see the module doc); NCCL past its size."""
 
+    @staticmethod
+    def unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why it cannot run here (the same answer on every rank: the device type, dtype and torch decide), or
+        None."""
+        if device.type != "cuda":
+            return "all_reduce symm_mem needs CUDA devices"
+        if dtype not in (torch.float32, torch.bfloat16):       # the dtypes its kernels are built for
+            return f"all_reduce symm_mem runs float32 and bfloat16 models, not {dtype}"
+        import torch.distributed._symmetric_memory  # noqa: F401    (registers the ops)
+
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            return f"this torch ({torch.__version__}) has no symm_mem.one_shot_all_reduce_out"
+        return None
+
     def __init__(self, dtype: torch.dtype, device: torch.device, nbytes: int = SYMM_MEM_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
 
-        if device.type != "cuda":
-            raise ValueError("all_reduce symm_mem needs CUDA devices")
-        if dtype not in (torch.float32, torch.bfloat16):       # the dtypes its kernels are built for
-            raise ValueError(f"all_reduce symm_mem runs float32 and bfloat16 models, not {dtype}")
-        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
-            raise RuntimeError(f"this torch ({torch.__version__}) has no symm_mem.one_shot_all_reduce_out")
+        reason = self.unsupported(dtype, device)
+        if reason is not None:
+            raise ValueError(reason)
         group = dist.group.WORLD.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)   # needed before torch 2.8, a no-op after
         if enable is not None:
@@ -163,6 +174,9 @@ def calibrate(reduce: SizedAllReduce, row: int, dtype: torch.dtype, device: torc
     while rows * row <= reduce.one_shot.capacity:
         sizes.append(rows * row)
         rows *= 2
+    most = reduce.one_shot.capacity // row * row      # the most rows the buffer holds: measured too, so that
+    if most and (not sizes or most > sizes[-1]):       # messages past the last power of two are not NCCL's alone
+        sizes.append(most)
     times = torch.tensor([[timer(reduce.nccl, n), timer(reduce.one_shot, n)] for n in sizes],
                          dtype=torch.float64, device=device).reshape(len(sizes), 2)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
@@ -183,11 +197,13 @@ def make_reduce(kind: str, dtype: torch.dtype, device: torch.device):
         return nccl_all_reduce
     if kind == "symm_mem":
         return SymmMemAllReduce(dtype, device)
-    try:            # the same on every rank: the dtype and torch decide, not the rank
-        return SizedAllReduce(SymmMemAllReduce(dtype, device))
-    except (ValueError, RuntimeError) as e:
-        log.info("all_reduce auto: NCCL for every message (%s)", e)
+    # only what every rank answers alike sends auto to NCCL: a failure past these checks (the buffer's
+    # allocation, its rendezvous) on one rank alone must not leave the ranks choosing differently, so it raises
+    reason = SymmMemAllReduce.unsupported(dtype, device)
+    if reason is not None:
+        log.info("all_reduce auto: NCCL for every message (%s)", reason)
         return nccl_all_reduce
+    return SizedAllReduce(SymmMemAllReduce(dtype, device))
 
 
 def reduce_parts(kind: str, reduce) -> dict:

@@ -92,7 +92,7 @@ class VocabShard:
 
     def rows(self) -> torch.Tensor:
         """The whole weight's rows this rank holds (its padding excluded)."""
-        return torch.arange(self.start, min(self.start + self.size, self.vocab))
+        return torch.arange(min(self.start, self.vocab), min(self.start + self.size, self.vocab))
 
     def cut(self, w: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole [vocab, hidden] weight, padded with zero rows to ``size``."""
