@@ -359,7 +359,8 @@ def tp_groups(model: str | None, sizes: list[int]) -> dict[str, tuple[int, tuple
         if tp < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
         widths, ins = lora_groups(Shard.of(cfg, 0, tp).local_config(cfg))
-        groups.update({name + (f"@tp{tp}" if tp > 1 else ""): (ins[name], widths[name]) for name in widths})
+        launched = ("qkv", "o") if cfg.num_experts else tuple(widths)     # a mixture of experts: attention only
+        groups.update({name + (f"@tp{tp}" if tp > 1 else ""): (ins[name], widths[name]) for name in launched})
     return groups
 
 

@@ -183,3 +183,16 @@ def test_tune_takes_the_per_rank_shapes_of_a_tensor_parallel_model(monkeypatch, 
                     "gate_up@tp2": (5120, (6912, 6912)), "down@tp2": (6912, (5120,))}
     assert cli.main(["tune", "--preset", "llama-7b", "--tensor-parallel-size", "2"]) == 2     # a preset is TP=1
     assert cli.main(["tune", "--model", "random:llama-2-13b", "--tensor-parallel-size", "3"]) == 2   # 40 heads
+
+
+def test_tune_takes_only_the_attention_groups_of_a_mixture_of_experts(tmp_path):
+    """A mixture of experts launches LoRA kernels on attention only: its MLP groups are not tuned."""
+    import transformers
+
+    from vlora.cli import tp_groups
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=8, num_experts_per_tok=2, vocab_size=256)
+    cfg.save_pretrained(tmp_path)
+    assert set(tp_groups(str(tmp_path), [1, 2])) == {"qkv", "o", "qkv@tp2", "o@tp2"}

@@ -375,8 +375,9 @@ class DecoderLM(nn.Module):
         self.stacked = stacked
         return stacked
 
-    def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
-        """hidden [n, h] -> logits [n, vocab] in float32; ``fast``: the fused path's projection kernel."""
+    def project_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """hidden [n, h] -> raw logits [n, vocab] in the model's dtype (under tensor parallelism every rank's
+        columns, gathered: every rank calls it at the same point); ``fast``: the fused path's projection kernel."""
         w = self.embed.weight if self.lm_head is None else self.lm_head
         if fast:
             from vlora.kernels.gemv import linear
@@ -384,9 +385,11 @@ class DecoderLM(nn.Module):
             logits = linear(hidden, w)
         else:
             logits = F.linear(hidden, w)
-        if self.vocab_part is not None:          # this rank's columns: every rank's, side by side
-            logits = self.vocab_part.gather(logits)
-        logits = logits.float()
+        return logits if self.vocab_part is None else self.vocab_part.gather(logits)
+
+    def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """hidden [n, h] -> logits [n, vocab] in float32, soft-capped where the model caps them."""
+        logits = self.project_logits(hidden, fast).float()
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

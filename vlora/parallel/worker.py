@@ -41,7 +41,7 @@ class WorkerGraphs(DecodeGraphs):
         fb, cap = self._forward_batch(b, kind, mixed)
         hidden = self.model(fb, self.kv_cache)
         if self.model.vocab_part is not None:
-            self.model.compute_logits(hidden.index_select(0, fb.logits_rows) if mixed else hidden, fast=True)
+            self.model.project_logits(hidden.index_select(0, fb.logits_rows) if mixed else hidden, fast=True)
         return hidden, cap
 
 
@@ -115,7 +115,7 @@ class Worker:
         """Rank 0's eager logits: its hidden rows by broadcast, this rank's slice into the gather."""
         h = torch.empty(m.rows, self.model.cfg.hidden_size, dtype=self.dtype, device=self.device)
         dist.broadcast(h, src=0)
-        self.model.compute_logits(h, m.fast)
+        self.model.project_logits(h, m.fast)
 
     def probe(self, p: Probe) -> None:
         """Time an all-reduce together with rank 0 (benchmarks; nothing else runs meanwhile)."""
