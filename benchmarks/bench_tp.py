@@ -9,7 +9,8 @@ adapters of ranks ``--ranks`` (round-robin, every adapter used by as many reques
    output tokens, all at once (continuous batching), with the adapters and then base model only: output
    tokens/s, and the median decode step of the full batch inside the engine loop (CUDA-graph replay, logits and
    sampling included) with and without adapters, whose difference is the LoRA share of the step;
-2. one request, with an adapter and without: the batch-1 decode step, and its LoRA share;
+2. one request, with an adapter and without, each ``--sampling`` setting: the batch-1 decode step, and its LoRA
+   share;
 3. the GPU time between decode graph replays, per rank (rank 0 from its replays' events, each worker from its
    own), at batch 1 and the full batch with adapters: the host work async scheduling does not hide;
 4. at TP > 1, the all-reduces alone, on every rank at once, for the decode messages of batch 1 and of the full
@@ -204,13 +205,15 @@ def run_phase(args, model: str, tp: int, adapter_dirs: dict[str, str], path: Pat
                     f"(B={args.requests}) {res[f'{label}_step_ms_b{args.requests}{tag}']} ms")
                 save()
         res["overlapped_iterations"] = eng.num_overlapped - overlapped    # decodes queued behind another
-        for label, adapters in (("adapters", names[:1]), ("base", None)):
-            timer = StepTimer(eng, dev)
-            llm.generate(prompts[:1], adapters, sp)
-            timer.close()
-            res[f"{label}_step_ms_b1"] = timer.decode_median_ms(1)
-            log(f"  batch 1 {label}: decode step {res[f'{label}_step_ms_b1']} ms")
-            save()
+        for setting in args.sampling.split(","):      # greedy keys unsuffixed, as above
+            tag = "" if setting == "greedy" else f"_{setting}"
+            for label, adapters in (("adapters", names[:1]), ("base", None)):
+                timer = StepTimer(eng, dev)
+                llm.generate(prompts[:1], adapters, sampling_params(setting, args.output_len, 1))
+                timer.close()
+                res[f"{label}_step_ms_b1{tag}"] = timer.decode_median_ms(1)
+                log(f"  batch 1 {label} {setting}: decode step {res[f'{label}_step_ms_b1{tag}']} ms")
+                save()
         for b in (1, args.requests):
             res[f"gaps_b{b}"] = gaps(args, llm, prompts, names, sp, b, tp)
             log(f"  GPU time between replays, batch {b}, adapters (us, per rank): {res[f'gaps_b{b}']}")
@@ -269,6 +272,8 @@ def summarize(res: dict, requests: int) -> list[str]:
 
     rows = [("decode step, batch 1, base (ms)", "base_step_ms_b1"),
             ("decode step, batch 1, with an adapter (ms)", "adapters_step_ms_b1"),
+            ("decode step, batch 1, base, sampled (ms)", "base_step_ms_b1_sampled"),
+            (f"decode step, batch {requests}, base, sampled (ms)", f"base_step_ms_b{requests}_sampled"),
             (f"decode step, batch {requests}, base (ms)", f"base_step_ms_b{requests}"),
             (f"decode step, batch {requests}, {res['adapters']} adapters (ms)", f"adapters_step_ms_b{requests}"),
             ("LoRA share of the step, batch 1", "lora_share_b1"),

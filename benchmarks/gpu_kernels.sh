@@ -17,12 +17,8 @@ set -uo pipefail
 out=$(realpath -m "${1:?output dir}"); part=${2:?part: tune, profile, grid or e2e}
 mkdir -p "$out/$part"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-    echo "commit ${VLORA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
-} > "$out/$part/env.txt" 2>&1
-cat "$out/$part/env.txt"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/gpu_env.sh"
+gpu_env "$out/$part"
 gpu=$(python3 -c "from vlora.kernels.tuning import gpu_name; print(gpu_name())")
 case $part in
     tune)

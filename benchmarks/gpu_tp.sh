@@ -21,13 +21,8 @@ set -uo pipefail
 out=$(realpath -m "${1:?output dir}"); part=${2:?part: tests-graphs, tests-other, profile, 13b, 13b-sync, 34b, 70b-tokens or 70b}
 mkdir -p "$out/$part"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-{
-    echo "commit ${VLORA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.device_count(), 'x', torch.cuda.get_device_name())"
-    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
-    nvidia-smi topo -m 2>/dev/null | head -4
-} > "$out/$part/env.txt" 2>&1
-cat "$out/$part/env.txt"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/gpu_env.sh"
+gpu_env "$out/$part"
 bench() {   # $1: configs, $2: async on|off, $3: time limit (s)
     timeout "$3" python3 benchmarks/bench_tp.py --configs "$1" --async-scheduling "$2" \
         --all-reduce "${ALL_REDUCE:-auto}" --out "$out/$part" > "$out/$part/bench_tp.log" 2>&1

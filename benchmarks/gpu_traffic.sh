@@ -25,12 +25,8 @@ shm=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 [[ -z ${TMPDIR:-} && ${shm:-0} -ge 48 ]] && export TMPDIR=/dev/shm
 cd "$code" || exit 1
 export PYTHONPATH=$code${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-{
-    echo "code: $code, commit ${VLORA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
-    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader 2>/dev/null
-} > "$out/$part/env.txt" 2>&1
-cat "$out/$part/env.txt"
+source "$(dirname "$(realpath "${BASH_SOURCE[0]}")")/gpu_env.sh"
+gpu_env "$out/$part" "code: $code"
 traffic() {
     # shellcheck disable=SC2086
     timeout 560 python3 benchmarks/bench_traffic.py --rates "$rates" --duration "$duration" "$@" ${TRAFFIC_ARGS:-} \

@@ -24,6 +24,7 @@ def test_dry_run_phase_and_summary(tmp_path):
     res = json.loads((tmp_path / "phase.json").read_text())       # written as each measurement finishes
     assert res["adapters_tok_s"] > 0 and res["base_tok_s"] > 0
     assert res["adapters_step_ms_b2"] > 0 and res["base_step_ms_b1"] > 0
+    assert res["base_step_ms_b1_sampled"] > 0 and res["adapters_step_ms_b1_sampled"] > 0
     assert res["adapters_tok_s_sampled"] > 0 and res["base_tok_s_sampled"] > 0 and res["async_scheduling"] == "on"
     assert "overlapped_iterations" in res
     assert res["floor_ms_b1"] > 0 and res["floor_ms_b2"] > res["floor_ms_b1"]        # the KV adds at batch 2
